@@ -1,0 +1,166 @@
+"""``raytrain.train(config) -> Result``: the one entry point the CLI, the tests and Tune call."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from raytrain import checkpoint, data
+from raytrain.config import Config, check_factory
+from raytrain.coordinator import Coordinator
+from raytrain.model import build_model
+from raytrain.partition import param_costs, plan_stages, stage_ranges, balanced_cuts
+from raytrain.report import RunReporter
+
+POLL_INTERVAL_S = 0.5
+"""How often the driver collects metric rows from the coordinator."""
+
+
+class ResourcesUnavailable(RuntimeError):
+    """The cluster did not grant the workers' resources within resources.wait_s."""
+
+
+@dataclass
+class Result:
+    steps: int
+    final_loss: float
+    samples_per_s: float
+    checkpoint: Optional[str]
+    run_dir: str
+    layout: str
+    metrics: list[dict] = field(default_factory=list, repr=False)
+    events: list[dict] = field(default_factory=list, repr=False)
+    worker_pids: list[int] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict:
+        """The JSON object printed as the last line of ``python -m raytrain train``."""
+        return {"steps": self.steps, "final_loss": self.final_loss, "samples_per_s": self.samples_per_s,
+                "checkpoint": self.checkpoint, "run_dir": self.run_dir, "layout": self.layout}
+
+
+def prepare(cfg: Config) -> tuple[Config, str, int, list[list[int]], Optional[str]]:
+    """Everything that can fail on bad input, done before any actor starts.
+
+    Returns the config with defaults filled in, the dataset path and size, the layer indices of each
+    stage, and the checkpoint to resume from.
+    """
+    check_factory(cfg)
+    data_path = data.resolve_data_path(cfg)
+    num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch)
+    stages = [list(r) for r in _stage_ranges(cfg)]
+    run_name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S-") + cfg.layout().replace(" ", "_").replace("=", "")
+    run_dir = os.path.abspath(os.path.join(os.path.expanduser(cfg.run.dir), run_name))
+    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    cfg = dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(cfg.run, name=run_name),
+        checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir),
+    )
+    resume = None
+    if cfg.checkpoint.resume is not None:
+        where = ckpt_dir if cfg.checkpoint.resume == "latest" else cfg.checkpoint.resume
+        try:
+            resume = checkpoint.resolve(where)
+            manifest = checkpoint.read_manifest(resume)
+        except checkpoint.CheckpointError as e:
+            raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}") from e
+        if manifest["step"] >= cfg.train.steps:
+            raise ValueError(
+                f"checkpoint.resume={cfg.checkpoint.resume!r} is at step {manifest['step']}, not before "
+                f"train.steps={cfg.train.steps}; raise train.steps to train further"
+            )
+    return cfg, data_path, num_samples, stages, resume
+
+
+def _stage_ranges(cfg: Config) -> list[range]:
+    p = cfg.parallel
+    if cfg.model.factory is None and p.balance == "params":
+        # Parameter counts need no real weights: build on the meta device.
+        import torch
+
+        with torch.device("meta"):
+            layers = build_model(cfg.model, cfg.train.seed).layers
+    else:
+        layers = build_model(cfg.model, cfg.train.seed).layers
+    if p.pp > len(layers):
+        raise ValueError(f"parallel.pp={p.pp} exceeds the {len(layers)} layers of model.factory; lower parallel.pp")
+    if p.split_points is not None:
+        if not (0 < p.split_points[0] and p.split_points[-1] < len(layers)):
+            raise ValueError(f"parallel.split_points={p.split_points} out of range: cuts must lie in 1..{len(layers) - 1}")
+        return stage_ranges(p.split_points, len(layers))
+    if p.balance == "time":
+        import torch
+
+        example = torch.zeros(max(1, cfg.train.global_batch // (p.dp * p.microbatches)), cfg.model.seq_len, dtype=torch.long)
+        return plan_stages(layers, p.pp, example_input=example)
+    return stage_ranges(balanced_cuts(param_costs(layers), p.pp), len(layers))
+
+
+def ensure_ray(min_cpus: int = 0) -> None:
+    """Connect to RAY_ADDRESS when set; otherwise start an embedded local Ray sized to the machine."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus) if min_cpus else None, include_dashboard=False)
+
+
+def _reserve(cfg: Config):
+    world = cfg.parallel.dp * cfg.parallel.pp
+    bundle = {"CPU": cfg.resources.cpus_per_worker}
+    if cfg.resources.use_gpu:
+        bundle["GPU"] = 1
+    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+    if not pg.wait(timeout_seconds=cfg.resources.wait_s):
+        remove_placement_group(pg)
+        total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        raise ResourcesUnavailable(
+            f"layout {cfg.layout()} needs {world} workers x {bundle} but the cluster did not grant them within "
+            f"resources.wait_s={cfg.resources.wait_s:g}s (cluster total {total}, free now {free}); "
+            "lower parallel.dp / parallel.pp, free resources, or add nodes"
+        )
+    return pg
+
+
+def train(cfg: Config, stream=sys.stderr) -> Result:
+    """Run training to ``train.steps`` on the current (or an embedded) Ray cluster."""
+    cfg, data_path, num_samples, stages, resume = prepare(cfg)
+    ensure_ray()
+    run_dir = os.path.join(os.path.abspath(os.path.expanduser(cfg.run.dir)), cfg.run.name)
+    reporter = RunReporter(run_dir, cfg.train.steps, cfg.layout(), stream)
+    stream.write(f"[raytrain] {cfg.layout()}, {len(stages)} stage(s) {[f'{s[0]}-{s[-1]}' for s in stages]}, "
+                 f"global batch {cfg.train.global_batch}, {num_samples} samples; run dir {run_dir}\n")
+    pg = _reserve(cfg)
+    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=4).remote(
+        cfg.to_dict(), data_path, num_samples, stages, pg, resume)
+    try:
+        run_ref = coordinator.run.remote()
+        while not ray.wait([run_ref], timeout=POLL_INTERVAL_S)[0]:
+            reporter.add(ray.get(coordinator.poll.remote()))
+        summary = ray.get(run_ref)
+        reporter.add(ray.get(coordinator.poll.remote()))
+    finally:
+        try:
+            ray.get(coordinator.shutdown.remote(), timeout=30)
+        except ray.exceptions.RayError:
+            pass
+        ray.kill(coordinator, no_restart=True)
+        remove_placement_group(pg)
+        reporter.finish()
+    steps = reporter.steps
+    steady = steps[1:] or steps  # the first step pays for warm-up
+    samples_per_s = len(steady) * cfg.train.global_batch / sum(r["step_s"] for r in steady) if steady else 0.0
+    return Result(
+        steps=summary["steps"], final_loss=steps[-1]["loss"] if steps else float("nan"),
+        samples_per_s=samples_per_s, checkpoint=summary["checkpoint"], run_dir=run_dir, layout=cfg.layout(),
+        metrics=steps, events=reporter.events, worker_pids=summary["worker_pids"],
+    )

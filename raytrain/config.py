@@ -1,0 +1,369 @@
+"""Typed run configuration: YAML file + ``--set key=value`` overrides, validated before any actor starts.
+
+Every field is a public, documented key (``section.field``). Errors are ``ValueError``s that name the
+key and say how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+SCHEDULES = ("gpipe", "1f1b")
+BALANCE_MODES = ("params", "time")
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 4
+    """Transformer blocks in the built-in GPT."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_head: int = 4
+    """Attention heads; must divide d_model."""
+    seq_len: int = 64
+    """Tokens per sample (the data holds seq_len + 1 to form next-token targets)."""
+    vocab_size: int = 256
+    """Vocabulary size; the built-in corpus is bytes, so 256."""
+    factory: Optional[str] = None
+    """Optional ``module:function`` returning a user model (see raytrain.model.build_model)."""
+
+    def __post_init__(self):
+        for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
+                "pick n_head that divides d_model"
+            )
+        if self.factory is not None and ":" not in self.factory:
+            raise ValueError(f"model.factory must look like 'package.module:function', got {self.factory!r}")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    """Optimizer steps to run in total (a resumed run counts the steps already done)."""
+    global_batch: int = 8
+    """Samples per optimizer step, whatever the layout: dp and micro-batches only divide it."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    seed: int = 0
+    """Seeds the model initialisation and the sample order."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"train.steps must be >= 1, got {self.steps}")
+        if self.global_batch < 1:
+            raise ValueError(f"train.global_batch must be >= 1, got {self.global_batch}")
+        if self.lr <= 0:
+            raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if self.grad_clip < 0:
+            raise ValueError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    """Data-parallel replicas (each a worker actor per pipeline stage)."""
+    pp: int = 1
+    """Pipeline stages the model is cut into."""
+    microbatches: int = 1
+    """Micro-batches each replica splits its share of the global batch into."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe or 1f1b."""
+    split_points: Optional[list] = None
+    """Hand-set cuts: indices of the first layer of stages 1..pp-1 (overrides balance)."""
+    balance: str = "params"
+    """How to cut the layers when split_points is not set: params or time."""
+
+    def __post_init__(self):
+        for name in ("dp", "pp", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"parallel.schedule={self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+        if self.balance not in BALANCE_MODES:
+            raise ValueError(f"parallel.balance={self.balance!r} is unknown; use one of {', '.join(BALANCE_MODES)}")
+        if self.split_points is not None:
+            if len(self.split_points) != self.pp - 1:
+                raise ValueError(
+                    f"parallel.split_points has {len(self.split_points)} cuts but parallel.pp={self.pp} "
+                    f"needs {self.pp - 1}"
+                )
+            if list(self.split_points) != sorted(set(self.split_points)):
+                raise ValueError(f"parallel.split_points must be strictly increasing, got {self.split_points}")
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None
+    """Parquet file with a token column; unset uses the built-in corpus (Python stdlib source, bytes)."""
+    column: str = "tokens"
+    """Name of the list<int> column in data.path; each row needs >= seq_len + 1 tokens."""
+    cache_dir: str = "~/.cache/raytrain"
+    """Where the built-in corpus is built once and cached."""
+    max_bytes: int = 8_000_000
+    """Cap on the source bytes read into the built-in corpus."""
+
+    def __post_init__(self):
+        if self.path is not None and "://" not in self.path and not os.path.exists(os.path.expanduser(self.path)):
+            raise ValueError(
+                f"data.path={self.path!r}: no such file; point it at a Parquet file with a "
+                f"'{self.column}' column, or unset it to use the built-in corpus"
+            )
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Directory or URI (pyarrow.fs: local path, s3://, gs://...) for checkpoints; default <run_dir>/checkpoints."""
+    every: int = 0
+    """Save every this many steps (0: only at the end)."""
+    resume: Optional[str] = None
+    """Checkpoint to resume from: a step directory, a checkpoint.dir (its latest), or 'latest'."""
+    keep: int = 3
+    """Committed checkpoints to keep (oldest are deleted after a newer one is published)."""
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every must be >= 0, got {self.every}")
+        if self.keep < 1:
+            raise ValueError(f"checkpoint.keep must be >= 1, got {self.keep}")
+
+
+@dataclass
+class ElasticConfig:
+    min_dp: Optional[int] = None
+    """Fewest data-parallel replicas the run may shrink to (elastic training)."""
+    max_dp: Optional[int] = None
+    """Most data-parallel replicas the run may grow to (elastic training)."""
+
+
+@dataclass
+class ResourcesConfig:
+    use_gpu: bool = False
+    """One GPU per worker with NCCL; otherwise one CPU slot per worker with gloo."""
+    cpus_per_worker: int = 1
+    """CPU slots (and torch threads) per worker."""
+    bf16: bool = False
+    """bf16 autocast for forward/backward (GPU only)."""
+    wait_s: float = 60.0
+    """How long to wait for the cluster to grant the workers' resources before failing."""
+    step_timeout_s: float = 300.0
+    """A step that takes longer than this fails the run instead of hanging."""
+
+    def __post_init__(self):
+        if self.cpus_per_worker < 1:
+            raise ValueError(f"resources.cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
+        if self.wait_s <= 0 or self.step_timeout_s <= 0:
+            raise ValueError("resources.wait_s and resources.step_timeout_s must be > 0")
+        if self.bf16 and not self.use_gpu:
+            raise ValueError("resources.bf16=true needs resources.use_gpu=true")
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs"
+    """Parent directory of run directories (metrics.jsonl, loss.png, trace.json)."""
+    name: Optional[str] = None
+    """Run directory name; default a timestamp."""
+    trace_steps: int = 3
+    """Steps whose per-action timeline goes into trace.json (Chrome trace)."""
+    record_samples: bool = False
+    """Record the sample ids each step consumed (for exactly-once checks); costs a little."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        """Checks that span sections; the per-section checks ran in their own __post_init__."""
+        p, t = self.parallel, self.train
+        if t.global_batch % p.dp:
+            raise ValueError(
+                f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp}; "
+                f"use a multiple of {p.dp} (e.g. {p.dp * max(1, t.global_batch // p.dp)})"
+            )
+        share = t.global_batch // p.dp
+        if share % p.microbatches:
+            raise ValueError(
+                f"parallel.microbatches={p.microbatches} does not divide the per-replica batch "
+                f"{share} (train.global_batch / parallel.dp); pick a divisor of {share}"
+            )
+        if self.model.factory is None:
+            n_layers = self.model.n_layer + 2  # embedding, blocks, head
+            if p.pp > n_layers:
+                raise ValueError(
+                    f"parallel.pp={p.pp} exceeds the {n_layers} layers of the model "
+                    f"(model.n_layer={self.model.n_layer} blocks + embedding + head); lower parallel.pp"
+                )
+            if p.split_points is not None and not (0 < p.split_points[0] and p.split_points[-1] < n_layers):
+                raise ValueError(
+                    f"parallel.split_points={p.split_points} out of range: cuts must lie in 1..{n_layers - 1}"
+                )
+        e = self.elastic
+        if (e.min_dp is not None and e.min_dp != p.dp) or (e.max_dp is not None and e.max_dp != p.dp):
+            raise ValueError(
+                "elastic.min_dp / elastic.max_dp are not yet supported (elastic resizing is a planned "
+                "feature); remove them or set both equal to parallel.dp"
+            )
+
+    # --- public helpers -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def layout(self) -> str:
+        p = self.parallel
+        return f"dp={p.dp} pp={p.pp} m={p.microbatches}" + (f" {p.schedule}" if p.pp > 1 else "")
+
+
+def all_keys() -> list[str]:
+    """Every valid dotted key, e.g. ``train.lr``."""
+    return [f"{section}.{f.name}" for section, cls in _section_types().items() for f in dataclasses.fields(cls)]
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def _unknown_key_error(key: str) -> ValueError:
+    nearest = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.0)
+    hint = f"; did you mean '{nearest[0]}'?" if nearest else ""
+    return ValueError(f"unknown config key '{key}'{hint} (valid keys: see README, 'Configuration')")
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML value to the field's declared type, or say which key is wrong."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Union and type(None) in args:
+        if value is None:
+            return None
+        annotation = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(annotation)
+    if annotation is list or origin is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        raise ValueError(f"config key '{key}' expects a list like [2, 4], got {value!r}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"config key '{key}' expects true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"config key '{key}' expects an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError(f"config key '{key}' expects a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"config key '{key}' expects a string, got {value!r}")
+    return value
+
+
+def _flatten(raw: dict, where: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: the config must be a mapping of sections (model:, train:, ...)")
+    flat = {}
+    for section, body in raw.items():
+        if not isinstance(body, dict):
+            raise _unknown_key_error(str(section)) if section not in _section_types() else ValueError(
+                f"{where}: section '{section}' must be a mapping of keys"
+            )
+        for k, v in body.items():
+            flat[f"{section}.{k}"] = v
+    return flat
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``'train.lr=1e-3'`` -> ``('train.lr', 0.001)``; values are parsed as YAML scalars/lists."""
+    if "=" not in text:
+        raise ValueError(f"--set expects key=value (e.g. --set train.lr=1e-3), got {text!r}")
+    key, _, raw = text.partition("=")
+    value = yaml.safe_load(raw) if raw.strip() else None
+    if isinstance(value, str) and value.strip().lower() in ("none", "null"):
+        value = None
+    return key.strip(), value
+
+
+def build_config(values: dict[str, Any]) -> Config:
+    """Build and validate a Config from flat dotted keys."""
+    sections = _section_types()
+    per_section: dict[str, dict] = {name: {} for name in sections}
+    for key, value in values.items():
+        section, _, name = key.partition(".")
+        if section not in sections:
+            raise _unknown_key_error(key)
+        hints = typing.get_type_hints(sections[section])
+        if name not in {f.name for f in dataclasses.fields(sections[section])}:
+            raise _unknown_key_error(key)
+        # Scientific notation without a dot ("1e-3") is a string to YAML 1.1: accept it for floats.
+        if hints[name] is float and isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        per_section[section][name] = _coerce(key, value, hints[name])
+    built = {name: sections[name](**kwargs) for name, kwargs in per_section.items()}
+    return Config(**built)
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Load ``path`` (YAML), apply ``--set`` overrides in order, validate, and return the Config."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.exists(path):
+            raise ValueError(f"config file {path!r} does not exist; pass an existing YAML file to --config")
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        values.update(_flatten(raw, path))
+    for text in overrides or []:
+        key, value = parse_override(text)
+        values[key] = value
+    cfg = build_config(values)
+    check_factory(cfg)
+    return cfg
+
+
+def config_from_dict(nested: dict) -> Config:
+    """Build a Config from a nested dict (as ``Config.to_dict`` produces)."""
+    return build_config(_flatten(nested, "config"))
+
+
+def check_factory(cfg: Config) -> None:
+    """Resolve model.factory now so a typo fails before any actor starts."""
+    if cfg.model.factory is None:
+        return
+    module_name, _, fn_name = cfg.model.factory.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"model.factory={cfg.model.factory!r}: cannot import module {module_name!r} ({e})") from e
+    if not callable(getattr(module, fn_name, None)):
+        raise ValueError(f"model.factory={cfg.model.factory!r}: module {module_name!r} has no function {fn_name!r}")

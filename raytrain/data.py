@@ -1,0 +1,177 @@
+"""Token datasets in Parquet, read with pyarrow, and the global sample order.
+
+Invariant (DESIGN 5): the order of samples is a pure function of (seed, epoch); step s consumes
+global positions [s*B, (s+1)*B), and each data-parallel replica takes a contiguous slice of them.
+So every sample is seen exactly once per epoch whatever the layout, and a resumed run needs only
+the step number to continue where it stopped.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import os
+import sysconfig
+from typing import Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from raytrain.config import Config, DataConfig
+
+BUILTIN_COLUMN = "tokens"
+
+
+# --- the built-in corpus: Python standard library source, as bytes ---------------------------
+
+
+def _stdlib_sources() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
+    return [f for f in files if "site-packages" not in f and os.sep + "test" not in f[len(root):]]
+
+
+def builtin_corpus_path(data: DataConfig, seq_len: int) -> str:
+    """Path of the cached corpus for this sequence length; builds it on first use."""
+    cache = os.path.expanduser(data.cache_dir)
+    key = hashlib.sha1(f"{sysconfig.get_paths()['stdlib']}|{data.max_bytes}|{seq_len}".encode()).hexdigest()[:10]
+    path = os.path.join(cache, f"stdlib-bytes-T{seq_len + 1}-{key}.parquet")
+    if not os.path.exists(path):
+        build_builtin_corpus(path, seq_len + 1, data.max_bytes)
+    return path
+
+
+def build_builtin_corpus(path: str, row_len: int, max_bytes: int) -> None:
+    """Concatenate stdlib sources (bytes) and cut them into rows of ``row_len`` tokens.
+
+    Written to a temporary name and renamed, so concurrent builders never see a half file.
+    """
+    chunks, total = [], 0
+    for f in _stdlib_sources():
+        with open(f, "rb") as fh:
+            blob = fh.read()
+        chunks.append(blob + b"\n\n")
+        total += len(blob) + 2
+        if total >= max_bytes:
+            break
+    stream = np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+    rows = len(stream) // row_len
+    if rows == 0:
+        raise RuntimeError(f"the Python standard library at {sysconfig.get_paths()['stdlib']} gave no data")
+    values = pa.array(stream[: rows * row_len])
+    table = pa.table({BUILTIN_COLUMN: pa.FixedSizeListArray.from_arrays(values, row_len)})
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+def resolve_data_path(cfg: Config) -> str:
+    """The Parquet file this run reads: data.path, or the built-in corpus (built if needed)."""
+    if cfg.data.path is None:
+        return builtin_corpus_path(cfg.data, cfg.model.seq_len)
+    return os.path.expanduser(cfg.data.path)
+
+
+def check_dataset(path: str, column: str, seq_len: int, global_batch: int) -> int:
+    """Validate a dataset from its schema and metadata alone; returns the number of samples."""
+    try:
+        meta = pq.ParquetFile(path)
+    except (OSError, pa.ArrowInvalid) as e:
+        raise ValueError(f"data.path={path!r} is not a readable Parquet file ({e})") from e
+    names = meta.schema_arrow.names
+    if column not in names:
+        raise ValueError(f"data.path={path!r} has no column {column!r} (columns: {names}); set data.column")
+    n = meta.metadata.num_rows
+    if n < global_batch:
+        raise ValueError(f"data.path={path!r} has {n} samples, fewer than train.global_batch={global_batch}")
+    first = pq.read_table(path, columns=[column]).column(column).slice(0, 1).to_pylist()[0]
+    if first is None or len(first) < seq_len + 1:
+        raise ValueError(
+            f"data.path={path!r}: rows of column {column!r} need >= model.seq_len + 1 = {seq_len + 1} tokens, "
+            f"the first has {0 if first is None else len(first)}; lower model.seq_len or rebuild the data"
+        )
+    return n
+
+
+class TokenDataset:
+    """Rows of token ids, memory-mapped from Parquet into one (N, seq_len + 1) int64-able array."""
+
+    def __init__(self, path: str, column: str, seq_len: int):
+        table = pq.read_table(path, columns=[column], memory_map=True)
+        col = table.column(column).combine_chunks()
+        width = seq_len + 1
+        if pa.types.is_fixed_size_list(col.type) and col.type.list_size == width:
+            flat = col.flatten().to_numpy(zero_copy_only=False)
+            self.rows = flat.reshape(len(col), width)
+        else:
+            self.rows = np.stack([np.asarray(r[:width]) for r in col.to_pylist()])
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def batch(self, sample_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets, each (len(sample_ids), seq_len) int64."""
+        rows = torch.from_numpy(self.rows[np.asarray(sample_ids)].astype(np.int64))
+        return rows[:, :-1], rows[:, 1:]
+
+
+# --- global order and per-replica slices ----------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, num_samples: int) -> np.ndarray:
+    """The permutation of sample ids for one epoch: a pure function of (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+
+
+def sample_ids(seed: int, num_samples: int, start: int, stop: int) -> list[int]:
+    """Sample ids at global positions [start, stop); positions run on across epochs."""
+    ids = []
+    pos = start
+    while pos < stop:
+        epoch, offset = divmod(pos, num_samples)
+        take = min(stop - pos, num_samples - offset)
+        ids.extend(epoch_order(seed, epoch, num_samples)[offset : offset + take].tolist())
+        pos += take
+    return ids
+
+
+def replica_slices(global_batch: int, shares: Sequence[int]) -> list[tuple[int, int]]:
+    """Offsets [begin, end) within a step's global batch for each replica, contiguous and in order."""
+    assert sum(shares) == global_batch, (shares, global_batch)
+    bounds = np.cumsum([0, *shares]).tolist()
+    return [(bounds[r], bounds[r + 1]) for r in range(len(shares))]
+
+
+def even_shares(global_batch: int, num_replicas: int) -> list[int]:
+    base, extra = divmod(global_batch, num_replicas)
+    return [base + (1 if r < extra else 0) for r in range(num_replicas)]
+
+
+def step_positions(step: int, global_batch: int, begin: int, end: int) -> tuple[int, int]:
+    """Global positions a replica with batch offsets [begin, end) consumes at ``step``."""
+    return step * global_batch + begin, step * global_batch + end
+
+
+def microbatch_bounds(count: int, num_microbatches: int) -> list[tuple[int, int]]:
+    sizes = even_shares(count, num_microbatches)
+    bounds = np.cumsum([0, *sizes]).tolist()
+    return [(bounds[i], bounds[i + 1]) for i in range(num_microbatches)]
+
+
+def write_token_parquet(path: str, rows: np.ndarray, column: str = BUILTIN_COLUMN) -> None:
+    """Write (N, L) token ids as a Parquet dataset usable as data.path (handy for tests and users)."""
+    arr = pa.array([r.tolist() for r in np.asarray(rows)], type=pa.list_(pa.int64()))
+    pq.write_table(pa.table({column: arr}), path)
+
+
+def dataset_size(path: str) -> int:
+    return pq.ParquetFile(path).metadata.num_rows

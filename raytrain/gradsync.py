@@ -1,0 +1,96 @@
+"""Bucketed gradient all-reduce inside a data-parallel group, overlapped with the last backward.
+
+Gradients live in flat per-bucket buffers (``param.grad`` is a view), so a bucket is all-reduced in
+place with one collective as soon as the last micro-batch's backward has produced all of its grads,
+while autograd goes on with earlier layers. This is DDP's design, kept small enough to work with
+pipeline stages, where the last backward is driven by the schedule rather than by ``loss.backward``.
+
+The reduction is a SUM: each micro-batch loss is already scaled by its share of the *global* batch,
+so the sum is the global-batch gradient whatever the number of replicas or their shares.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+
+
+class GradientBuckets:
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        group: Optional[dist.ProcessGroup],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ):
+        self.group = group
+        self.buffers: list[torch.Tensor] = []
+        self._bucket_of: dict[torch.nn.Parameter, int] = {}
+        self._sizes: list[int] = []
+        # Gradients arrive roughly in reverse order of definition: bucket them that way.
+        current: list[torch.nn.Parameter] = []
+        for p in reversed([p for p in params if p.requires_grad]):
+            current.append(p)
+            if sum(q.numel() * q.element_size() for q in current) >= bucket_bytes:
+                self._add_bucket(current)
+                current = []
+        if current:
+            self._add_bucket(current)
+        self._armed = False
+        self._pending: list[int] = []
+        self._works: dict[int, object] = {}
+        for p in self._bucket_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _add_bucket(self, params: list[torch.nn.Parameter]) -> None:
+        index = len(self.buffers)
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for p in params:
+            p.grad = buffer[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            self._bucket_of[p] = index
+        self.buffers.append(buffer)
+        self._sizes.append(len(params))
+
+    def zero(self) -> None:
+        """Zero every gradient in place (never set to None: the views must stay)."""
+        for b in self.buffers:
+            b.zero_()
+
+    def arm(self) -> None:
+        """Call right before the last backward of the step: buckets then reduce as they fill."""
+        self._armed = True
+        self._pending = list(self._sizes)
+        self._works = {}
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not self._armed:
+            return
+        index = self._bucket_of[param]
+        self._pending[index] -= 1
+        if self._pending[index] == 0:
+            self._launch(index)
+
+    def _launch(self, index: int) -> None:
+        if self.group is not None and index not in self._works:
+            self._works[index] = dist.all_reduce(self.buffers[index], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """Reduce what has not started (unused parameters) and wait for every bucket."""
+        if self._armed:
+            for index in range(len(self.buffers)):
+                self._launch(index)
+            for work in self._works.values():
+                work.wait()
+        self._armed = False
+
+    def squared_norm(self) -> torch.Tensor:
+        return sum(b.float().pow(2).sum() for b in self.buffers)
+
+    def scale_(self, factor: float) -> None:
+        for b in self.buffers:
+            b.mul_(factor)

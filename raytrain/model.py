@@ -1,0 +1,142 @@
+"""Models as ordered lists of layers, so a pipeline can cut them anywhere between two layers.
+
+The built-in model is a small GPT decoder: ``[Embedding, Block x n_layer, Head]``. Global parameter
+names are those of ``nn.Sequential(*layers)`` (``"3.attn.qkv.weight"``), whatever the layout.
+
+A user model is ``model.factory = "pkg.module:function"``; the function takes the ModelConfig and
+returns an ``nn.Sequential`` (or list of modules), or a pair ``(layers, loss_fn)`` where
+``loss_fn(output, targets) -> scalar mean loss``. The default loss is next-token cross entropy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raytrain.config import ModelConfig
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over every token of the batch."""
+    return F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.size(-1)).float(), targets_BT.reshape(-1))
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        pos_T = torch.arange(idx_BT.size(1), device=idx_BT.device)
+        return self.tok(idx_BT) + self.pos(pos_T)  # (B, T, D)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with causal self-attention."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)  # a key bias has no gradient: Adam would amplify noise
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        q, k, v = self.qkv(self.ln1(x_BTD)).split(D, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
+        x_BTD = x_BTD + self.proj(y)
+        return x_BTD + self.out(F.gelu(self.fc(self.ln2(x_BTD))))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln(x_BTD))  # (B, T, V)
+
+
+def gpt_num_layers(cfg: ModelConfig) -> int:
+    return cfg.n_layer + 2
+
+
+def _build_gpt_layer(cfg: ModelConfig, index: int) -> nn.Module:
+    if index == 0:
+        return Embedding(cfg)
+    if index == gpt_num_layers(cfg) - 1:
+        return Head(cfg)
+    return Block(cfg)
+
+
+@dataclass
+class ModelSpec:
+    """The layers a worker hosts, with their global indices, and the loss."""
+
+    layers: list[nn.Module]
+    layer_ids: list[int]
+    num_layers: int
+    loss_fn: LossFn
+
+    def param_names(self) -> list[str]:
+        return [f"{i}.{n}" for i, layer in zip(self.layer_ids, self.layers) for n, _ in layer.named_parameters()]
+
+
+def build_model(cfg: ModelConfig, seed: int, layer_ids: Optional[Sequence[int]] = None) -> ModelSpec:
+    """Build the layers ``layer_ids`` (all when None), initialised identically under every layout.
+
+    The built-in GPT seeds each layer from (seed, layer index), so a stage builds only its own layers
+    and still gets the same weights as a single process. A user factory is built whole under ``seed``
+    and sliced.
+    """
+    if cfg.factory is None:
+        n = gpt_num_layers(cfg)
+        ids = list(range(n)) if layer_ids is None else list(layer_ids)
+        layers = []
+        for i in ids:
+            torch.manual_seed(seed * 100_003 + i)
+            layers.append(_build_gpt_layer(cfg, i))
+        return ModelSpec(layers, ids, n, cross_entropy_loss)
+    all_layers, loss_fn = load_factory_model(cfg, seed)
+    ids = list(range(len(all_layers))) if layer_ids is None else list(layer_ids)
+    return ModelSpec([all_layers[i] for i in ids], ids, len(all_layers), loss_fn)
+
+
+def load_factory_model(cfg: ModelConfig, seed: int) -> tuple[list[nn.Module], LossFn]:
+    module_name, _, fn_name = cfg.factory.partition(":")
+    torch.manual_seed(seed)
+    built = getattr(importlib.import_module(module_name), fn_name)(cfg)
+    layers, loss_fn = built if isinstance(built, tuple) else (built, cross_entropy_loss)
+    layers = list(layers)
+    if not layers or not all(isinstance(m, nn.Module) for m in layers):
+        raise TypeError(
+            f"model.factory={cfg.factory!r} must return an nn.Sequential or a list of nn.Module "
+            "(optionally paired with a loss function)"
+        )
+    return layers, loss_fn
+
+
+def num_layers(cfg: ModelConfig) -> int:
+    """Number of cuttable layers of the configured model."""
+    if cfg.factory is None:
+        return gpt_num_layers(cfg)
+    return len(load_factory_model(cfg, 0)[0])
+
+
+def full_model(cfg: ModelConfig, seed: int) -> nn.Sequential:
+    """The whole model as one nn.Sequential: its state_dict keys are the global parameter names."""
+    return nn.Sequential(*build_model(cfg, seed).layers)

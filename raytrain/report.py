@@ -1,0 +1,111 @@
+"""What a person sees of a run: a progress line, metrics.jsonl, loss.png and a Chrome trace.
+
+Runs in the driver, fed with the coordinator's metric rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import TextIO
+
+PROGRESS_INTERVAL_S = 2.0
+"""Minimum seconds between progress lines when stderr is not a terminal."""
+
+
+class RunReporter:
+    def __init__(self, run_dir: str, total_steps: int, layout: str, stream: TextIO = sys.stderr):
+        self.run_dir = run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        self.total_steps = total_steps
+        self.layout = layout
+        self.stream = stream
+        self.steps: list[dict] = []
+        self.events: list[dict] = []
+        self.traces: dict[int, dict] = {}  # step -> rank -> events
+        self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self._last_print = 0.0
+        self._tty = stream.isatty()
+
+    def add(self, rows: list[dict]) -> None:
+        for row in rows:
+            if "events" in row:
+                self.traces[row["step"]] = row.pop("events")
+            self._metrics.write(json.dumps(row) + "\n")
+            if "event" in row:
+                self.events.append(row)
+                if row["event"] != "started":
+                    self._print(f"[raytrain] {row['event']}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k != "event"))
+            else:
+                self.steps.append(row)
+        self._metrics.flush()
+        if self.steps and rows:
+            self._progress(self.steps[-1])
+
+    def _progress(self, row: dict) -> None:
+        now = time.monotonic()
+        last = row["step"] == self.total_steps
+        if not self._tty and not last and now - self._last_print < PROGRESS_INTERVAL_S:
+            return
+        self._last_print = now
+        bubble = f" | bubble {row['bubble']:.0%}" if "pp=1" not in self.layout else ""
+        line = (f"step {row['step']}/{self.total_steps} | loss {row['loss']:.4f} | "
+                f"{row['samples_per_s']:.1f} samples/s | {self.layout}{bubble}")
+        if self._tty:
+            self.stream.write("\r" + line + ("\n" if last else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def _print(self, text: str) -> None:
+        self.stream.write(("\n" if self._tty else "") + text + "\n")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        self._metrics.close()
+        if self.steps:
+            plot_loss(self.steps, os.path.join(self.run_dir, "loss.png"), self.layout)
+        if self.traces:
+            write_chrome_trace(self.traces, os.path.join(self.run_dir, "trace.json"))
+
+
+def plot_loss(steps: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"raytrain {title}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_chrome_trace(traces: dict[int, dict], path: str) -> None:
+    """Chrome trace (``traceEvents``) with one track per worker rank; steps laid end to end."""
+    events = []
+    offset_us = 0.0
+    for step in sorted(traces):
+        per_rank = traces[step]
+        longest = 0.0
+        for rank, acts in per_rank.items():
+            if step == min(traces):
+                events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": int(rank),
+                               "args": {"name": f"worker rank {rank}"}})
+            for name, start, end in acts:
+                events.append({
+                    "name": name, "cat": name[0] if name[0] in "FB" else "comm", "ph": "X", "pid": 0,
+                    "tid": int(rank), "ts": offset_us + start * 1e6, "dur": max((end - start) * 1e6, 1.0),
+                    "args": {"step": step},
+                })
+                longest = max(longest, end)
+        offset_us += longest * 1e6 + 1000.0
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

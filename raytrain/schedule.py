@@ -1,0 +1,213 @@
+"""Pipeline schedules as data: per-stage ordered action lists, a rule checker and a timing model.
+
+No Ray and no torch.distributed here. One executor (raytrain.worker) runs any plan. Sends are
+non-blocking and receives block, which is exactly what ``check_plan`` simulates, so a plan that
+passes the checker cannot deadlock in the executor.
+
+Actions print compactly: ``F3`` forward micro-batch 3, ``B3`` backward, ``>F3`` send activation to the
+next stage, ``<F3`` receive it, ``>B3`` send input gradient to the previous stage, ``<B3`` receive it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+FORWARD, BACKWARD = "F", "B"
+SEND_F, RECV_F, SEND_B, RECV_B = ">F", "<F", ">B", "<B"
+COMPUTE = (FORWARD, BACKWARD)
+
+Plan = list[list["Action"]]  # plan[stage] = that stage's ordered actions
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    mb: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.mb}"
+
+
+class PlanError(ValueError):
+    """A plan breaks a rule (ordering, matching or deadlock); the message names stage and action."""
+
+
+def _forward_unit(stage: int, num_stages: int, mb: int) -> list[Action]:
+    acts = [Action(RECV_F, mb)] if stage > 0 else []
+    acts.append(Action(FORWARD, mb))
+    if stage < num_stages - 1:
+        acts.append(Action(SEND_F, mb))
+    return acts
+
+
+def _backward_unit(stage: int, num_stages: int, mb: int) -> list[Action]:
+    acts = [Action(RECV_B, mb)] if stage < num_stages - 1 else []
+    acts.append(Action(BACKWARD, mb))
+    if stage > 0:
+        acts.append(Action(SEND_B, mb))
+    return acts
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Plan:
+    """All forwards, then all backwards: simple, but every micro-batch's activations stay alive."""
+    plan = []
+    for s in range(num_stages):
+        acts = [a for mb in range(num_microbatches) for a in _forward_unit(s, num_stages, mb)]
+        acts += [a for mb in range(num_microbatches) for a in _backward_unit(s, num_stages, mb)]
+        plan.append(acts)
+    return plan
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Plan:
+    """1F1B: p-s-1 warm-up forwards, then alternate forward/backward; at most p-s activations alive."""
+    plan = []
+    for s in range(num_stages):
+        warmup = min(num_stages - s - 1, num_microbatches)
+        acts = [a for mb in range(warmup) for a in _forward_unit(s, num_stages, mb)]
+        next_f, next_b = warmup, 0
+        while next_f < num_microbatches:
+            acts += _forward_unit(s, num_stages, next_f)
+            acts += _backward_unit(s, num_stages, next_b)
+            next_f, next_b = next_f + 1, next_b + 1
+        while next_b < num_microbatches:
+            acts += _backward_unit(s, num_stages, next_b)
+            next_b += 1
+        plan.append(acts)
+    return plan
+
+
+SCHEDULE_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def build_plan(kind: str, num_stages: int, num_microbatches: int) -> Plan:
+    if kind not in SCHEDULE_BUILDERS:
+        raise ValueError(f"unknown schedule {kind!r}; use one of {', '.join(SCHEDULE_BUILDERS)}")
+    plan = SCHEDULE_BUILDERS[kind](num_stages, num_microbatches)
+    check_plan(plan, num_microbatches)
+    return plan
+
+
+# --- rule checker -------------------------------------------------------------------------------
+
+
+def _check_stage_order(plan: Plan, num_microbatches: int) -> None:
+    p = len(plan)
+    for s, acts in enumerate(plan):
+        seen: dict[tuple[str, int], int] = {}
+        for i, a in enumerate(acts):
+            if (a.kind, a.mb) in seen:
+                raise PlanError(f"stage {s} action {i} ({a!r}) appears twice\n{format_grid(plan, mark=(s, i))}")
+            if not 0 <= a.mb < num_microbatches:
+                raise PlanError(f"stage {s} action {i} ({a!r}): micro-batch out of range 0..{num_microbatches - 1}")
+            seen[(a.kind, a.mb)] = i
+        for mb in range(num_microbatches):
+            required = [FORWARD, BACKWARD]
+            required += [RECV_F, SEND_B] if s > 0 else []
+            required += [SEND_F, RECV_B] if s < p - 1 else []
+            for kind in required:
+                if (kind, mb) not in seen:
+                    raise PlanError(f"stage {s} is missing {kind}{mb}\n{format_grid(plan)}")
+            before = [(RECV_F, FORWARD), (FORWARD, SEND_F), (FORWARD, BACKWARD), (RECV_B, BACKWARD), (BACKWARD, SEND_B)]
+            for first, then in before:
+                if (first, mb) in seen and (then, mb) in seen and seen[(first, mb)] > seen[(then, mb)]:
+                    i = seen[(then, mb)]
+                    raise PlanError(
+                        f"stage {s} action {i} ({then}{mb}) comes before {first}{mb}\n{format_grid(plan, mark=(s, i))}"
+                    )
+        extra = [a for a in acts if (s == 0 and a.kind in (RECV_F, SEND_B)) or (s == p - 1 and a.kind in (SEND_F, RECV_B))]
+        if extra:
+            raise PlanError(f"stage {s} has communication with a stage that does not exist: {extra}")
+
+
+def simulate(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0):
+    """Run the plan under the executor's semantics (non-blocking sends, blocking receives).
+
+    Returns ``(finish_time, busy_time_per_stage, timeline)`` where timeline[stage] lists
+    ``(start, end, action)`` for compute actions. Raises PlanError on a deadlock or a receive that
+    does not match the next message in flight on its channel.
+    """
+    p = len(plan)
+    pos = [0] * p
+    clock = [0.0] * p
+    busy = [0.0] * p
+    timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
+    # channels[(src, dst, kind)] = FIFO of (mb, time the message is available)
+    channels: dict[tuple[int, int, str], list[tuple[int, float]]] = {}
+    while any(pos[s] < len(plan[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(plan[s]):
+                a = plan[s][pos[s]]
+                if a.kind in COMPUTE:
+                    cost = forward_cost if a.kind == FORWARD else backward_cost
+                    timeline[s].append((clock[s], clock[s] + cost, a))
+                    clock[s] += cost
+                    busy[s] += cost
+                elif a.kind in (SEND_F, SEND_B):
+                    dst = s + 1 if a.kind == SEND_F else s - 1
+                    channels.setdefault((s, dst, a.kind[1]), []).append((a.mb, clock[s]))
+                else:
+                    src = s - 1 if a.kind == RECV_F else s + 1
+                    queue = channels.get((src, s, a.kind[1]), [])
+                    if not queue:
+                        break  # blocked: wait for the peer
+                    mb, ready = queue.pop(0)
+                    if mb != a.mb:
+                        raise PlanError(
+                            f"stage {s} action {pos[s]} ({a!r}) would receive micro-batch {mb} from stage {src}: "
+                            f"sends and receives are out of order\n{format_grid(plan, mark=(s, pos[s]))}"
+                        )
+                    clock[s] = max(clock[s], ready)
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = [(s, pos[s]) for s in range(p) if pos[s] < len(plan[s])]
+            s, i = stuck[0]
+            raise PlanError(f"deadlock: stages {[s for s, _ in stuck]} all wait to receive\n{format_grid(plan, mark=(s, i))}")
+    leftovers = {k: v for k, v in channels.items() if v}
+    if leftovers:
+        raise PlanError(f"messages sent but never received: {leftovers}")
+    return max(clock), busy, timeline
+
+
+def check_plan(plan: Plan, num_microbatches: int) -> None:
+    """Raise PlanError unless every stage's list is complete and ordered and the whole plan runs."""
+    if not plan:
+        raise PlanError("a plan needs at least one stage")
+    _check_stage_order(plan, num_microbatches)
+    simulate(plan)
+
+
+def idle_fraction(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0) -> float:
+    """Fraction of stage-time spent waiting, for stages of equal cost."""
+    finish, busy, _ = simulate(plan, forward_cost, backward_cost)
+    return 1.0 - sum(busy) / (finish * len(plan))
+
+
+def bubble_formula(num_stages: int, num_microbatches: int) -> float:
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def peak_live_activations(stage_actions: list[Action]) -> int:
+    """Most micro-batches whose forward ran and whose backward has not yet, on one stage."""
+    live = peak = 0
+    for a in stage_actions:
+        if a.kind == FORWARD:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind == BACKWARD:
+            live -= 1
+    return peak
+
+
+def format_grid(plan: Plan, mark: Optional[tuple[int, int]] = None) -> str:
+    """One row per stage, one column per action; ``mark=(stage, index)`` brackets a cell."""
+    rows = []
+    for s, acts in enumerate(plan):
+        cells = []
+        for i, a in enumerate(acts):
+            text = repr(a)
+            cells.append(f"[{text}]" if mark == (s, i) else f" {text} ")
+        rows.append(f"stage {s}: " + "".join(c.ljust(6) for c in cells))
+    return "\n".join(rows)
