@@ -8,22 +8,33 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raytrain import data
+from raytrain import checkpoint, data
 from raytrain.config import Config
 from raytrain.model import build_model
 
 
-def train_reference(cfg: Config, steps: int | None = None) -> tuple[nn.Sequential, list[float]]:
-    """Train ``steps`` (default train.steps) full-batch steps in this process; returns model and losses."""
+def train_reference(
+    cfg: Config, steps: int | None = None, resume_from: str | None = None
+) -> tuple[nn.Sequential, list[float]]:
+    """Train up to step ``steps`` (default train.steps) with full batches in this process.
+
+    ``resume_from`` continues from a checkpoint written by any layout. Returns the model and losses.
+    """
     torch.manual_seed(cfg.train.seed)
     spec = build_model(cfg.model, cfg.train.seed)
     model = nn.Sequential(*spec.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    start = 0
+    if resume_from is not None:
+        state = checkpoint.merged_state(resume_from)
+        model.load_state_dict(state["model"])
+        checkpoint.load_optimizer_state(optimizer, [n for n, _ in model.named_parameters()], state["optim"])
+        start = checkpoint.read_manifest(resume_from)["step"]
     path = data.resolve_data_path(cfg)
     dataset = data.TokenDataset(path, cfg.data.column, cfg.model.seq_len)
     B = cfg.train.global_batch
     losses = []
-    for step in range(cfg.train.steps if steps is None else steps):
+    for step in range(start, cfg.train.steps if steps is None else steps):
         x, y = dataset.batch(data.sample_ids(cfg.train.seed, len(dataset), step * B, (step + 1) * B))
         optimizer.zero_grad(set_to_none=True)
         loss = spec.loss_fn(model(x), y)

@@ -1,0 +1,71 @@
+"""Sample order and exactly-once consumption (DESIGN invariant 5)."""
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from raytrain import data, train
+from raytrain.config import load_config
+
+
+def test_order_is_a_pure_function_of_seed_and_epoch():
+    a = data.sample_ids(seed=7, num_samples=50, start=0, stop=120)
+    assert a == data.sample_ids(seed=7, num_samples=50, start=0, stop=120)
+    assert a != data.sample_ids(seed=8, num_samples=50, start=0, stop=120)
+    # each epoch is a permutation, and epochs differ in order
+    assert sorted(a[:50]) == list(range(50)) and sorted(a[50:100]) == list(range(50))
+    assert a[:50] != a[50:100]
+    # any split of a range of positions gives the same ids in the same order
+    assert data.sample_ids(7, 50, 0, 37) + data.sample_ids(7, 50, 37, 120) == a
+
+
+def test_replica_slices_are_contiguous_and_cover_the_batch():
+    assert data.replica_slices(12, [4, 4, 4]) == [(0, 4), (4, 8), (8, 12)]
+    assert data.replica_slices(7, data.even_shares(7, 3)) == [(0, 3), (3, 5), (5, 7)]
+    assert data.microbatch_bounds(6, 3) == [(0, 2), (2, 4), (4, 6)]
+
+
+def test_builtin_corpus_is_built_once_and_cached(make_config):
+    cfg = make_config()
+    path = data.resolve_data_path(cfg)
+    mtime = __import__("os").path.getmtime(path)
+    assert data.resolve_data_path(cfg) == path and __import__("os").path.getmtime(path) == mtime
+    table = pq.read_table(path)
+    assert table.num_rows > 100 and table.schema.field("tokens").type.list_size == cfg.model.seq_len + 1
+    ds = data.TokenDataset(path, "tokens", cfg.model.seq_len)
+    x, y = ds.batch([0, 5])
+    assert x.shape == (2, 16) and bool((x[:, 1:] == y[:, :-1]).all())
+    assert int(x.max()) < 256
+
+
+def test_dataset_problems_name_the_file(tmp_path):
+    rows = np.arange(10 * 5).reshape(10, 5)
+    path = str(tmp_path / "short.parquet")
+    data.write_token_parquet(path, rows)
+    with pytest.raises(ValueError, match="short.parquet.*need >= model.seq_len"):
+        data.check_dataset(path, "tokens", seq_len=16, global_batch=4)
+    with pytest.raises(ValueError, match="no column 'ids'"):
+        data.check_dataset(path, "ids", seq_len=4, global_batch=4)
+    with pytest.raises(ValueError, match="fewer than train.global_batch"):
+        data.check_dataset(path, "tokens", seq_len=4, global_batch=64)
+    not_parquet = tmp_path / "x.parquet"
+    not_parquet.write_text("hello")
+    with pytest.raises(ValueError, match="not a readable Parquet file"):
+        data.check_dataset(str(not_parquet), "tokens", seq_len=4, global_batch=4)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3])
+def test_every_sample_exactly_once_per_epoch(ray_session, make_config, tmp_path, dp):
+    num_samples, B = 48, 6
+    rng = np.random.default_rng(0)
+    path = str(tmp_path / "tokens.parquet")
+    data.write_token_parquet(path, rng.integers(0, 256, size=(num_samples, 17)))
+    steps = 12  # one and a half epochs
+    cfg = make_config(f"data.path={path}", f"parallel.dp={dp}", f"train.global_batch={B}",
+                      f"train.steps={steps}", "run.record_samples=true")
+    result = train(cfg)
+    consumed = [i for row in result.metrics for i in row["sample_ids"]]
+    assert len(consumed) == steps * B
+    first_epoch, second_half = consumed[:num_samples], consumed[num_samples:]
+    assert sorted(first_epoch) == list(range(num_samples))
+    assert len(set(second_half)) == len(second_half) == steps * B - num_samples

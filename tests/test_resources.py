@@ -1,0 +1,24 @@
+"""A layout the cluster cannot hold fails after a bounded wait, with a clear message, leaving nothing."""
+
+import time
+
+import pytest
+
+from raytrain import ResourcesUnavailable, train
+from tests.conftest import TEST_RAY_CPUS
+
+
+def test_too_many_workers_fail_after_bounded_wait(ray_session, make_config):
+    cfg = make_config("parallel.dp=8", "resources.wait_s=2")
+    start = time.monotonic()
+    with pytest.raises(ResourcesUnavailable) as err:
+        train(cfg)
+    assert time.monotonic() - start < 30
+    message = str(err.value)
+    assert "dp=8" in message and "8 workers" in message and "resources.wait_s=2" in message
+    assert "'CPU': 4.0" in message  # what the cluster has
+    # the reservation was released
+    deadline = time.monotonic() + 10
+    while ray_session.available_resources().get("CPU", 0) < TEST_RAY_CPUS and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray_session.available_resources().get("CPU", 0) == TEST_RAY_CPUS

@@ -1,0 +1,70 @@
+"""Schedules are data: every generated plan is sound, broken ones are rejected, bubbles match theory."""
+
+import pytest
+
+from raytrain import schedule
+from raytrain.schedule import Action, PlanError, build_plan, check_plan
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+def test_generated_plans_pass_the_checker_and_match_the_bubble_formula(kind, p, m):
+    plan = build_plan(kind, p, m)
+    check_plan(plan, m)
+    assert schedule.idle_fraction(plan) == pytest.approx(schedule.bubble_formula(p, m))
+    # also when a backward costs twice a forward, as in practice
+    assert schedule.idle_fraction(plan, 1.0, 2.0) == pytest.approx(schedule.bubble_formula(p, m))
+
+
+@pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 2)])
+def test_live_activations_1f1b_bounded_by_stages_gpipe_grows_with_microbatches(p, m):
+    gpipe = [schedule.peak_live_activations(a) for a in build_plan("gpipe", p, m)]
+    one_f_one_b = [schedule.peak_live_activations(a) for a in build_plan("1f1b", p, m)]
+    assert gpipe == [m] * p
+    assert one_f_one_b == [min(p - s, m) for s in range(p)]
+
+
+def _swap(acts, i, j):
+    acts = list(acts)
+    acts[i], acts[j] = acts[j], acts[i]
+    return acts
+
+
+def test_checker_rejects_backward_before_forward():
+    plan = build_plan("gpipe", 2, 2)
+    last = plan[1]
+    i, j = last.index(Action("F", 0)), last.index(Action("B", 0))
+    with pytest.raises(PlanError, match=r"stage 1 .*B0.* comes before F0|comes before"):
+        check_plan([plan[0], _swap(last, i, j)], 2)
+
+
+def test_checker_rejects_missing_and_duplicate_actions():
+    plan = build_plan("1f1b", 2, 2)
+    with pytest.raises(PlanError, match="stage 0 is missing >F1"):
+        check_plan([[a for a in plan[0] if a != Action(">F", 1)], plan[1]], 2)
+    with pytest.raises(PlanError, match="appears twice"):
+        check_plan([plan[0] + [Action("F", 0)], plan[1]], 2)
+
+
+def test_checker_finds_deadlock_and_marks_the_cell():
+    # both stages receive before they send: a classic deadlock
+    s0 = [Action("F", 0), Action("<B", 0), Action(">F", 0), Action("B", 0)]
+    s1 = [Action("<F", 0), Action("F", 0), Action("B", 0), Action(">B", 0)]
+    with pytest.raises(PlanError, match="deadlock") as err:
+        check_plan([s0, s1], 1)
+    assert "[<B0]" in str(err.value)  # the grid marks where stage 0 is stuck
+
+
+def test_checker_rejects_receives_out_of_order():
+    plan = build_plan("gpipe", 2, 2)
+    s1 = list(plan[1])
+    i, j = s1.index(Action("<F", 0)), s1.index(Action("<F", 1))
+    s1[i], s1[j] = s1[j], s1[i]
+    with pytest.raises(PlanError):
+        check_plan([plan[0], s1], 2)
+
+
+def test_grid_is_readable():
+    grid = schedule.format_grid(build_plan("1f1b", 2, 2))
+    assert grid.splitlines()[0].startswith("stage 0:") and "F0" in grid and ">B1" in grid
