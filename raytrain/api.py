@@ -15,11 +15,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from raytrain import checkpoint, data
 from raytrain.config import Config, check_factory
 from raytrain.coordinator import Coordinator
-from raytrain.model import build_model
-from raytrain.partition import param_costs, plan_stages, stage_ranges, balanced_cuts
 from raytrain.report import RunReporter
 
-POLL_INTERVAL_S = 0.5
+POLL_INTERVAL_S = 1.0
 """How often the driver collects metric rows from the coordinator."""
 
 
@@ -81,10 +79,15 @@ def prepare(cfg: Config) -> tuple[Config, str, int, list[list[int]], Optional[st
 
 def _stage_ranges(cfg: Config) -> list[range]:
     p = cfg.parallel
+    if cfg.model.factory is None and p.pp == 1:
+        return [range(cfg.model.n_layer + 2)]  # no cut to plan: keep torch out of the driver
+    import torch
+
+    from raytrain.model import build_model
+    from raytrain.partition import balanced_cuts, param_costs, plan_stages, stage_ranges
+
     if cfg.model.factory is None and p.balance == "params":
         # Parameter counts need no real weights: build on the meta device.
-        import torch
-
         with torch.device("meta"):
             layers = build_model(cfg.model, cfg.train.seed).layers
     else:
@@ -96,8 +99,6 @@ def _stage_ranges(cfg: Config) -> list[range]:
             raise ValueError(f"parallel.split_points={p.split_points} out of range: cuts must lie in 1..{len(layers) - 1}")
         return stage_ranges(p.split_points, len(layers))
     if p.balance == "time":
-        import torch
-
         example = torch.zeros(max(1, cfg.train.global_batch // (p.dp * p.microbatches)), cfg.model.seq_len, dtype=torch.long)
         return plan_stages(layers, p.pp, example_input=example)
     return stage_ranges(balanced_cuts(param_costs(layers), p.pp), len(layers))

@@ -12,7 +12,6 @@ import time
 from typing import Any, Optional
 
 import ray
-import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -86,8 +85,6 @@ class Coordinator:
 
     def _start_workers(self) -> None:
         cfg = self.cfg
-        host = ray.util.get_node_ip_address()
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         resources = {"num_cpus": cfg.resources.cpus_per_worker, "num_gpus": 1 if cfg.resources.use_gpu else 0}
         self.workers = [
             self.worker_cls.options(
@@ -96,6 +93,11 @@ class Coordinator:
             ).remote(self.config_dict, self.data_path, self.num_samples)
             for rank in range(self.mesh.world_size)
         ]
+        # Import torch only now, while the workers import theirs: the store outlives any worker.
+        import torch.distributed as dist
+
+        host = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         shares = even_shares(cfg.train.global_batch, self.mesh.dp)
         infos = ray.get(
             [w.setup.remote(rank, self.mesh, self.stage_layers, shares, (host, self._store.port), self.generation)
@@ -145,7 +147,9 @@ def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, m
         "loss": loss,
         "grad_norm": results[0]["grad_norm"],
         "step_s": wall_s,
+        "time": time.time(),
         "samples_per_s": B / wall_s,
+        "worker_step_s": max(r["wall_s"] for r in results),
         "bubble": sum(idle) / len(idle),
         "peak_live_activations": {str(r["rank"]): r["peak_live"] for r in results},
         "layout": cfg.layout(),

@@ -18,7 +18,6 @@ from typing import Optional, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from raytrain.config import Config, DataConfig
 
@@ -117,8 +116,10 @@ class TokenDataset:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def batch(self, sample_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, sample_ids: Sequence[int]) -> tuple["torch.Tensor", "torch.Tensor"]:
         """Inputs and next-token targets, each (len(sample_ids), seq_len) int64."""
+        import torch
+
         rows = torch.from_numpy(self.rows[np.asarray(sample_ids)].astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
 

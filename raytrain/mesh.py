@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ def init_groups(
     mesh: Mesh, rank: int, store_host: str, store_port: int, generation: int, backend: str, timeout_s: float
 ) -> Groups:
     """Join generation ``generation`` of the run's process groups (collective over all ranks)."""
+    import torch.distributed as dist
+
     store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
     prefixed = dist.PrefixStore(f"gen{generation}/", store)
     dist.init_process_group(

@@ -1,0 +1,233 @@
+"""One pipeline stage of one data-parallel replica: its layers, optimizer, data slice and executor.
+
+Hosted by the ``StageWorker`` actor (raytrain.worker). Contract: ``setup`` (collective over all
+workers) -> optional ``load`` -> ``run_step(step)`` for every step in order -> ``save`` on replica 0
+of each stage when asked. Tensors only move through torch.distributed: activations and their
+gradients point-to-point between neighbouring stages, gradients all-reduced in the stage's dp group.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raytrain import checkpoint, data, schedule
+from raytrain.config import Config, config_from_dict
+from raytrain.gradsync import GradientBuckets
+from raytrain.mesh import Mesh, init_groups
+from raytrain.model import build_model
+
+# Shape handshake: [ndim, dtype code, dims...] padded to this length.
+_SHAPE_MSG_LEN = 10
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+
+
+class Stage:
+    """The layers of one stage of one replica, and how to train them; see the module docstring."""
+
+    def __init__(self, config: dict, data_path: str, num_samples: int):
+        self.cfg: Config = config_from_dict(config)
+        self.data_path = data_path
+        self.num_samples = num_samples
+        torch.set_num_threads(self.cfg.resources.cpus_per_worker)
+        self.device = torch.device("cuda", 0) if self.cfg.resources.use_gpu else torch.device("cpu")
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    def setup(self, rank: int, mesh: Mesh, stage_layers: list[list[int]], shares: list[int],
+              store: tuple[str, int], generation: int) -> dict:
+        cfg = self.cfg
+        self.mesh, self.rank = mesh, rank
+        self.replica, self.stage = mesh.coords(rank)
+        self.num_stages = mesh.pp
+        self.is_first, self.is_last = self.stage == 0, self.stage == mesh.pp - 1
+        backend = "nccl" if cfg.resources.use_gpu else "gloo"
+        if cfg.resources.use_gpu:
+            torch.cuda.set_device(self.device)
+        self.groups = init_groups(mesh, rank, store[0], store[1], generation, backend, cfg.resources.step_timeout_s)
+
+        spec = build_model(cfg.model, cfg.train.seed, stage_layers[self.stage])
+        self.module = nn.Sequential(*spec.layers).to(self.device)
+        self.loss_fn = spec.loss_fn
+        self.param_names = spec.param_names()
+        self.params = list(self.module.parameters())
+        self.grads = GradientBuckets(self.params, self.groups.dp_group)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+
+        self.share = shares[self.replica]
+        self.batch_offset = sum(shares[: self.replica])
+        self.mb_bounds = data.microbatch_bounds(self.share, cfg.parallel.microbatches)
+        self.plan = schedule.build_plan(cfg.parallel.schedule, mesh.pp, cfg.parallel.microbatches)[self.stage]
+        self.dataset = (data.TokenDataset(self.data_path, cfg.data.column, cfg.model.seq_len)
+                        if self.is_first or self.is_last else None)
+        self.prev_rank = mesh.rank(self.replica, self.stage - 1) if not self.is_first else None
+        self.next_rank = mesh.rank(self.replica, self.stage + 1) if not self.is_last else None
+        self.input_tail, self.input_dtype = self._exchange_shapes()
+        return {"rank": rank, "pid": os.getpid(), "params": sum(p.numel() for p in self.params),
+                "node": os.uname().nodename}
+
+    def _exchange_shapes(self) -> tuple[Optional[tuple[int, ...]], Optional[torch.dtype]]:
+        """Learn the per-sample shape of this stage's input from the previous stage, once."""
+        tail = dtype = None
+        if self.is_first:
+            example = torch.zeros(1, self.cfg.model.seq_len, dtype=torch.long, device=self.device)
+        else:
+            msg = torch.zeros(_SHAPE_MSG_LEN, dtype=torch.long, device=self.device)
+            dist.recv(msg, src=self.prev_rank)
+            ndim, code = int(msg[0]), int(msg[1])
+            tail, dtype = tuple(int(d) for d in msg[2 : 2 + ndim - 1]), _DTYPES[code]
+            example = torch.zeros(1, *tail, dtype=dtype, device=self.device)
+        if not self.is_last:
+            with torch.no_grad(), self._autocast():
+                out = self.module(example)
+            msg = torch.zeros(_SHAPE_MSG_LEN, dtype=torch.long, device=self.device)
+            msg[0], msg[1] = out.dim(), _DTYPES.index(out.dtype)
+            msg[2 : 2 + out.dim() - 1] = torch.tensor(out.shape[1:])
+            dist.send(msg, dst=self.next_rank)
+        return tail, dtype
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.resources.bf16)
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def run_step(self, step: int, trace: bool = False) -> dict[str, Any]:
+        """Forward and backward every micro-batch by the plan, all-reduce, clip, and step AdamW."""
+        cfg = self.cfg
+        B = cfg.train.global_batch
+        t_start = time.perf_counter()
+        begin, end = data.step_positions(step, B, self.batch_offset, self.batch_offset + self.share)
+        ids = data.sample_ids(cfg.train.seed, self.num_samples, begin, end)
+        x = y = None
+        if self.dataset is not None:
+            x, y = (t.to(self.device, non_blocking=True) for t in self.dataset.batch(ids))
+
+        self.grads.zero()
+        inputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        out_grads: dict[int, torch.Tensor] = {}
+        sends = []
+        loss_sum = torch.zeros((), device=self.device)
+        busy_s, peak_live, events = 0.0, 0, []
+        last_backward = max(i for i, a in enumerate(self.plan) if a.kind == schedule.BACKWARD)
+
+        for i, action in enumerate(self.plan):
+            lo, hi = self.mb_bounds[action.mb]
+            t0 = time.perf_counter()
+            kind = action.kind
+            if kind == schedule.RECV_F:
+                buf = torch.empty(hi - lo, *self.input_tail, dtype=self.input_dtype, device=self.device)
+                dist.recv(buf, src=self.prev_rank)
+                inputs[action.mb] = buf.requires_grad_(buf.is_floating_point())
+            elif kind == schedule.FORWARD:
+                inp = x[lo:hi] if self.is_first else inputs[action.mb]
+                with self._autocast():
+                    out = self.module(inp)
+                if self.is_last:
+                    loss = self.loss_fn(out, y[lo:hi])
+                    loss_sum += loss.detach() * (hi - lo)
+                    out = loss * ((hi - lo) / B)  # share of the global batch: grads then just sum
+                outputs[action.mb] = out
+                peak_live = max(peak_live, len(outputs))
+            elif kind == schedule.SEND_F:
+                sends.append(dist.isend(outputs[action.mb].detach().contiguous(), dst=self.next_rank))
+            elif kind == schedule.RECV_B:
+                grad = torch.empty_like(outputs[action.mb])
+                dist.recv(grad, src=self.next_rank)
+                out_grads[action.mb] = grad
+            elif kind == schedule.BACKWARD:
+                if i == last_backward:
+                    self.grads.arm()
+                out = outputs.pop(action.mb)
+                out.backward(None if self.is_last else out_grads.pop(action.mb))
+            elif kind == schedule.SEND_B:
+                sends.append(dist.isend(inputs.pop(action.mb).grad.contiguous(), dst=self.prev_rank))
+            t1 = time.perf_counter()
+            if kind in schedule.COMPUTE:
+                busy_s += t1 - t0
+            if trace:
+                events.append((repr(action), t0, t1))
+        for work in sends:
+            work.wait()
+        t_sync = time.perf_counter()
+        self.grads.finish()
+        t_reduced = time.perf_counter()
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        t_end = time.perf_counter()
+        if trace:
+            events += [("allreduce wait", t_sync, t_reduced), ("clip + optimizer", t_reduced, t_end)]
+        result = {
+            "rank": self.rank, "step": step, "busy_s": busy_s, "wall_s": t_end - t_start,
+            "pipeline_s": t_sync - t_start, "peak_live": peak_live, "grad_norm": grad_norm,
+            "samples": len(ids), "positions": (begin, end),
+        }
+        if self.is_last:
+            result["loss_sum"] = float(loss_sum)
+        if trace:
+            result["events"] = [(name, a - t_start, b - t_start) for name, a, b in events]
+        if cfg.run.record_samples and self.is_first:
+            result["sample_ids"] = ids
+        return result
+
+    def _clip_gradients(self) -> Optional[float]:
+        """Global gradient norm over all stages (the dp replicas already agree), clipped to train.grad_clip.
+
+        With clipping off the norm is not computed (None): it is a full pass over the gradients.
+        """
+        clip = self.cfg.train.grad_clip
+        if clip == 0:
+            return None
+        sq = self.grads.squared_norm()
+        if self.groups.pp_group is not None:
+            dist.all_reduce(sq, group=self.groups.pp_group)
+        norm = float(sq.sqrt())
+        coef = clip / (norm + 1e-6)
+        if coef < 1.0:
+            self.grads.scale_(coef)
+        return norm
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def shard(self) -> dict[str, Any]:
+        """This stage's model and optimizer state, keyed by global parameter name, on the CPU."""
+        model = {n: p.detach().cpu().clone() for n, p in zip(self.param_names, self.params)}
+        return {
+            "model": model,
+            "optim": checkpoint.optimizer_state_by_name(self.optimizer, self.param_names),
+            "rng": torch.get_rng_state(),
+        }
+
+    def save(self, ckpt_dir: str) -> dict:
+        size = checkpoint.save_shard(ckpt_dir, self.stage, self.shard())
+        return {"file": checkpoint.shard_name(self.stage), "bytes": size}
+
+    def load(self, ckpt_dir: str) -> None:
+        """Take this stage's parameters and optimizer state from any layout's checkpoint."""
+        state = checkpoint.merged_state(ckpt_dir)
+        missing = [n for n in self.param_names if n not in state["model"]]
+        if missing:
+            raise checkpoint.CheckpointError(
+                f"{ckpt_dir} lacks parameters {missing[:3]} of this model: was it written by another model config?"
+            )
+        with torch.no_grad():
+            for name, p in zip(self.param_names, self.params):
+                src = state["model"][name]
+                if src.shape != p.shape:
+                    raise checkpoint.CheckpointError(f"{ckpt_dir}: {name} has shape {tuple(src.shape)}, model has {tuple(p.shape)}")
+                p.copy_(src)
+        checkpoint.load_optimizer_state(self.optimizer, self.param_names, state["optim"])
+        if state["rng"] is not None:
+            torch.set_rng_state(state["rng"])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.shard()["model"]
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
