@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -114,11 +114,17 @@ def ensure_ray(min_cpus: int = 0) -> None:
         ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus) if min_cpus else None, include_dashboard=False)
 
 
+def worker_bundle(cfg: Config) -> dict:
+    """Resources of one worker: its CPU slots, and a GPU when resources.use_gpu."""
+    bundle = {"CPU": float(cfg.resources.cpus_per_worker)}
+    if cfg.resources.use_gpu:
+        bundle["GPU"] = 1.0
+    return bundle
+
+
 def _reserve(cfg: Config):
     world = cfg.parallel.dp * cfg.parallel.pp
-    bundle = {"CPU": cfg.resources.cpus_per_worker}
-    if cfg.resources.use_gpu:
-        bundle["GPU"] = 1
+    bundle = worker_bundle(cfg)
     pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
     if not pg.wait(timeout_seconds=cfg.resources.wait_s):
         remove_placement_group(pg)
@@ -132,30 +138,44 @@ def _reserve(cfg: Config):
     return pg
 
 
-def train(cfg: Config, stream=sys.stderr) -> Result:
-    """Run training to ``train.steps`` on the current (or an embedded) Ray cluster."""
+def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]], None]] = None,
+          placement=None) -> Result:
+    """Run training to ``train.steps`` on the current (or an embedded) Ray cluster.
+
+    ``on_rows`` receives every batch of new metric rows as they arrive (Tune reports from it).
+    ``placement=(placement_group, first_bundle)`` runs the workers in bundles first_bundle.. of an
+    existing placement group (a Tune trial's) instead of reserving one.
+    """
     cfg, data_path, num_samples, stages, resume = prepare(cfg)
     ensure_ray()
     run_dir = os.path.join(os.path.abspath(os.path.expanduser(cfg.run.dir)), cfg.run.name)
     reporter = RunReporter(run_dir, cfg.train.steps, cfg.layout(), stream)
     stream.write(f"[raytrain] {cfg.layout()}, {len(stages)} stage(s) {[f'{s[0]}-{s[-1]}' for s in stages]}, "
                  f"global batch {cfg.train.global_batch}, {num_samples} samples; run dir {run_dir}\n")
-    pg = _reserve(cfg)
+    pg, first_bundle = placement if placement is not None else (_reserve(cfg), 0)
+
+    def collect():
+        rows = ray.get(coordinator.poll.remote())
+        reporter.add(rows)
+        if on_rows is not None and rows:
+            on_rows(rows)
+
     coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=4).remote(
-        cfg.to_dict(), data_path, num_samples, stages, pg, resume)
+        cfg.to_dict(), data_path, num_samples, stages, pg, first_bundle, resume)
     try:
         run_ref = coordinator.run.remote()
         while not ray.wait([run_ref], timeout=POLL_INTERVAL_S)[0]:
-            reporter.add(ray.get(coordinator.poll.remote()))
+            collect()
         summary = ray.get(run_ref)
-        reporter.add(ray.get(coordinator.poll.remote()))
+        collect()
     finally:
         try:
             ray.get(coordinator.shutdown.remote(), timeout=30)
         except ray.exceptions.RayError:
             pass
         ray.kill(coordinator, no_restart=True)
-        remove_placement_group(pg)
+        if placement is None:
+            remove_placement_group(pg)
         reporter.finish()
     steps = reporter.steps
     steady = steps[1:] or steps  # the first step pays for warm-up

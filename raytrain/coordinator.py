@@ -31,12 +31,12 @@ class StepFailed(RuntimeError):
 
 class Coordinator:
     def __init__(self, config: dict, data_path: str, num_samples: int, stage_layers: list[list[int]],
-                 placement: PlacementGroup, resume_from: Optional[str], worker_cls=StageWorker):
+                 placement: PlacementGroup, first_bundle: int, resume_from: Optional[str], worker_cls=StageWorker):
         self.cfg: Config = config_from_dict(config)
         self.config_dict = config
         self.data_path, self.num_samples = data_path, num_samples
         self.stage_layers = stage_layers
-        self.placement = placement
+        self.placement, self.first_bundle = placement, first_bundle
         self.resume_from = resume_from
         self.worker_cls = ray.remote(worker_cls) if not hasattr(worker_cls, "remote") else worker_cls
         self.mesh = Mesh(self.cfg.parallel.dp, self.cfg.parallel.pp)
@@ -65,10 +65,11 @@ class Coordinator:
             self._emit({"event": "resumed", "from": self.resume_from, "step": start_step})
         every = self.cfg.checkpoint.every
         for step in range(start_step, self.cfg.train.steps):
-            self._emit(self._run_step(step))
+            row = self._run_step(step)
             done = step + 1
             if (every and done % every == 0) or done == self.cfg.train.steps:
-                self._checkpoint(done)
+                row["checkpoint"] = self._checkpoint(done)
+            self._emit(row)
         return {"steps": self.cfg.train.steps, "checkpoint": self.last_checkpoint, "start_step": start_step,
                 "worker_pids": self.worker_pids}
 
@@ -89,7 +90,8 @@ class Coordinator:
         self.workers = [
             self.worker_cls.options(
                 **resources,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement, placement_group_bundle_index=self.first_bundle + rank),
             ).remote(self.config_dict, self.data_path, self.num_samples)
             for rank in range(self.mesh.world_size)
         ]
@@ -118,7 +120,8 @@ class Coordinator:
         wall = time.perf_counter() - t0
         return aggregate_step(step, results, wall, self.cfg, self.mesh)
 
-    def _checkpoint(self, step: int) -> None:
+    def _checkpoint(self, step: int) -> str:
+        """Save every stage's shard, publish the manifest; returns the checkpoint's path."""
         base = self.cfg.checkpoint.dir
         ckpt_dir = checkpoint.step_dir(base, step)
         t0 = time.perf_counter()
@@ -133,7 +136,8 @@ class Coordinator:
         })
         checkpoint.prune(base, self.cfg.checkpoint.keep)
         self.last_checkpoint = ckpt_dir
-        self._emit({"event": "checkpoint", "step": step, "path": ckpt_dir, "seconds": time.perf_counter() - t0})
+        self._emit({"event": "checkpoint", "step": step, "path": ckpt_dir, "seconds": round(time.perf_counter() - t0, 3)})
+        return ckpt_dir
 
 
 def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, mesh: Mesh) -> dict:
@@ -141,7 +145,12 @@ def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, m
     B = cfg.train.global_batch
     last_stage = [r for r in results if mesh.coords(r["rank"])[1] == mesh.pp - 1]
     loss = sum(r["loss_sum"] for r in last_stage) / B
-    idle = [1.0 - r["busy_s"] / r["pipeline_s"] for r in results if r["pipeline_s"] > 0]
+    # Bubble: idle share of each replica's pipeline span (its stages x its slowest stage's span).
+    bubbles = []
+    for replica in range(mesh.dp):
+        stages = [r for r in results if mesh.coords(r["rank"])[0] == replica]
+        span = max(r["pipeline_s"] for r in stages)
+        bubbles.append(1.0 - sum(r["busy_s"] for r in stages) / (len(stages) * span) if span > 0 else 0.0)
     row = {
         "step": step + 1,
         "loss": loss,
@@ -150,8 +159,9 @@ def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, m
         "time": time.time(),
         "samples_per_s": B / wall_s,
         "worker_step_s": max(r["wall_s"] for r in results),
-        "bubble": sum(idle) / len(idle),
+        "bubble": sum(bubbles) / len(bubbles),
         "peak_live_activations": {str(r["rank"]): r["peak_live"] for r in results},
+        "peak_mem_mb": {str(r["rank"]): round(r["peak_mem_mb"], 1) for r in results},
         "layout": cfg.layout(),
     }
     if any("events" in r for r in results):

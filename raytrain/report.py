@@ -69,6 +69,8 @@ class RunReporter:
             plot_loss(self.steps, os.path.join(self.run_dir, "loss.png"), self.layout)
         if self.traces:
             write_chrome_trace(self.traces, os.path.join(self.run_dir, "trace.json"))
+            last = max(self.traces)
+            plot_timeline(self.traces[last], os.path.join(self.run_dir, "timeline.png"), f"step {last}, {self.layout}")
 
 
 def plot_loss(steps: list[dict], path: str, title: str) -> None:
@@ -83,6 +85,32 @@ def plot_loss(steps: list[dict], path: str, title: str) -> None:
     ax.set_ylabel("training loss")
     ax.set_title(f"raytrain {title}")
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_timeline(per_rank: dict, path: str, title: str) -> None:
+    """One step's per-worker timeline as a picture: forwards, backwards, communication, gaps = bubbles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"F": "#4C72B0", "B": "#DD8452"}
+    ranks = sorted(per_rank, key=int)
+    fig, ax = plt.subplots(figsize=(10, 0.7 * len(ranks) + 1.2))
+    for row, rank in enumerate(ranks):
+        for name, start, end in per_rank[rank]:
+            kind = name[0] if name[0] in "FB" else "comm"
+            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (row - 0.4, 0.8),
+                           facecolors=colours.get(kind, "#BBBBBB"), edgecolor="white", linewidth=0.5)
+            if kind in "FB" and (end - start) * 1e3 > 0:
+                ax.text((start + end) / 2 * 1e3, row, name, ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since step start (blue: forward, orange: backward, grey: communication/optimizer)")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

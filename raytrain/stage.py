@@ -9,6 +9,7 @@ gradients point-to-point between neighbouring stages, gradients all-reduced in t
 from __future__ import annotations
 
 import os
+import resource
 import time
 from typing import Any, Optional
 
@@ -165,7 +166,7 @@ class Stage:
         result = {
             "rank": self.rank, "step": step, "busy_s": busy_s, "wall_s": t_end - t_start,
             "pipeline_s": t_sync - t_start, "peak_live": peak_live, "grad_norm": grad_norm,
-            "samples": len(ids), "positions": (begin, end),
+            "samples": len(ids), "positions": (begin, end), "peak_mem_mb": self._peak_memory_mb(),
         }
         if self.is_last:
             result["loss_sum"] = float(loss_sum)
@@ -174,6 +175,12 @@ class Stage:
         if cfg.run.record_samples and self.is_first:
             result["sample_ids"] = ids
         return result
+
+    def _peak_memory_mb(self) -> float:
+        """Peak device memory (GPU) or peak resident set (CPU) of this worker so far."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     def _clip_gradients(self) -> Optional[float]:
         """Global gradient norm over all stages (the dp replicas already agree), clipped to train.grad_clip.

@@ -1,0 +1,254 @@
+"""Pipeline throughput: raytrain GPipe/1F1B vs torch.distributed.pipelining vs one process vs a naive
+pipeline that passes activations through Ray object refs.
+
+GPT with 8 blocks, d_model 256, 4 heads, seq 128, vocab 256, global batch 32, cut into 2 stages
+(balanced by parameters, the same cut for every system) on 2 gloo workers of 1 torch thread;
+micro-batches m in {1, 2, 4, 8}. Prints samples/s, ratios, measured bubble against (p-1)/(m+p-1),
+and peak memory per stage.
+
+    python experiments/bench_pp.py                 # about 10 minutes on 2 cores
+    python experiments/bench_pp.py --steps 10 --microbatches 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MODEL = ["model.n_layer=8", "model.d_model=256", "model.n_head=4", "model.seq_len=128", "model.vocab_size=256"]
+GLOBAL_BATCH = 32
+PP = 2
+
+
+def bench_config(steps, extra=()):
+    from raytrain.config import load_config
+
+    return load_config(None, MODEL + [f"train.steps={steps}", f"train.global_batch={GLOBAL_BATCH}", "train.lr=1e-3",
+                                      "train.grad_clip=0", f"parallel.pp={PP}", "run.trace_steps=0", *extra])
+
+
+def stage_cut(cfg) -> list[range]:
+    from raytrain.api import _stage_ranges
+
+    return _stage_ranges(cfg)
+
+
+def steady_rate(step_ends: list[float], warmup: int) -> float:
+    return (len(step_ends) - 1 - warmup) * GLOBAL_BATCH / (step_ends[-1] - step_ends[warmup])
+
+
+# --- systems -----------------------------------------------------------------------------------
+
+
+def run_raytrain(steps, warmup, m, schedule, workdir):
+    from raytrain import train
+
+    cfg = bench_config(steps, [f"parallel.microbatches={m}", f"parallel.schedule={schedule}", f"run.dir={workdir}",
+                               "run.trace_steps=3"])
+    result = train(cfg, stream=open(os.devnull, "w"))
+    rows = result.metrics
+    return {"samples_per_s": steady_rate([r["time"] for r in rows], warmup),
+            "bubble": sum(r["bubble"] for r in rows[warmup:]) / len(rows[warmup:]),
+            "peak_mem_mb": [rows[-1]["peak_mem_mb"][str(s)] for s in range(PP)],
+            "peak_live": [rows[-1]["peak_live_activations"][str(s)] for s in range(PP)],
+            "run_dir": result.run_dir}
+
+
+def run_one_process(steps, warmup):
+    import torch
+    from torch import nn
+
+    from raytrain import data
+    from raytrain.model import build_model
+
+    torch.set_num_threads(1)
+    cfg = bench_config(steps)
+    spec = build_model(cfg.model, cfg.train.seed)
+    model = nn.Sequential(*spec.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ds = data.TokenDataset(data.resolve_data_path(cfg), "tokens", cfg.model.seq_len)
+    ends = []
+    for step in range(steps):
+        x, y = ds.batch(data.sample_ids(0, len(ds), step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
+        opt.zero_grad()
+        spec.loss_fn(model(x), y).backward()
+        opt.step()
+        ends.append(time.time())
+    return {"samples_per_s": steady_rate(ends, warmup)}
+
+
+def torch_pipelining_worker(steps, m, schedule, out):
+    """Runs under torchrun: one process per stage."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from raytrain import data
+    from raytrain.model import build_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = bench_config(steps)
+    cut = stage_cut(cfg)[rank]
+    spec = build_model(cfg.model, cfg.train.seed, list(cut))
+    module = nn.Sequential(*spec.layers)
+    stage = PipelineStage(module, rank, PP, torch.device("cpu"))
+    sched_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = sched_cls(stage, n_microbatches=m, loss_fn=spec.loss_fn)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    ds = data.TokenDataset(data.resolve_data_path(cfg), "tokens", cfg.model.seq_len)
+    ends = []
+    for step in range(steps):
+        x, y = ds.batch(data.sample_ids(0, len(ds), step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
+        opt.zero_grad()
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=[])
+        opt.step()
+        ends.append(time.time())
+    mem = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+    mems = [torch.zeros(1) for _ in range(PP)]
+    dist.all_gather(mems, mem)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"step_end": ends, "peak_mem_mb": [float(t) for t in mems]}, f)
+    dist.destroy_process_group()
+
+
+def run_torch_pipelining(steps, warmup, m, schedule, workdir):
+    out = os.path.join(workdir, f"tpp-{schedule}-{m}.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(PP), "--master_port", "29544",
+           os.path.abspath(__file__), "--torch-worker", schedule, "--microbatches", str(m), "--steps", str(steps),
+           "--out", out]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    with open(out) as f:
+        res = json.load(f)
+    return {"samples_per_s": steady_rate(res["step_end"], warmup), "peak_mem_mb": res["peak_mem_mb"]}
+
+
+def run_naive_object_refs(steps, warmup, m):
+    """Each micro-batch's activation and its gradient go through the Ray object store."""
+    import ray
+
+    @ray.remote(num_cpus=1)
+    class NaiveStage:
+        def __init__(self, layer_ids):
+            import torch
+            from torch import nn
+
+            from raytrain import data
+            from raytrain.model import build_model
+
+            torch.set_num_threads(1)
+            self.cfg = bench_config(steps)
+            spec = build_model(self.cfg.model, self.cfg.train.seed, layer_ids)
+            self.module, self.loss_fn = nn.Sequential(*spec.layers), spec.loss_fn
+            self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-3)
+            self.ds = data.TokenDataset(data.resolve_data_path(self.cfg), "tokens", self.cfg.model.seq_len)
+            self.saved = {}
+
+        def _batch(self, step, mb):
+            from raytrain import data
+
+            size = GLOBAL_BATCH // m
+            start = step * GLOBAL_BATCH + mb * size
+            return self.ds.batch(data.sample_ids(0, len(self.ds), start, start + size))
+
+        def forward(self, step, mb):
+            x, _ = self._batch(step, mb)
+            out = self.module(x)
+            self.saved[mb] = out
+            return out.detach()
+
+        def forward_backward(self, step, mb, act):
+            _, y = self._batch(step, mb)
+            act = act.requires_grad_()
+            (self.loss_fn(self.module(act), y) / m).backward()
+            return act.grad
+
+        def backward(self, mb, grad):
+            self.saved.pop(mb).backward(grad)
+
+        def step(self):
+            self.opt.step()
+            self.opt.zero_grad()
+            return time.time()
+
+    cut = stage_cut(bench_config(steps))
+    first, last = NaiveStage.remote(list(cut[0])), NaiveStage.remote(list(cut[1]))
+    ends = []
+    for step in range(steps):
+        grads = [last.forward_backward.remote(step, mb, first.forward.remote(step, mb)) for mb in range(m)]
+        for mb in range(m):
+            first.backward.remote(mb, grads[mb])
+        ends.append(max(ray.get([first.step.remote(), last.step.remote()])))
+    ray.kill(first)
+    ray.kill(last)
+    return {"samples_per_s": steady_rate(ends, warmup)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--microbatches", default="1,2,4,8")
+    parser.add_argument("--torch-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.torch_worker:
+        torch_pipelining_worker(args.steps, int(args.microbatches), args.torch_worker, args.out)
+        return
+    import ray
+
+    from raytrain import data
+    from raytrain.schedule import bubble_formula
+
+    data.resolve_data_path(bench_config(args.steps))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    print(f"stage cut: {[f'{r[0]}-{r[-1]}' for r in stage_cut(bench_config(args.steps))]}", file=sys.stderr)
+    one = run_one_process(args.steps, args.warmup)["samples_per_s"]
+    print(f"one process: {one:.1f} samples/s\n", flush=True)
+    header = (f"{'m':>2} {'system':<22} {'samples/s':>9} {'vs torch.pp':>11} {'vs 1 proc':>9} "
+              f"{'bubble':>7} {'theory':>7} {'peak MB/stage':>15} {'live act/stage':>14}")
+    print(header, flush=True)
+    with tempfile.TemporaryDirectory() as workdir:
+        for m in [int(x) for x in args.microbatches.split(",")]:
+            theory = bubble_formula(PP, m)
+            rows = {}
+            for kind in ("gpipe", "1f1b"):
+                rows[f"torch.pipelining {kind}"] = run_torch_pipelining(args.steps, args.warmup, m, kind, workdir)
+                rows[f"raytrain {kind}"] = run_raytrain(args.steps, args.warmup, m, kind, workdir)
+            rows["naive Ray object refs"] = run_naive_object_refs(args.steps, args.warmup, m)
+            for name, r in rows.items():
+                kind = name.split()[-1]
+                base = rows.get(f"torch.pipelining {kind}")
+                vs = f"{r['samples_per_s'] / base['samples_per_s']:.3f}x" if base else "-"
+                bubble = f"{r['bubble']:.3f}" if "bubble" in r else "-"
+                mem = "/".join(f"{v:.0f}" for v in r.get("peak_mem_mb", [])) or "-"
+                live = "/".join(str(v) for v in r.get("peak_live", [])) or "-"
+                print(f"{m:>2} {name:<22} {r['samples_per_s']:>9.1f} {vs:>11} {r['samples_per_s'] / one:>8.2f}x "
+                      f"{bubble:>7} {theory:>7.3f} {mem:>15} {live:>14}", flush=True)
+            if m == 4:
+                src = os.path.join(rows["raytrain 1f1b"]["run_dir"], "timeline.png")
+                os.makedirs("experiments/results", exist_ok=True)
+                if os.path.exists(src):
+                    import shutil
+
+                    shutil.copy(src, "experiments/results/timeline_pp2_m4_1f1b.png")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

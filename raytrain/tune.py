@@ -1,0 +1,361 @@
+"""Ray Tune sweeps over parallel layouts and hyper-parameters.
+
+Each trial runs one raytrain coordinator inside the trial's own placement group: one bundle per
+worker, and an empty head bundle for the trial's driver, which only polls. So a trial either gets all its devices
+or waits; trials never over-subscribe the cluster. Trials report every step with
+``ray.tune.report`` (loss, samples/s) and attach each checkpoint as a ``ray.tune.Checkpoint``, so
+ASHA can stop trials early, PBT can exploit and explore, and ``Tuner.restore`` resumes a sweep.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import ray
+from ray import tune
+
+from raytrain.config import Config, all_keys, build_config, _flatten
+
+LAYOUT_KEYS = ("parallel.dp", "parallel.pp", "parallel.microbatches", "parallel.schedule")
+LAYOUTS = "layouts"
+"""Space key for an explicit list of layouts, each a mapping of parallel.* keys (a grid over them)."""
+SCHEDULERS = ("none", "asha", "pbt")
+
+
+@dataclass
+class SweepConfig:
+    base: dict
+    """The training config every trial starts from (nested sections, as in a train config)."""
+    space: dict
+    """Config key -> list (grid search) or {choice|uniform|loguniform|randint: [...]}; and optionally
+    ``layouts: [{parallel.dp: 2}, {parallel.pp: 2, parallel.microbatches: 4}, ...]``."""
+    metric: str = "samples_per_s"
+    """What to rank trials by: samples_per_s (steady throughput) or loss."""
+    mode: str = "max"
+    """max or min."""
+    num_samples: int = 1
+    """Repeats of the grid (or samples of a random space)."""
+    scheduler: str = "none"
+    """none, asha (stop bad trials early on loss) or pbt (exploit/explore train.lr)."""
+    grace_period: int = 3
+    """ASHA: steps every trial runs before it can be stopped."""
+    max_concurrent_trials: int = 1
+    """Trials running at once; each still gets its own placement group."""
+    storage_path: str = "runs/sweeps"
+    """Where Tune keeps the experiment (results, checkpoints, state for restore)."""
+    name: Optional[str] = None
+    """Experiment name; default a timestamp."""
+    resources_wait_s: float = 120.0
+    """Bound on how long a sweep may show no progress while trials wait for resources."""
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.metric not in ("samples_per_s", "loss"):
+            raise ValueError(f"sweep.metric={self.metric!r}: use samples_per_s or loss")
+        if self.mode not in ("max", "min"):
+            raise ValueError(f"sweep.mode={self.mode!r}: use max or min")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"sweep.scheduler={self.scheduler!r}: use one of {', '.join(SCHEDULERS)}")
+        valid = set(all_keys())
+        keys = [k for k in self.space if k != LAYOUTS]
+        for layout in self.space.get(LAYOUTS, []):
+            if not isinstance(layout, dict):
+                raise ValueError(f"sweep space 'layouts' entries must be mappings like {{parallel.dp: 2}}, got {layout!r}")
+            keys += list(layout)
+        for key in keys:
+            if key not in valid:
+                import difflib
+
+                near = difflib.get_close_matches(key, sorted(valid), n=1)
+                raise ValueError(f"sweep space key '{key}' is not a config key" + (f"; did you mean '{near[0]}'?" if near else ""))
+
+
+def load_sweep_config(path: str, overrides: Optional[list[str]] = None) -> SweepConfig:
+    """A sweep file: a train config (sections) plus ``space:`` and optional ``sweep:`` settings."""
+    import yaml
+
+    from raytrain.config import parse_override
+
+    if not os.path.exists(path):
+        raise ValueError(f"sweep config {path!r} does not exist")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    space = raw.pop("space", None)
+    if not space:
+        raise ValueError(f"{path}: a sweep config needs a 'space:' section (config key -> values)")
+    settings = raw.pop("sweep", {}) or {}
+    known = set(SweepConfig.__dataclass_fields__) - {"base", "space", "extra"}
+    for key in settings:
+        if key not in known:
+            raise ValueError(f"{path}: unknown sweep setting 'sweep.{key}' (valid: {', '.join(sorted(known))})")
+    base = raw
+    for text in overrides or []:
+        key, value = parse_override(text)
+        section, _, name = key.partition(".")
+        if section == "sweep":
+            settings[name] = value
+        else:
+            base.setdefault(section, {})[name] = value
+    build_config(_flatten(base, path))  # the base alone must be valid
+    return SweepConfig(base=base, space=space, **settings)
+
+
+# --- search space ---------------------------------------------------------------------------
+
+
+def _domain(key: str, spec: Any):
+    if key == LAYOUTS or isinstance(spec, list):
+        return tune.grid_search(spec)
+    if isinstance(spec, dict) and len(spec) == 1:
+        kind, args = next(iter(spec.items()))
+        builders = {"choice": lambda a: tune.choice(a), "uniform": lambda a: tune.uniform(*a),
+                    "loguniform": lambda a: tune.loguniform(*a), "randint": lambda a: tune.randint(*a)}
+        if kind in builders:
+            return builders[kind](args)
+    raise ValueError(f"sweep space '{key}': use a list (grid) or one of choice/uniform/loguniform/randint, got {spec!r}")
+
+
+def layout_combinations(sweep: SweepConfig) -> list[dict]:
+    """Every combination of the discrete layout values in the space (others from the base)."""
+    options = [[(LAYOUTS, layout) for layout in sweep.space[LAYOUTS]]] if LAYOUTS in sweep.space else []
+    for key in LAYOUT_KEYS:
+        spec = sweep.space.get(key)
+        if isinstance(spec, list):
+            options.append([(key, v) for v in spec])
+        elif isinstance(spec, dict) and "choice" in spec:
+            options.append([(key, v) for v in spec["choice"]])
+    return [dict(combo) for combo in itertools.product(*options)]
+
+
+def trial_config(base: dict, params: dict) -> Config:
+    """The base config with a trial's parameters (an explicit layout is expanded into its keys)."""
+    values = _flatten(base, "sweep base")
+    for key, value in params.items():
+        if key == LAYOUTS:
+            values.update(value)
+        elif key != "__base__":
+            values[key] = value
+    return build_config(values)
+
+
+def _layout_label(combo: dict) -> str:
+    flat = {}
+    for key, value in combo.items():
+        flat.update(value if key == LAYOUTS else {key: value})
+    return " ".join(f"{k.split('.')[1]}={v}" for k, v in flat.items())
+
+
+def check_layouts(sweep: SweepConfig, cluster: dict[str, float]) -> None:
+    """Reject, before any trial starts, layouts that are invalid or cannot fit the cluster."""
+    from raytrain.api import _stage_ranges, worker_bundle
+
+    problems = []
+    for combo in layout_combinations(sweep):
+        label = _layout_label(combo)
+        try:
+            cfg = trial_config(sweep.base, combo)
+            _stage_ranges(cfg)
+        except ValueError as e:
+            problems.append(f"{label}: {e}")
+            continue
+        world = cfg.parallel.dp * cfg.parallel.pp
+        for resource, amount in worker_bundle(cfg).items():
+            need = world * amount
+            if need > cluster.get(resource, 0):
+                problems.append(f"{label}: needs {need:g} {resource} ({world} workers), the cluster has "
+                                f"{cluster.get(resource, 0):g}")
+    if problems:
+        raise ValueError("these layouts cannot run; remove them from the sweep space or add resources:\n  "
+                         + "\n  ".join(problems))
+
+
+def trial_resources(cfg: Config) -> tune.PlacementGroupFactory:
+    from raytrain.api import worker_bundle
+
+    world = cfg.parallel.dp * cfg.parallel.pp
+    # An empty head bundle: Tune then places the trial driver without resources, and the placement
+    # group holds exactly the workers' bundles (indices 0..world-1).
+    return tune.PlacementGroupFactory([{}] + [worker_bundle(cfg)] * world, strategy="PACK")
+
+
+# --- the trainable --------------------------------------------------------------------------
+
+
+def raytrain_trainable(params: dict) -> None:
+    """One trial: a raytrain run in this trial's placement group, reporting every step."""
+    from raytrain.api import train
+
+    started = time.time()
+    base = params["__base__"]
+    overrides = dict(params)
+    trial_dir = tune.get_context().get_trial_dir()
+    overrides.update({"run.dir": trial_dir, "run.name": "run", "checkpoint.dir": os.path.join(trial_dir, "checkpoints")})
+    restored = tune.get_checkpoint()
+    local_ckpt = None
+    if restored is not None:
+        local_ckpt = restored.to_directory(os.path.join(trial_dir, f"restored-{int(time.time() * 1000)}"))
+        overrides["checkpoint.resume"] = local_ckpt
+    cfg = trial_config(base, overrides)
+    state = {"first_step_s": None, "samples": 0, "seconds": 0.0}
+
+    def report(rows: list[dict]) -> None:
+        for row in rows:
+            if "step" not in row or "loss" not in row:
+                continue
+            if state["first_step_s"] is None:
+                state["first_step_s"] = time.time() - started
+            if row["step"] > 1 or local_ckpt is not None:  # the first step pays for warm-up
+                state["samples"] += cfg.train.global_batch
+                state["seconds"] += row["step_s"]
+            metrics = {
+                "step": row["step"], "loss": row["loss"],
+                "samples_per_s": state["samples"] / state["seconds"] if state["seconds"] else row["samples_per_s"],
+                "bubble": row["bubble"], "layout": cfg.layout(), "first_step_s": state["first_step_s"],
+            }
+            ckpt = tune.Checkpoint.from_directory(row["checkpoint"]) if row.get("checkpoint") else None
+            tune.report(metrics, checkpoint=ckpt)
+
+    pg = ray.util.get_current_placement_group()
+    train(cfg, stream=open(os.devnull, "w"), on_rows=report, placement=(pg, 0))
+
+
+class _TrialLog(tune.Callback):
+    """One line per finished trial, for people watching and for tests waiting on progress."""
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        r = trial.last_result or {}
+        print(f"[raytrain] trial {trial.trial_id} finished: {r.get('layout')} loss={r.get('loss', float('nan')):.4f} "
+              f"samples/s={r.get('samples_per_s', 0):.1f}", flush=True)
+
+
+def _param_space(sweep: SweepConfig) -> dict:
+    space = {key: _domain(key, spec) for key, spec in sweep.space.items()}
+    space["__base__"] = sweep.base
+    return space
+
+
+def _scheduler(sweep: SweepConfig):
+    from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
+
+    steps = build_config(_flatten(sweep.base, "sweep base")).train.steps
+    if sweep.scheduler == "asha":
+        return ASHAScheduler(metric="loss", mode="min", time_attr="step", max_t=steps,
+                             grace_period=sweep.grace_period, reduction_factor=2)
+    if sweep.scheduler == "pbt":
+        return PopulationBasedTraining(metric="loss", mode="min", time_attr="step",
+                                       perturbation_interval=max(1, steps // 4),
+                                       hyperparam_mutations={"train.lr": tune.loguniform(1e-5, 1e-1)})
+    return None
+
+
+def _trainable_for(sweep: SweepConfig):
+    # Resources depend on the trial's layout: Tune asks per trial.
+    return tune.with_resources(
+        raytrain_trainable,
+        lambda params: trial_resources(trial_config(params["__base__"], params)),
+    )
+
+
+def run_sweep(sweep: SweepConfig, resume: Optional[str] = None):
+    """Run (or resume, from an experiment path) a sweep; returns the Tune ResultGrid."""
+    from raytrain.api import ensure_ray
+
+    ensure_ray()
+    cluster = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+    check_layouts(sweep, cluster)
+    if resume is not None:
+        tuner = tune.Tuner.restore(resume, _trainable_for(sweep), resume_unfinished=True, resume_errored=True)
+    else:
+        name = sweep.name or time.strftime("sweep-%Y%m%d-%H%M%S")
+        tuner = tune.Tuner(
+            _trainable_for(sweep),
+            param_space=_param_space(sweep),
+            tune_config=tune.TuneConfig(
+                num_samples=sweep.num_samples, scheduler=_scheduler(sweep),
+                max_concurrent_trials=sweep.max_concurrent_trials,
+                **({} if sweep.scheduler != "none" else {"metric": sweep.metric, "mode": sweep.mode}),
+            ),
+            run_config=tune.RunConfig(name=name, storage_path=os.path.abspath(sweep.storage_path),
+                                      callbacks=[_TrialLog()], verbose=0),
+        )
+    return tuner.fit()
+
+
+# --- results ----------------------------------------------------------------------------------
+
+
+@dataclass
+class TrialRow:
+    trial_id: str
+    layout: str
+    params: dict
+    status: str
+    steps: int
+    loss: float
+    samples_per_s: float
+    first_step_s: float
+
+
+def summarize(grid, sweep: SweepConfig) -> list[TrialRow]:
+    """One row per trial, sorted best first by the sweep's metric."""
+    rows = []
+    for result in grid:
+        m = result.metrics or {}
+        params = {k: v for k, v in (result.config or {}).items() if k != "__base__"}
+        base_steps = build_config(_flatten(sweep.base, "sweep base")).train.steps
+        status = "error" if result.error else ("finished" if m.get("step") == base_steps else "stopped early")
+        rows.append(TrialRow(
+            trial_id=m.get("trial_id", "?"), layout=m.get("layout", "?"), params=params, status=status,
+            steps=m.get("step", 0), loss=m.get("loss", float("nan")), samples_per_s=m.get("samples_per_s", 0.0),
+            first_step_s=m.get("first_step_s") or float("nan"),
+        ))
+    key = (lambda r: r.samples_per_s) if sweep.metric == "samples_per_s" else (lambda r: r.loss)
+    return sorted(rows, key=key, reverse=sweep.mode == "max")
+
+
+def format_table(rows: list[TrialRow]) -> str:
+    lines = [f"{'trial':<12} {'layout':<24} {'status':<14} {'steps':>5} {'loss':>8} {'samples/s':>10} {'first step s':>12}  params"]
+    for r in rows:
+        lines.append(f"{r.trial_id:<12} {r.layout:<24} {r.status:<14} {r.steps:>5} {r.loss:>8.4f} {r.samples_per_s:>10.1f} "
+                     f"{r.first_step_s:>12.1f}  {r.params}")
+    return "\n".join(lines)
+
+
+def write_reports(grid, rows: list[TrialRow], out_dir: str) -> tuple[str, str]:
+    """results.csv (one row per trial) and layouts.png (throughput per layout, loss curves)."""
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    csv_path, png_path = os.path.join(out_dir, "results.csv"), os.path.join(out_dir, "layouts.png")
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["trial_id", "layout", "status", "steps", "loss", "samples_per_s", "first_step_s", "params"])
+        for r in rows:
+            writer.writerow([r.trial_id, r.layout, r.status, r.steps, r.loss, r.samples_per_s, r.first_step_s, r.params])
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [f"{r.layout}\n{r.trial_id}" for r in rows]
+    bars.barh(labels, [r.samples_per_s for r in rows], color="#4C72B0")
+    bars.invert_yaxis()
+    bars.set_xlabel("steady samples/s")
+    bars.set_title("throughput per trial")
+    for result in grid:
+        df = result.metrics_dataframe
+        if df is not None and "loss" in df:
+            curves.plot(df["step"], df["loss"], label=(result.metrics or {}).get("layout", "?"))
+    curves.set_xlabel("step")
+    curves.set_ylabel("loss")
+    curves.set_title("loss per trial")
+    curves.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return csv_path, png_path
