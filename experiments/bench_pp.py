@@ -228,7 +228,10 @@ def main() -> None:
             theory = bubble_formula(PP, m)
             rows = {}
             for kind in ("gpipe", "1f1b"):
-                rows[f"torch.pipelining {kind}"] = run_torch_pipelining(args.steps, args.warmup, m, kind, workdir)
+                if kind == "1f1b" and m < PP:
+                    print(f"{m:>2} torch.pipelining 1f1b  n/a: torch's Schedule1F1B needs microbatches >= stages", flush=True)
+                else:
+                    rows[f"torch.pipelining {kind}"] = run_torch_pipelining(args.steps, args.warmup, m, kind, workdir)
                 rows[f"raytrain {kind}"] = run_raytrain(args.steps, args.warmup, m, kind, workdir)
             rows["naive Ray object refs"] = run_naive_object_refs(args.steps, args.warmup, m)
             for name, r in rows.items():

@@ -36,11 +36,18 @@ class Result:
     metrics: list[dict] = field(default_factory=list, repr=False)
     events: list[dict] = field(default_factory=list, repr=False)
     worker_pids: list[int] = field(default_factory=list, repr=False)
+    final_pids: list[int] = field(default_factory=list, repr=False)
+    committed_steps: list[int] = field(default_factory=list, repr=False)
+    failures: int = 0
+    recovery_s: list[float] = field(default_factory=list)
+    coordinator_restarts: int = 0
 
     def summary(self) -> dict:
         """The JSON object printed as the last line of ``python -m raytrain train``."""
         return {"steps": self.steps, "final_loss": self.final_loss, "samples_per_s": self.samples_per_s,
-                "checkpoint": self.checkpoint, "run_dir": self.run_dir, "layout": self.layout}
+                "checkpoint": self.checkpoint, "run_dir": self.run_dir, "layout": self.layout,
+                "failures": self.failures, "recovery_s": self.recovery_s,
+                "coordinator_restarts": self.coordinator_restarts}
 
 
 def prepare(cfg: Config) -> tuple[Config, str, int, list[list[int]], Optional[str]]:
@@ -154,34 +161,59 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
                  f"global batch {cfg.train.global_batch}, {num_samples} samples; run dir {run_dir}\n")
     pg, first_bundle = placement if placement is not None else (_reserve(cfg), 0)
 
+    restarts = 0
+    try:
+        while True:
+            coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=4).remote(
+                cfg.to_dict(), data_path, num_samples, stages, pg, first_bundle, resume)
+            try:
+                summary = _drive(coordinator, reporter, on_rows)
+                break
+            except ray.exceptions.RayActorError as e:  # the coordinator itself was lost
+                if restarts >= cfg.elastic.coordinator_restarts:
+                    raise
+                restarts += 1
+                resume = checkpoint.latest(cfg.checkpoint.dir) or resume
+                reporter.add([{"event": "coordinator_restarted", "resume_from": resume, "restarts": restarts,
+                               "reason": f"coordinator lost: {str(e).splitlines()[0][:200]}"}])
+            finally:
+                _stop(coordinator)
+    finally:
+        if placement is None:
+            remove_placement_group(pg)
+        reporter.finish()
+    steps = list({r["step"]: r for r in reporter.steps}.values())  # a restart re-runs steps after its checkpoint
+    timed = [r for r in steps[1:] if "step_s" in r]  # the first step pays for warm-up
+    samples_per_s = len(timed) * cfg.train.global_batch / sum(r["step_s"] for r in timed) if timed else 0.0
+    return Result(
+        steps=summary["steps"], final_loss=steps[-1]["loss"] if steps else float("nan"),
+        samples_per_s=samples_per_s, checkpoint=summary["checkpoint"], run_dir=run_dir, layout=cfg.layout(),
+        metrics=steps, events=reporter.events, worker_pids=summary["worker_pids"], final_pids=summary["final_pids"],
+        committed_steps=summary["committed_steps"], failures=summary["failures"], recovery_s=summary["recovery_s"],
+        coordinator_restarts=restarts,
+    )
+
+
+def _drive(coordinator, reporter: RunReporter, on_rows) -> dict:
+    """Run the coordinator to completion, forwarding its metric rows as they come."""
+
     def collect():
         rows = ray.get(coordinator.poll.remote())
         reporter.add(rows)
         if on_rows is not None and rows:
             on_rows(rows)
 
-    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=4).remote(
-        cfg.to_dict(), data_path, num_samples, stages, pg, first_bundle, resume)
-    try:
-        run_ref = coordinator.run.remote()
-        while not ray.wait([run_ref], timeout=POLL_INTERVAL_S)[0]:
-            collect()
-        summary = ray.get(run_ref)
+    run_ref = coordinator.run.remote()
+    while not ray.wait([run_ref], timeout=POLL_INTERVAL_S)[0]:
         collect()
-    finally:
-        try:
-            ray.get(coordinator.shutdown.remote(), timeout=30)
-        except ray.exceptions.RayError:
-            pass
-        ray.kill(coordinator, no_restart=True)
-        if placement is None:
-            remove_placement_group(pg)
-        reporter.finish()
-    steps = reporter.steps
-    steady = steps[1:] or steps  # the first step pays for warm-up
-    samples_per_s = len(steady) * cfg.train.global_batch / sum(r["step_s"] for r in steady) if steady else 0.0
-    return Result(
-        steps=summary["steps"], final_loss=steps[-1]["loss"] if steps else float("nan"),
-        samples_per_s=samples_per_s, checkpoint=summary["checkpoint"], run_dir=run_dir, layout=cfg.layout(),
-        metrics=steps, events=reporter.events, worker_pids=summary["worker_pids"],
-    )
+    summary = ray.get(run_ref)
+    collect()
+    return summary
+
+
+def _stop(coordinator) -> None:
+    try:
+        ray.get(coordinator.shutdown.remote(), timeout=30)
+    except ray.exceptions.RayError:
+        pass  # already gone: its workers went with it
+    ray.kill(coordinator, no_restart=True)

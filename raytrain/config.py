@@ -147,9 +147,27 @@ class CheckpointConfig:
 @dataclass
 class ElasticConfig:
     min_dp: Optional[int] = None
-    """Fewest data-parallel replicas the run may shrink to (elastic training)."""
+    """Fewest replicas the run may shrink to after losing workers (default parallel.dp: replace, never shrink)."""
     max_dp: Optional[int] = None
-    """Most data-parallel replicas the run may grow to (elastic training)."""
+    """Replicas the run grows back to when capacity returns (default, and at most, parallel.dp)."""
+    detect_timeout_s: float = 60.0
+    """A collective stuck this long on a silent peer fails, so the peer is declared lost."""
+    wait_s: float = 60.0
+    """Below min_dp, how long to wait for capacity before failing (the last checkpoint stays intact)."""
+    max_failures: int = 20
+    """Give up after this many repairs in one run."""
+    coordinator_restarts: int = 3
+    """Times the driver restarts a lost coordinator (it resumes from the last committed checkpoint)."""
+    faults: list = field(default_factory=list)
+    """Fault injection for chaos runs and tests: 'replica:stage@step:phase' (see raytrain.faults)."""
+
+    def __post_init__(self):
+        from raytrain.faults import Fault
+
+        for text in self.faults:
+            Fault.parse(str(text))
+        if self.detect_timeout_s <= 0 or self.wait_s <= 0:
+            raise ValueError("elastic.detect_timeout_s and elastic.wait_s must be > 0")
 
 
 @dataclass
@@ -223,10 +241,12 @@ class Config:
                     f"parallel.split_points={p.split_points} out of range: cuts must lie in 1..{n_layers - 1}"
                 )
         e = self.elastic
-        if (e.min_dp is not None and e.min_dp != p.dp) or (e.max_dp is not None and e.max_dp != p.dp):
+        if e.min_dp is not None and not 1 <= e.min_dp <= p.dp:
+            raise ValueError(f"elastic.min_dp={e.min_dp} must lie in 1..parallel.dp={p.dp}")
+        if e.max_dp is not None and e.max_dp != p.dp:
             raise ValueError(
-                "elastic.min_dp / elastic.max_dp are not yet supported (elastic resizing is a planned "
-                "feature); remove them or set both equal to parallel.dp"
+                f"elastic.max_dp={e.max_dp}: growing beyond the starting size is not supported yet; set "
+                f"parallel.dp={e.max_dp} (the run starts there and grows back to it) and elastic.min_dp lower"
             )
 
     # --- public helpers -------------------------------------------------------------------------

@@ -1,32 +1,69 @@
 """The actor that owns a run: starts the workers in a placement group, forms their process groups,
-drives the steps, aggregates metrics and publishes checkpoints.
+drives the steps, aggregates metrics, publishes checkpoints, and repairs the run in place.
 
 It sends one small message per worker per step (``run_step(step)``) and gets metrics back; no tensor
 passes through it. The driver polls ``poll()`` for new metric rows while ``run()`` executes.
+
+Repair (DESIGN invariants 3 and 4): when a worker is lost, survivors are not restarted. They agree
+on the last committed step (rolling forward a step that every worker voted for), broken replicas
+are dropped (their surviving workers wait as spares), the process groups are re-formed among the
+remaining replicas under a new generation, and the global batch is divided among them. A
+replacement worker is started on the lost worker's bundle; when it is up (immediately if the node
+lives, once capacity returns otherwise) it joins at a step boundary and receives its stage's state
+by broadcast from a live peer. Only when some stage has no up-to-date worker left does the run
+reload its last checkpoint, and it says so.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raytrain import checkpoint
+from raytrain import checkpoint, data
 from raytrain.config import Config, config_from_dict
 from raytrain.data import even_shares
+from raytrain.faults import FaultPlan
 from raytrain.mesh import Mesh
 from raytrain.worker import StageWorker
 
 SETUP_TIMEOUT_S = 300.0
 """Bound on worker start-up and process-group formation."""
+CAPACITY_POLL_S = 1.0
+"""How often a run below elastic.min_dp checks whether replacements have started."""
 
 
 class StepFailed(RuntimeError):
-    """A step did not complete on every worker (a worker died, raised, or timed out)."""
+    """A step failed for a reason other than a lost worker (a bug, bad data): not repairable."""
+
+
+class CapacityLost(RuntimeError):
+    """Fewer than elastic.min_dp replicas could be formed within elastic.wait_s."""
+
+
+class WorkersLost(Exception):
+    """Internal: these members died during an operation."""
+
+    def __init__(self, dead: list["Member"]):
+        super().__init__(f"{len(dead)} worker(s) lost")
+        self.dead = dead
+
+
+@dataclass(eq=False)
+class Member:
+    """A worker actor, the stage it hosts for life, the bundle it occupies and its progress."""
+
+    handle: Any
+    stage: int
+    bundle: int
+    ready: Any = None  # ObjectRef of pid(): resolves once the actor is up
+    pid: Optional[int] = None
+    committed: int = 0
 
 
 class Coordinator:
@@ -39,13 +76,23 @@ class Coordinator:
         self.placement, self.first_bundle = placement, first_bundle
         self.resume_from = resume_from
         self.worker_cls = ray.remote(worker_cls) if not hasattr(worker_cls, "remote") else worker_cls
-        self.mesh = Mesh(self.cfg.parallel.dp, self.cfg.parallel.pp)
-        self.workers: list[Any] = []
-        self.generation = 0
+        self.pp = self.cfg.parallel.pp
+        self.target_dp = self.cfg.elastic.max_dp or self.cfg.parallel.dp
+        self.min_dp = self.cfg.elastic.min_dp or self.cfg.parallel.dp
+        self.replicas: list[list[Member]] = []  # the current generation: replicas[r][stage]
+        self.spares: list[Member] = []  # live workers outside the generation
+        self.pending: list[Member] = []  # replacements still starting
+        self.generation = -1
+        self.mesh = Mesh(self.cfg.parallel.dp, self.pp)
+        self.faults = list(self.cfg.elastic.faults)
         self._rows: list[dict] = []
         self._lock = threading.Lock()
         self._store = None
-        self.last_checkpoint: Optional[str] = None
+        self.last_checkpoint: Optional[str] = resume_from
+        self.committed_steps: list[int] = []
+        self.failures = 0
+        self.recovery_s: list[float] = []
+        self.original_pids: list[int] = []
 
     # --- driver-facing ----------------------------------------------------------------------------
 
@@ -57,76 +104,295 @@ class Coordinator:
 
     def run(self) -> dict:
         """Train to ``train.steps``; returns the summary. Raises on an unrecoverable failure."""
-        self._start_workers()
-        start_step = 0
-        if self.resume_from is not None:
-            start_step = checkpoint.read_manifest(self.resume_from)["step"]
-            ray.get([w.load.remote(self.resume_from) for w in self.workers], timeout=SETUP_TIMEOUT_S)
-            self._emit({"event": "resumed", "from": self.resume_from, "step": start_step})
+        step = self._start()
         every = self.cfg.checkpoint.every
-        for step in range(start_step, self.cfg.train.steps):
-            row = self._run_step(step)
-            done = step + 1
-            if (every and done % every == 0) or done == self.cfg.train.steps:
-                row["checkpoint"] = self._checkpoint(done)
+        while step < self.cfg.train.steps:
+            self._maybe_grow(step)
+            try:
+                row = self._run_step(step)
+            except WorkersLost as lost:
+                step = self._repair(step, lost.dead)
+                continue
+            step += 1
+            if (every and step % every == 0) or step == self.cfg.train.steps:
+                row["checkpoint"] = self._checkpoint_with_repair(step)
             self._emit(row)
-        return {"steps": self.cfg.train.steps, "checkpoint": self.last_checkpoint, "start_step": start_step,
-                "worker_pids": self.worker_pids}
+        return {"steps": self.cfg.train.steps, "checkpoint": self.last_checkpoint,
+                "worker_pids": self.original_pids, "final_pids": self.pids(), "committed_steps": self.committed_steps,
+                "failures": self.failures, "recovery_s": self.recovery_s, "final_layout": self.layout()}
+
+    def pids(self) -> list[int]:
+        return [m.pid for rep in self.replicas for m in rep]
+
+    def layout(self) -> str:
+        return f"dp={len(self.replicas)} pp={self.pp}"
 
     def shutdown(self) -> None:
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
-        self.workers = []
+        for m in self._members() + self.spares + self.pending:
+            ray.kill(m.handle, no_restart=True)
+        self.replicas, self.spares, self.pending = [], [], []
 
-    # --- internals ---------------------------------------------------------------------------------
+    # --- start ------------------------------------------------------------------------------------
 
     def _emit(self, row: dict) -> None:
         with self._lock:
             self._rows.append(row)
 
-    def _start_workers(self) -> None:
-        cfg = self.cfg
-        resources = {"num_cpus": cfg.resources.cpus_per_worker, "num_gpus": 1 if cfg.resources.use_gpu else 0}
-        self.workers = [
-            self.worker_cls.options(
-                **resources,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement, placement_group_bundle_index=self.first_bundle + rank),
-            ).remote(self.config_dict, self.data_path, self.num_samples)
-            for rank in range(self.mesh.world_size)
-        ]
-        # Import torch only now, while the workers import theirs: the store outlives any worker.
+    def _members(self) -> list[Member]:
+        return [m for rep in self.replicas for m in rep]
+
+    def _spawn(self, stage: int, bundle: int) -> Member:
+        handle = self.worker_cls.options(
+            num_cpus=self.cfg.resources.cpus_per_worker, num_gpus=1 if self.cfg.resources.use_gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=bundle),
+        ).remote(self.config_dict, self.data_path, self.num_samples, stage, self.stage_layers[stage])
+        return Member(handle, stage, bundle, ready=handle.pid.remote())
+
+    def _start(self) -> int:
+        dp = self.cfg.parallel.dp
+        members = [self._spawn(s, self.first_bundle + r * self.pp + s) for r in range(dp) for s in range(self.pp)]
+        # Import torch only now, while the workers import theirs; the store outlives any worker.
         import torch.distributed as dist
 
         host = ray.util.get_node_ip_address()
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        shares = even_shares(cfg.train.global_batch, self.mesh.dp)
-        infos = ray.get(
-            [w.setup.remote(rank, self.mesh, self.stage_layers, shares, (host, self._store.port), self.generation)
-             for rank, w in enumerate(self.workers)],
-            timeout=SETUP_TIMEOUT_S,
-        )
-        self.worker_pids = [info["pid"] for info in infos]
-        self._emit({"event": "started", "layout": cfg.layout(), "workers": infos, "generation": self.generation})
+        self._store = (dist.TCPStore(host, 0, is_master=True, wait_for_workers=False), host)
+        pids = ray.get([m.ready for m in members], timeout=SETUP_TIMEOUT_S)
+        for m, pid in zip(members, pids):
+            m.pid = pid
+        self.original_pids = pids
+        self.replicas = [members[r * self.pp:(r + 1) * self.pp] for r in range(dp)]
+        start = 0
+        if self.resume_from is not None:
+            ray.get([m.handle.load.remote(self.resume_from) for m in members], timeout=SETUP_TIMEOUT_S)
+            start = checkpoint.read_manifest(self.resume_from)["step"]
+            for m in members:
+                m.committed = start
+            self._emit({"event": "resumed", "from": self.resume_from, "step": start})
+        self._form_generation(start)
+        self._emit({"event": "started", "layout": self.cfg.layout(), "generation": self.generation,
+                    "pids": self.original_pids})
+        return start
+
+    # --- generations ------------------------------------------------------------------------------
+
+    def _form_generation(self, step: int) -> None:
+        """Re-form the process groups over ``self.replicas`` and bring every member to ``step``."""
+        self.generation += 1
+        self.mesh = Mesh(len(self.replicas), self.pp)
+        shares = even_shares(self.cfg.train.global_batch, self.mesh.dp)
+        store, host = self._store
+        members = [(self.mesh.rank(r, m.stage), m) for r, rep in enumerate(self.replicas) for m in rep]
+        self._call_all([(m, m.handle.join.remote(rank, self.mesh, shares, (host, store.port), self.generation,
+                                                 self.faults)) for rank, m in members])
+        behind = [m for _, m in members if m.committed != step]
+        if behind:
+            sources = {}
+            for rank, m in members:
+                if m.committed == step:
+                    sources.setdefault(m.stage, rank)
+            assert len(sources) == self.pp, "a stage without an up-to-date member must reload a checkpoint first"
+            self._call_all([(m, m.handle.sync_state.remote(sources[m.stage])) for _, m in members])
+            for _, m in members:
+                m.committed = step
+
+    def _call_all(self, calls: list[tuple[Member, Any]], timeout: float = SETUP_TIMEOUT_S) -> list:
+        """ray.get every call; raise WorkersLost naming the members whose actor died.
+
+        A live member whose call failed because a peer died (a collective that lost its peer) is
+        not an error of its own: with any member dead, the caller repairs and retries.
+        """
+        results, dead, errors = [], [], []
+        for m, ref in calls:
+            try:
+                results.append(ray.get(ref, timeout=timeout))
+            except ray.exceptions.RayActorError:
+                dead.append(m)
+                results.append(None)
+            except ray.exceptions.RayTaskError as e:
+                errors.append(e)
+                results.append(None)
+        if dead:
+            raise WorkersLost(dead)
+        if errors:
+            raise errors[0]
+        return results
+
+    # --- one step ---------------------------------------------------------------------------------
 
     def _run_step(self, step: int) -> dict:
         trace = step < self.cfg.run.trace_steps
+        members = self._members()
         t0 = time.perf_counter()
-        refs = [w.run_step.remote(step, trace) for w in self.workers]
+        refs = [m.handle.run_step.remote(step, trace) for m in members]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.resources.step_timeout_s)
+        results, dead = [], []
+        for m, ref in zip(members, refs):
+            if ref not in ready:  # silent for longer than a step may take: treat as lost
+                ray.kill(m.handle, no_restart=True)
+                dead.append(m)
+                continue
+            try:
+                results.append((m, ray.get(ref)))
+            except ray.exceptions.RayActorError:
+                dead.append(m)
+            except ray.exceptions.RayTaskError as e:
+                raise StepFailed(f"step {step} raised on a worker of stage {m.stage} (layout {self.layout()}): {e}") from e
+        for m, r in results:
+            m.committed = r["committed"]
+        if dead:
+            self._failed_results = results
+            raise WorkersLost(dead)
+        failed = [r for _, r in results if not r["ok"]]
+        if failed:
+            raise StepFailed(f"step {step} failed with every worker alive (layout {self.layout()}): {failed[0]['error']}")
+        self.committed_steps.append(step)
+        return aggregate_step(step, [r for _, r in results], time.perf_counter() - t0, self.cfg, self.mesh, self.layout())
+
+    # --- repair -----------------------------------------------------------------------------------
+
+    def _repair(self, step: int, dead: list[Member], during: str = "step") -> int:
+        """Bring the run back after losing ``dead`` during ``step`` (or its checkpoint); returns the next step."""
+        t_detect = time.perf_counter()
+        self.failures += 1
+        if self.failures > self.cfg.elastic.max_failures:
+            raise CapacityLost(f"gave up after {self.failures - 1} repairs (elastic.max_failures)")
+        results = getattr(self, "_failed_results", [])
+        self._failed_results = []
+        dead_slots = [(r, m.stage) for r, rep in enumerate(self.replicas) for m in rep if m in dead]
+        # Commit agreement: a survivor that stepped proves every worker voted; roll the rest forward.
+        next_step = step
+        if any(r["committed"] == step + 1 for _, r in results):
+            prepared = [(m, m.handle.commit_prepared.remote(step)) for m, r in results if r["committed"] == step]
+            try:
+                for (m, _), committed in zip(prepared, self._call_all(prepared)):
+                    m.committed = committed
+            except WorkersLost as more:
+                dead = dead + more.dead
+            next_step = step + 1
+            self.committed_steps.append(step)
+            self._emit(rolled_forward_row(step, [r for _, r in results], self.cfg, self.mesh, self.num_samples))
+        retried = None if next_step > step else step
+        self.faults = FaultPlan.remaining(self.faults, step)  # fired, or moot: slots are renumbered now
+        next_step = self._rebuild(dead, next_step)
+        seconds = time.perf_counter() - t_detect
+        self.recovery_s.append(round(seconds, 3))
+        self._emit({"event": "repair", "during": during, "step": step,
+                    "lost": [f"replica {r} stage {s}" for r, s in dead_slots],
+                    "rolled_forward": next_step > step and retried is None, "retrying_step": retried,
+                    "new_layout": self.layout(), "generation": self.generation, "repair_s": round(seconds, 3),
+                    "pending_replacements": len(self.pending),
+                    "reason": "lost worker(s); survivors kept, groups re-formed, batch re-divided"})
+        return next_step
+
+    def _rebuild(self, dead: list[Member], step: int) -> int:
+        """Drop broken replicas, start replacements, wait for min_dp, re-form; retried if more die."""
+        for attempt in range(self.cfg.elastic.max_failures):
+            for m in dead:
+                self.pending.append(self._spawn(m.stage, m.bundle))
+            dead_set = set(map(id, dead))
+            kept, broken = [], []
+            for rep in self.replicas:
+                (broken if any(id(m) in dead_set for m in rep) else kept).append(rep)
+            self.spares = [m for m in self.spares if id(m) not in dead_set]
+            self.spares += [m for rep in broken for m in rep if id(m) not in dead_set]
+            for m in self.spares:
+                m.handle.leave.remote()
+            self.replicas = kept
+            self._collect_ready(wait_s=0)
+            deadline = time.monotonic() + self.cfg.elastic.wait_s
+            while len(self.replicas) < self.min_dp and time.monotonic() < deadline:
+                self._collect_ready(wait_s=CAPACITY_POLL_S)
+            if len(self.replicas) < self.min_dp:
+                raise CapacityLost(
+                    f"only {len(self.replicas)} replica(s) could be formed after losing workers, fewer than "
+                    f"elastic.min_dp={self.min_dp}, and no capacity returned within elastic.wait_s="
+                    f"{self.cfg.elastic.wait_s:g}s; the last checkpoint ({self.last_checkpoint}) is intact")
+            try:
+                step = self._maybe_reload(step)
+                self._form_generation(step)
+                return step
+            except WorkersLost as more:  # a failure during repair: repair again
+                self.failures += 1
+                self.faults = FaultPlan.remaining(self.faults, step, keep_join=False)
+                self._emit({"event": "repair_failed", "step": step, "lost": len(more.dead),
+                            "reason": "lost worker(s) while re-forming groups; repairing again"})
+                dead = more.dead
+        raise CapacityLost("repairs keep failing (elastic.max_failures)")
+
+    def _collect_ready(self, wait_s: float) -> None:
+        """Move started replacements to the spares, and form replicas from spares up to target_dp."""
+        if self.pending:
+            ready, _ = ray.wait([m.ready for m in self.pending], num_returns=len(self.pending), timeout=wait_s)
+            for m in [m for m in self.pending if m.ready in ready]:
+                self.pending.remove(m)
+                try:
+                    m.pid = ray.get(m.ready)
+                except ray.exceptions.RayActorError:
+                    self.pending.append(self._spawn(m.stage, m.bundle))
+                    continue
+                self.spares.append(m)
+        while len(self.replicas) < self.target_dp:
+            by_stage = [[m for m in self.spares if m.stage == s] for s in range(self.pp)]
+            if not all(by_stage):
+                break
+            # Prefer spares that are up to date: they can be a stage's sync source.
+            replica = [max(cands, key=lambda m: m.committed) for cands in by_stage]
+            for m in replica:
+                self.spares.remove(m)
+            self.replicas.append(replica)
+
+    def _maybe_reload(self, step: int) -> int:
+        """If some stage has no member at ``step``, every member reloads the last checkpoint."""
+        up_to_date = {m.stage for m in self._members() if m.committed == step}
+        if len(up_to_date) == self.pp:
+            return step
+        if self.last_checkpoint is None:
+            raise CapacityLost(f"stage(s) {sorted(set(range(self.pp)) - up_to_date)} lost every replica and "
+                               "there is no checkpoint to reload; set checkpoint.every")
+        members = self._members()
+        self._call_all([(m, m.handle.load.remote(self.last_checkpoint)) for m in members])
+        reloaded = checkpoint.read_manifest(self.last_checkpoint)["step"]
+        for m in members:
+            m.committed = reloaded
+        self.committed_steps = [s for s in self.committed_steps if s < reloaded]
+        self._emit({"event": "reload", "from": self.last_checkpoint, "step": reloaded, "steps_lost": step - reloaded,
+                    "reason": "a pipeline stage lost every replica: its state survives only in the checkpoint"})
+        return reloaded
+
+    def _maybe_grow(self, step: int) -> None:
+        """At a step boundary: bring started replacements in, up to the target replica count."""
+        if len(self.replicas) >= self.target_dp or not (self.pending or self.spares):
+            return
+        before = len(self.replicas)
+        self._collect_ready(wait_s=0)
+        if len(self.replicas) == before:
+            return
+        t0 = time.perf_counter()
         try:
-            results = ray.get(refs, timeout=self.cfg.resources.step_timeout_s)
-        except (ray.exceptions.RayError, TimeoutError) as e:
-            raise StepFailed(f"step {step} failed on layout {self.cfg.layout()}: {e}") from e
-        wall = time.perf_counter() - t0
-        return aggregate_step(step, results, wall, self.cfg, self.mesh)
+            self._form_generation(step)
+        except WorkersLost as lost:
+            self._rebuild(lost.dead, step)
+        self._emit({"event": "grow", "step": step, "new_layout": self.layout(), "generation": self.generation,
+                    "grow_s": round(time.perf_counter() - t0, 3)})
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def _checkpoint_with_repair(self, step: int) -> str:
+        for _ in range(self.cfg.elastic.max_failures):
+            try:
+                return self._checkpoint(step)
+            except WorkersLost as lost:
+                resumed = self._repair(step, lost.dead, during="checkpoint")
+                assert resumed == step, "a checkpoint repair that reloads an older checkpoint is not handled"
+        raise CapacityLost(f"could not write the checkpoint of step {step}")
 
     def _checkpoint(self, step: int) -> str:
         """Save every stage's shard, publish the manifest; returns the checkpoint's path."""
         base = self.cfg.checkpoint.dir
         ckpt_dir = checkpoint.step_dir(base, step)
         t0 = time.perf_counter()
-        savers = [self.workers[self.mesh.rank(0, s)] for s in range(self.mesh.pp)]
-        shards = ray.get([w.save.remote(ckpt_dir) for w in savers], timeout=SETUP_TIMEOUT_S)
+        savers = self.replicas[0]
+        shards = self._call_all([(m, m.handle.save.remote(ckpt_dir)) for m in savers])
         checkpoint.publish(ckpt_dir, {
             "step": step,
             "samples_seen": step * self.cfg.train.global_batch,
@@ -140,7 +406,7 @@ class Coordinator:
         return ckpt_dir
 
 
-def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, mesh: Mesh) -> dict:
+def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, mesh: Mesh, layout: str) -> dict:
     """One metrics.jsonl row from every worker's report of a step."""
     B = cfg.train.global_batch
     last_stage = [r for r in results if mesh.coords(r["rank"])[1] == mesh.pp - 1]
@@ -162,10 +428,25 @@ def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, m
         "bubble": sum(bubbles) / len(bubbles),
         "peak_live_activations": {str(r["rank"]): r["peak_live"] for r in results},
         "peak_mem_mb": {str(r["rank"]): round(r["peak_mem_mb"], 1) for r in results},
-        "layout": cfg.layout(),
+        "layout": layout,
     }
     if any("events" in r for r in results):
         row["events"] = {str(r["rank"]): r["events"] for r in results if "events" in r}
     if cfg.run.record_samples:
         row["sample_ids"] = [i for r in sorted(results, key=lambda r: r["rank"]) for i in r.get("sample_ids", [])]
+    return row
+
+
+def rolled_forward_row(step: int, results: list[dict], cfg: Config, mesh: Mesh, num_samples: int) -> dict:
+    """The row of a step committed by roll-forward: every worker voted for it, some died before replying.
+
+    Its loss is known only if the last stage of every replica survived; its samples are the whole
+    global batch of the step (every replica had finished its slice before the vote).
+    """
+    B = cfg.train.global_batch
+    last = [r for r in results if mesh.coords(r["rank"])[1] == mesh.pp - 1 and "loss_sum" in r]
+    row = {"step": step + 1, "loss": sum(r["loss_sum"] for r in last) / B if len(last) == mesh.dp else None,
+           "rolled_forward": True, "time": time.time()}
+    if cfg.run.record_samples:
+        row["sample_ids"] = data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
     return row

@@ -56,6 +56,12 @@ class GradientBuckets:
         self.buffers.append(buffer)
         self._sizes.append(len(params))
 
+    def detach_group(self) -> None:
+        """Forget the group and any collective in flight (the group is being torn down)."""
+        self.group = None
+        self._works = {}
+        self._armed = False
+
     def zero(self) -> None:
         """Zero every gradient in place (never set to None: the views must stay)."""
         for b in self.buffers:

@@ -41,7 +41,7 @@ class RunReporter:
             else:
                 self.steps.append(row)
         self._metrics.flush()
-        if self.steps and rows:
+        if self.steps and rows and self.steps[-1].get("loss") is not None and "samples_per_s" in self.steps[-1]:
             self._progress(self.steps[-1])
 
     def _progress(self, row: dict) -> None:
@@ -80,7 +80,8 @@ def plot_loss(steps: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=1.5)
+    known = [r for r in steps if r.get("loss") is not None]
+    ax.plot([r["step"] for r in known], [r["loss"] for r in known], lw=1.5)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title(f"raytrain {title}")

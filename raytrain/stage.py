@@ -1,13 +1,24 @@
 """One pipeline stage of one data-parallel replica: its layers, optimizer, data slice and executor.
 
-Hosted by the ``StageWorker`` actor (raytrain.worker). Contract: ``setup`` (collective over all
-workers) -> optional ``load`` -> ``run_step(step)`` for every step in order -> ``save`` on replica 0
-of each stage when asked. Tensors only move through torch.distributed: activations and their
-gradients point-to-point between neighbouring stages, gradients all-reduced in the stage's dp group.
+Hosted by the ``StageWorker`` actor (raytrain.worker). A worker's stage is fixed for its life; its
+place in the grid is not. Contract: ``join`` a generation (collective over its members) -> optional
+``load`` or ``sync_state`` -> ``run_step(step)`` for every step in order -> ``save`` on replica 0 of
+each stage when asked. After a failure the coordinator may ``commit_prepared`` and call ``join``
+again with a new generation; the worker keeps its parameters and optimizer state in memory.
+
+Commit protocol (DESIGN invariant 4): a step's optimizer update happens only after every worker of
+the generation has reduced and clipped its gradients and said so in a world-wide vote. A worker
+whose vote failed keeps its prepared gradients; if any survivor committed, the vote had every
+worker's consent, and the coordinator rolls the others forward with ``commit_prepared``.
+
+Tensors only move through torch.distributed: activations and their gradients point-to-point
+between neighbouring stages, gradients all-reduced in the stage's dp group, state broadcast from a
+live peer to new members.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import time
@@ -19,6 +30,7 @@ from torch import nn
 
 from raytrain import checkpoint, data, schedule
 from raytrain.config import Config, config_from_dict
+from raytrain.faults import FaultPlan
 from raytrain.gradsync import GradientBuckets
 from raytrain.mesh import Mesh, init_groups
 from raytrain.model import build_model
@@ -31,49 +43,113 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 class Stage:
     """The layers of one stage of one replica, and how to train them; see the module docstring."""
 
-    def __init__(self, config: dict, data_path: str, num_samples: int):
-        self.cfg: Config = config_from_dict(config)
-        self.data_path = data_path
-        self.num_samples = num_samples
-        torch.set_num_threads(self.cfg.resources.cpus_per_worker)
-        self.device = torch.device("cuda", 0) if self.cfg.resources.use_gpu else torch.device("cpu")
-
-    # --- setup ---------------------------------------------------------------------------------
-
-    def setup(self, rank: int, mesh: Mesh, stage_layers: list[list[int]], shares: list[int],
-              store: tuple[str, int], generation: int) -> dict:
-        cfg = self.cfg
-        self.mesh, self.rank = mesh, rank
-        self.replica, self.stage = mesh.coords(rank)
-        self.num_stages = mesh.pp
-        self.is_first, self.is_last = self.stage == 0, self.stage == mesh.pp - 1
-        backend = "nccl" if cfg.resources.use_gpu else "gloo"
+    def __init__(self, config: dict, data_path: str, num_samples: int, stage: int, layer_ids: list[int]):
+        cfg = self.cfg = config_from_dict(config)
+        self.data_path, self.num_samples = data_path, num_samples
+        torch.set_num_threads(cfg.resources.cpus_per_worker)
+        self.device = torch.device("cuda", 0) if cfg.resources.use_gpu else torch.device("cpu")
         if cfg.resources.use_gpu:
             torch.cuda.set_device(self.device)
-        self.groups = init_groups(mesh, rank, store[0], store[1], generation, backend, cfg.resources.step_timeout_s)
-
-        spec = build_model(cfg.model, cfg.train.seed, stage_layers[self.stage])
+        self.stage = stage
+        spec = build_model(cfg.model, cfg.train.seed, layer_ids)
         self.module = nn.Sequential(*spec.layers).to(self.device)
         self.loss_fn = spec.loss_fn
         self.param_names = spec.param_names()
         self.params = list(self.module.parameters())
-        self.grads = GradientBuckets(self.params, self.groups.dp_group)
+        self.grads = GradientBuckets(self.params, None)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.dataset = None
+        self.committed = 0  # steps applied so far; the next step to run
+        self.prepared: Optional[int] = None  # a step whose gradients are reduced but not yet applied
+        self.faults = FaultPlan([])
+        self.generation: Optional[int] = None
+        self.groups = None
 
+    # --- membership ------------------------------------------------------------------------------
+
+    def join(self, rank: int, mesh: Mesh, shares: list[int], store: tuple[str, int], generation: int,
+             faults: list[str]) -> dict:
+        """Leave the previous generation's groups (if any) and form ``generation``'s (collective)."""
+        cfg = self.cfg
+        self.leave()
+        self.mesh, self.rank = mesh, rank
+        self.replica, stage = mesh.coords(rank)
+        assert stage == self.stage, f"worker of stage {self.stage} placed at stage {stage}"
+        self.is_first, self.is_last = self.stage == 0, self.stage == mesh.pp - 1
+        self.faults = FaultPlan(faults)
+        if generation > 0:
+            self.faults.maybe_fire(self.replica, self.stage, self.committed, "join")
+        backend = "nccl" if cfg.resources.use_gpu else "gloo"
+        self.groups = init_groups(mesh, rank, store[0], store[1], generation, backend, cfg.elastic.detect_timeout_s)
+        self.generation = generation
+        self.grads.group = self.groups.dp_group
         self.share = shares[self.replica]
         self.batch_offset = sum(shares[: self.replica])
         self.mb_bounds = data.microbatch_bounds(self.share, cfg.parallel.microbatches)
         self.plan = schedule.build_plan(cfg.parallel.schedule, mesh.pp, cfg.parallel.microbatches)[self.stage]
-        self.dataset = (data.TokenDataset(self.data_path, cfg.data.column, cfg.model.seq_len)
-                        if self.is_first or self.is_last else None)
+        if self.dataset is None and (self.is_first or self.is_last):
+            self.dataset = data.TokenDataset(self.data_path, cfg.data.column, cfg.model.seq_len)
         self.prev_rank = mesh.rank(self.replica, self.stage - 1) if not self.is_first else None
         self.next_rank = mesh.rank(self.replica, self.stage + 1) if not self.is_last else None
         self.input_tail, self.input_dtype = self._exchange_shapes()
         return {"rank": rank, "pid": os.getpid(), "params": sum(p.numel() for p in self.params),
-                "node": os.uname().nodename}
+                "node": os.uname().nodename, "committed": self.committed}
+
+    def leave(self) -> None:
+        """Drop this worker's process groups (after a failure they may be broken); state stays.
+
+        Every reference to the groups goes, so their connections really close and peers blocked in
+        a collective with this worker fail at once rather than at the timeout.
+        """
+        self.groups = None
+        self.grads.detach_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        else:
+            # An init_process_group that failed (its peer died during a repair) leaves torch's
+            # process-global group-name counter advanced, and only destroy_process_group (which
+            # needs a successful init) resets it. Group names key the store, so a stale counter would
+            # make this worker wait under different keys than its peers. No public API does this.
+            dist.distributed_c10d._world.group_count = 0
+        gc.collect()
+        self.generation = None
+
+    def status(self) -> dict:
+        return {"committed": self.committed, "prepared": self.prepared, "pid": os.getpid()}
+
+    def commit_prepared(self, step: int) -> int:
+        """Roll forward: apply the prepared update of ``step`` (every worker voted for it)."""
+        if self.prepared == step and self.committed == step:
+            self.optimizer.step()
+            self.committed, self.prepared = step + 1, None
+        return self.committed
+
+    def sync_state(self, src_rank: int) -> int:
+        """Broadcast parameters, optimizer state and step count from ``src_rank`` to this stage's dp group."""
+        group = self.groups.dp_group
+        if group is None:
+            return self.committed
+        self._ensure_optimizer_state()
+        with torch.no_grad():
+            for p in self.params:
+                dist.broadcast(p.data, src=src_rank, group=group)
+                state = self.optimizer.state[p]
+                for key in sorted(state):
+                    dist.broadcast(state[key], src=src_rank, group=group)
+            count = torch.tensor([self.committed], dtype=torch.long, device=self.device)
+            dist.broadcast(count, src=src_rank, group=group)
+        self.committed, self.prepared = int(count), None
+        return self.committed
+
+    def _ensure_optimizer_state(self) -> None:
+        """Give a fresh optimizer AdamW's state tensors so a broadcast can fill them in place."""
+        for p in self.params:
+            if not self.optimizer.state[p]:
+                self.optimizer.state[p].update(step=torch.zeros((), dtype=torch.float32),
+                                               exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
     def _exchange_shapes(self) -> tuple[Optional[tuple[int, ...]], Optional[torch.dtype]]:
-        """Learn the per-sample shape of this stage's input from the previous stage, once."""
+        """Learn the per-sample shape of this stage's input from the previous stage."""
         tail = dtype = None
         if self.is_first:
             example = torch.zeros(1, self.cfg.model.seq_len, dtype=torch.long, device=self.device)
@@ -98,7 +174,30 @@ class Stage:
     # --- one step ---------------------------------------------------------------------------------
 
     def run_step(self, step: int, trace: bool = False) -> dict[str, Any]:
-        """Forward and backward every micro-batch by the plan, all-reduce, clip, and step AdamW."""
+        """Run ``step``; returns its metrics with ``ok``. A failed collective returns ``ok=False``."""
+        assert step == self.committed, f"asked for step {step} but {self.committed} steps are committed"
+        result = {"rank": self.rank, "step": step}
+        try:
+            result.update(self._prepare(step, trace))
+            self.prepared = step
+            vote = torch.ones(1, device=self.device)
+            dist.all_reduce(vote)  # world-wide: everyone reduced and clipped, so everyone may step
+            self.faults.maybe_fire(self.replica, self.stage, step, "optimizer")
+            t0 = time.perf_counter()
+            self.optimizer.step()
+            self.committed, self.prepared = step + 1, None
+            result["wall_s"] += time.perf_counter() - t0
+            result["ok"] = True
+        except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
+            result.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+            # Close our connections now: peers blocked on us (not on the dead worker) fail at once
+            # instead of waiting out elastic.detect_timeout_s. State stays; groups re-form on join.
+            self.leave()
+        result.update(committed=self.committed, prepared=self.prepared)
+        return result
+
+    def _prepare(self, step: int, trace: bool) -> dict[str, Any]:
+        """Forward and backward every micro-batch by the plan, all-reduce and clip: all but the update."""
         cfg = self.cfg
         B = cfg.train.global_batch
         t_start = time.perf_counter()
@@ -116,6 +215,8 @@ class Stage:
         loss_sum = torch.zeros((), device=self.device)
         busy_s, peak_live, events = 0.0, 0, []
         last_backward = max(i for i, a in enumerate(self.plan) if a.kind == schedule.BACKWARD)
+        self.faults.maybe_fire(self.replica, self.stage, step, "forward")
+        seen_backward = False
 
         for i, action in enumerate(self.plan):
             lo, hi = self.mb_bounds[action.mb]
@@ -142,6 +243,9 @@ class Stage:
                 dist.recv(grad, src=self.next_rank)
                 out_grads[action.mb] = grad
             elif kind == schedule.BACKWARD:
+                if not seen_backward:
+                    self.faults.maybe_fire(self.replica, self.stage, step, "backward")
+                    seen_backward = True
                 if i == last_backward:
                     self.grads.arm()
                 out = outputs.pop(action.mb)
@@ -156,15 +260,15 @@ class Stage:
         for work in sends:
             work.wait()
         t_sync = time.perf_counter()
+        self.faults.maybe_fire(self.replica, self.stage, step, "allreduce")  # peers are all-reducing now
         self.grads.finish()
         t_reduced = time.perf_counter()
         grad_norm = self._clip_gradients()
-        self.optimizer.step()
         t_end = time.perf_counter()
         if trace:
-            events += [("allreduce wait", t_sync, t_reduced), ("clip + optimizer", t_reduced, t_end)]
+            events += [("allreduce wait", t_sync, t_reduced), ("clip", t_reduced, t_end)]
         result = {
-            "rank": self.rank, "step": step, "busy_s": busy_s, "wall_s": t_end - t_start,
+            "busy_s": busy_s, "wall_s": t_end - t_start,
             "pipeline_s": t_sync - t_start, "peak_live": peak_live, "grad_norm": grad_norm,
             "samples": len(ids), "positions": (begin, end), "peak_mem_mb": self._peak_memory_mb(),
         }
@@ -211,7 +315,12 @@ class Stage:
         }
 
     def save(self, ckpt_dir: str) -> dict:
-        size = checkpoint.save_shard(ckpt_dir, self.stage, self.shard())
+        shard = self.shard()
+        if any(f.phase == "checkpoint" and (f.replica, f.stage, f.step) == (self.replica, self.stage, self.committed)
+               for f in self.faults.faults):
+            checkpoint.write_bytes(f"{ckpt_dir}/{checkpoint.shard_name(self.stage)}", b"half a shard")
+            self.faults.maybe_fire(self.replica, self.stage, self.committed, "checkpoint")
+        size = checkpoint.save_shard(ckpt_dir, self.stage, shard)
         return {"file": checkpoint.shard_name(self.stage), "bytes": size}
 
     def load(self, ckpt_dir: str) -> None:
@@ -231,10 +340,10 @@ class Stage:
         checkpoint.load_optimizer_state(self.optimizer, self.param_names, state["optim"])
         if state["rng"] is not None:
             torch.set_rng_state(state["rng"])
+        self.committed, self.prepared = checkpoint.read_manifest(ckpt_dir)["step"], None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.shard()["model"]
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.leave()

@@ -11,16 +11,28 @@ import os
 
 
 class StageWorker:
-    def __init__(self, config: dict, data_path: str, num_samples: int):
+    def __init__(self, config: dict, data_path: str, num_samples: int, stage: int, layer_ids: list[int]):
         from raytrain.stage import Stage
 
-        self.stage = Stage(config, data_path, num_samples)
+        self.stage = Stage(config, data_path, num_samples, stage, layer_ids)
 
     def pid(self) -> int:
         return os.getpid()
 
-    def setup(self, rank, mesh, stage_layers, shares, store, generation) -> dict:
-        return self.stage.setup(rank, mesh, stage_layers, shares, store, generation)
+    def join(self, rank, mesh, shares, store, generation, faults) -> dict:
+        return self.stage.join(rank, mesh, shares, store, generation, faults)
+
+    def leave(self) -> None:
+        self.stage.leave()
+
+    def status(self) -> dict:
+        return self.stage.status()
+
+    def commit_prepared(self, step: int) -> int:
+        return self.stage.commit_prepared(step)
+
+    def sync_state(self, src_rank: int) -> int:
+        return self.stage.sync_state(src_rank)
 
     def run_step(self, step: int, trace: bool = False) -> dict:
         return self.stage.run_step(step, trace)

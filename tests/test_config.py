@@ -25,7 +25,9 @@ from raytrain.config import all_keys, load_config, parse_override
         (["parallel.pp=2", "parallel.split_points=[7]"], ["parallel.split_points", "out of range"]),
         (["model.d_model=30", "model.n_head=4"], ["model.d_model", "model.n_head"]),
         (["model.factory=no_such_module:build"], ["model.factory", "no_such_module"]),
-        (["elastic.min_dp=1", "parallel.dp=2"], ["elastic.min_dp", "not yet supported"]),
+        (["elastic.min_dp=3", "parallel.dp=2"], ["elastic.min_dp=3", "1..parallel.dp=2"]),
+        (["elastic.max_dp=4", "parallel.dp=2"], ["elastic.max_dp=4", "parallel.dp=4"]),
+        (["elastic.faults=['1:0@3:sideways']"], ["elastic.faults", "phase must be one of"]),
         (["resources.bf16=true"], ["resources.bf16", "use_gpu"]),
     ],
 )

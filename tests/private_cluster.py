@@ -1,0 +1,91 @@
+"""A private Ray head bound to 127.0.0.1 with its own ports and temp dir, stopped by pid.
+
+``ray stop`` would stop every Ray on the machine (the test session's too), so this starts
+``ray start --head --block`` in a new process group and, on exit, kills that group and any process
+whose command line names this cluster's temp dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+START_TIMEOUT_S = 90.0
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _pids_naming(text: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+@contextlib.contextmanager
+def private_ray_head(num_cpus: int = 2):
+    """Yields (dashboard_url, env) for a fresh head; everything it started is gone afterwards."""
+    temp_dir = tempfile.mkdtemp(prefix="rtjob-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    gcs, dash, client, nm, om, agent, agent_grpc, metrics, rt_env, wmin = free_ports(10)
+    env = dict(os.environ, RAY_AUTH_MODE="token")
+    env.pop("RAY_ADDRESS", None)
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    subprocess.run([ray_bin, "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60, check=True)
+    cmd = [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+           f"--ray-client-server-port={client}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
+           f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+           f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}",
+           f"--min-worker-port={wmin}", f"--max-worker-port={wmin + 200}" if wmin + 200 < 65535 else "--max-worker-port=65535",
+           f"--num-cpus={num_cpus}", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    head = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except Exception as e:  # 401 (token auth) also means it is up
+                if getattr(e, "code", None) == 401:
+                    break
+                if head.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"private Ray head did not come up at {url} within {START_TIMEOUT_S}s") from e
+                time.sleep(0.5)
+        yield url, env
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=20)
+        deadline = time.monotonic() + 20
+        while (left := _pids_naming(temp_dir)) and time.monotonic() < deadline:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)

@@ -1,0 +1,106 @@
+"""Ray Tune sweeps over layouts: trials report, ASHA stops, infeasible layouts never launch, restore."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from raytrain import tune as rt_tune
+
+BASE = {
+    "model": {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16},
+    "train": {"steps": 6, "global_batch": 8, "lr": 1.0e-2, "seed": 3},
+    "run": {"trace_steps": 0},
+    "checkpoint": {"every": 3},
+}
+
+
+@pytest.fixture
+def base(data_cache):
+    return {**BASE, "data": {"cache_dir": data_cache, "max_bytes": 200000}}
+
+
+def test_sweep_over_three_layouts_reports_every_trial(ray_session, base, tmp_path):
+    sweep = rt_tune.SweepConfig(
+        base=base, storage_path=str(tmp_path),
+        space={"layouts": [{"parallel.dp": 2}, {"parallel.pp": 2, "parallel.microbatches": 2}, {"parallel.dp": 1}]},
+    )
+    grid = rt_tune.run_sweep(sweep)
+    rows = rt_tune.summarize(grid, sweep)
+    assert sorted(r.layout for r in rows) == ["dp=1 pp=1 m=1", "dp=1 pp=2 m=2 1f1b", "dp=2 pp=1 m=1"]
+    assert all(r.status == "finished" and r.steps == 6 and r.samples_per_s > 0 for r in rows)
+    # same seed, data and global batch: every layout ends at the same loss
+    assert max(r.loss for r in rows) == pytest.approx(min(r.loss for r in rows), rel=1e-5)
+    # ranked by throughput, best first
+    assert [r.samples_per_s for r in rows] == sorted((r.samples_per_s for r in rows), reverse=True)
+    # every step was reported, with checkpoints attached as tune.Checkpoint
+    for result in grid:
+        assert list(result.metrics_dataframe["step"]) == [1, 2, 3, 4, 5, 6]
+        assert result.checkpoint is not None and os.path.exists(os.path.join(result.checkpoint.path, "manifest.json"))
+    csv_path, png_path = rt_tune.write_reports(grid, rows, str(tmp_path / "report"))
+    assert len(open(csv_path).read().strip().splitlines()) == 4 and os.path.getsize(png_path) > 0
+
+
+def test_asha_stops_a_bad_trial_early(ray_session, base, tmp_path):
+    base = {**base, "train": {**base["train"], "steps": 8}}
+    sweep = rt_tune.SweepConfig(base=base, storage_path=str(tmp_path), scheduler="asha", grace_period=2,
+                                metric="loss", mode="min", space={"train.lr": [1.0e-2, 1.0e-7]})
+    rows = {r.params["train.lr"]: r for r in rt_tune.summarize(rt_tune.run_sweep(sweep), sweep)}
+    assert rows[1.0e-2].status == "finished" and rows[1.0e-2].steps == 8
+    assert rows[1.0e-7].status == "stopped early" and rows[1.0e-7].steps < 8
+
+
+def test_infeasible_layouts_are_rejected_before_launch(ray_session, base, tmp_path):
+    sweep = rt_tune.SweepConfig(base=base, storage_path=str(tmp_path / "never"),
+                                space={"layouts": [{"parallel.dp": 1}, {"parallel.dp": 8}, {"parallel.pp": 9}]})
+    with pytest.raises(ValueError) as err:
+        rt_tune.run_sweep(sweep)
+    message = str(err.value)
+    assert "dp=8: needs 8 CPU (8 workers), the cluster has 4" in message
+    assert "pp=9" in message and "layers" in message
+    assert "dp=1" not in message.replace("dp=1 ", "")  # the feasible layout is not blamed
+    assert not os.path.exists(tmp_path / "never")  # nothing was launched
+
+
+def test_sweep_config_errors_name_the_key(tmp_path, base):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({**base, "space": {"train.lrr": [0.1]}}))
+    with pytest.raises(ValueError, match="train.lrr.*did you mean 'train.lr'"):
+        rt_tune.load_sweep_config(str(path))
+    path.write_text(yaml.safe_dump({**base, "space": {"train.lr": [0.1]}, "sweep": {"schedular": "asha"}}))
+    with pytest.raises(ValueError, match="sweep.schedular"):
+        rt_tune.load_sweep_config(str(path))
+
+
+def test_interrupted_sweep_resumes_and_finishes(ray_session, base, tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({**base, "space": {"train.seed": [1, 2, 3]},
+                                    "sweep": {"storage_path": str(tmp_path / "exp"), "name": "interrupted"}}))
+    # The sweep's driver joins this session's cluster, so killing it leaves no Ray processes behind.
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain", "sweep", "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    exp_dir = tmp_path / "exp" / "interrupted"
+    try:
+        deadline = time.monotonic() + 240
+        line = ""
+        while "finished" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "the sweep ended before any trial finished"
+        assert "finished" in line
+        # wait until Tune has saved its experiment state, then interrupt hard
+        while not any(p.name.startswith("experiment_state") for p in exp_dir.glob("*")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    sweep = rt_tune.load_sweep_config(str(path))
+    grid = rt_tune.run_sweep(sweep, resume=str(exp_dir))
+    rows = rt_tune.summarize(grid, sweep)
+    assert sorted(r.params["train.seed"] for r in rows) == [1, 2, 3]
+    assert all(r.status == "finished" for r in rows), rt_tune.format_table(rows)
