@@ -135,7 +135,7 @@ def test_three_failures_in_one_run(ray_session, make_config):
 def test_failure_during_repair(ray_session, make_config):
     # replica 1 dies at step 2; while the survivors re-form, the new replica 0 dies too.
     cfg = make_config("parallel.dp=3", "train.global_batch=6", "train.steps=5", "elastic.min_dp=1",
-                      "elastic.detect_timeout_s=10", "run.record_samples=true",
+                      "elastic.detect_timeout_s=5", "run.record_samples=true",
                       "elastic.faults=['1:0@2:forward', '0:0@2:join']")
     result = train(cfg)
     events = [e["event"] for e in result.events]

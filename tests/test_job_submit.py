@@ -31,12 +31,12 @@ def test_job_submit_runs_training_and_ends_with_summary_json(tmp_path, data_cach
         while time.monotonic() < deadline:
             status = subprocess.run([ray_bin, "job", "status", "--address", url, job_id], env=env,
                                     capture_output=True, text=True, timeout=60).stdout
-            if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
+            if any(s in status.upper() for s in ("SUCCEEDED", "FAILED", "STOPPED")):
                 break
             time.sleep(2)
         logs = subprocess.run([ray_bin, "job", "logs", "--address", url, job_id], env=env,
                               capture_output=True, text=True, timeout=60).stdout
-        assert "SUCCEEDED" in status, f"job status: {status}\nlogs:\n{logs[-3000:]}"
+        assert "SUCCEEDED" in status.upper(), f"job status: {status}\nlogs:\n{logs[-3000:]}"
         summary = json.loads(logs.strip().splitlines()[-1])
         assert summary["steps"] == 4 and summary["layout"] == "dp=2 pp=1 m=1"
         assert os.path.exists(os.path.join(summary["checkpoint"], "manifest.json"))
