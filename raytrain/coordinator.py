@@ -252,7 +252,7 @@ class Coordinator:
 
     def _repair(self, step: int, dead: list[Member], during: str = "step") -> int:
         """Bring the run back after losing ``dead`` during ``step`` (or its checkpoint); returns the next step."""
-        t_detect = time.perf_counter()
+        t_detect, detected_at = time.perf_counter(), time.time()
         self.failures += 1
         if self.failures > self.cfg.elastic.max_failures:
             raise CapacityLost(f"gave up after {self.failures - 1} repairs (elastic.max_failures)")
@@ -276,7 +276,7 @@ class Coordinator:
         next_step = self._rebuild(dead, next_step)
         seconds = time.perf_counter() - t_detect
         self.recovery_s.append(round(seconds, 3))
-        self._emit({"event": "repair", "during": during, "step": step,
+        self._emit({"event": "repair", "during": during, "step": step, "detected_at": detected_at,
                     "lost": [f"replica {r} stage {s}" for r, s in dead_slots],
                     "rolled_forward": next_step > step and retried is None, "retrying_step": retried,
                     "new_layout": self.layout(), "generation": self.generation, "repair_s": round(seconds, 3),
