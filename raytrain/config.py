@@ -307,7 +307,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     return value
 
 
-def _flatten(raw: dict, where: str) -> dict[str, Any]:
+def flatten_sections(raw: dict, where: str) -> dict[str, Any]:
+    """``{"train": {"lr": 0.1}}`` -> ``{"train.lr": 0.1}``; ``where`` names the source in errors."""
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: the config must be a mapping of sections (model:, train:, ...)")
     flat = {}
@@ -362,7 +363,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
             raise ValueError(f"config file {path!r} does not exist; pass an existing YAML file to --config")
         with open(path) as f:
             raw = yaml.safe_load(f) or {}
-        values.update(_flatten(raw, path))
+        values.update(flatten_sections(raw, path))
     for text in overrides or []:
         key, value = parse_override(text)
         values[key] = value
@@ -373,7 +374,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
 
 def config_from_dict(nested: dict) -> Config:
     """Build a Config from a nested dict (as ``Config.to_dict`` produces)."""
-    return build_config(_flatten(nested, "config"))
+    return build_config(flatten_sections(nested, "config"))
 
 
 def check_factory(cfg: Config) -> None:

@@ -16,6 +16,7 @@ reload its last checkpoint, and it says so.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -93,6 +94,7 @@ class Coordinator:
         self.failures = 0
         self.recovery_s: list[float] = []
         self.original_pids: list[int] = []
+        self._failed_results: list = []  # survivors' reports of the step that just lost a worker
 
     # --- driver-facing ----------------------------------------------------------------------------
 
@@ -105,17 +107,18 @@ class Coordinator:
     def run(self) -> dict:
         """Train to ``train.steps``; returns the summary. Raises on an unrecoverable failure."""
         step = self._start()
-        every = self.cfg.checkpoint.every
         while step < self.cfg.train.steps:
             self._maybe_grow(step)
             try:
                 row = self._run_step(step)
             except WorkersLost as lost:
-                step = self._repair(step, lost.dead)
+                next_step = self._repair(step, lost.dead)
+                if next_step > step:  # rolled forward: the step is committed, its checkpoint may be due
+                    self._maybe_checkpoint(next_step)
+                step = next_step
                 continue
             step += 1
-            if (every and step % every == 0) or step == self.cfg.train.steps:
-                row["checkpoint"] = self._checkpoint_with_repair(step)
+            row["checkpoint"] = self._maybe_checkpoint(step)
             self._emit(row)
         return {"steps": self.cfg.train.steps, "checkpoint": self.last_checkpoint,
                 "worker_pids": self.original_pids, "final_pids": self.pids(), "committed_steps": self.committed_steps,
@@ -170,7 +173,7 @@ class Coordinator:
             self._emit({"event": "resumed", "from": self.resume_from, "step": start})
         self._form_generation(start)
         self._emit({"event": "started", "layout": self.cfg.layout(), "generation": self.generation,
-                    "pids": self.original_pids})
+                    "pids": self.original_pids, "coordinator_pid": os.getpid()})
         return start
 
     # --- generations ------------------------------------------------------------------------------
@@ -256,8 +259,7 @@ class Coordinator:
         self.failures += 1
         if self.failures > self.cfg.elastic.max_failures:
             raise CapacityLost(f"gave up after {self.failures - 1} repairs (elastic.max_failures)")
-        results = getattr(self, "_failed_results", [])
-        self._failed_results = []
+        results, self._failed_results = self._failed_results, []
         dead_slots = [(r, m.stage) for r, rep in enumerate(self.replicas) for m in rep if m in dead]
         # Commit agreement: a survivor that stepped proves every worker voted; roll the rest forward.
         next_step = step
@@ -376,6 +378,13 @@ class Coordinator:
                     "grow_s": round(time.perf_counter() - t0, 3)})
 
     # --- checkpoints ------------------------------------------------------------------------------
+
+    def _maybe_checkpoint(self, step: int) -> Optional[str]:
+        """Checkpoint after ``step`` committed steps when checkpoint.every (or the end) says so."""
+        every = self.cfg.checkpoint.every
+        if (every and step % every == 0) or step == self.cfg.train.steps:
+            return self._checkpoint_with_repair(step)
+        return None
 
     def _checkpoint_with_repair(self, step: int) -> str:
         for _ in range(self.cfg.elastic.max_failures):

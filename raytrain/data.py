@@ -13,7 +13,7 @@ import glob
 import hashlib
 import os
 import sysconfig
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import pyarrow as pa

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain import checkpoint, data, schedule
-from raytrain.config import Config, config_from_dict
+from raytrain.config import config_from_dict
 from raytrain.faults import FaultPlan
 from raytrain.gradsync import GradientBuckets
 from raytrain.mesh import Mesh, init_groups

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import ray
 from ray import tune
 
-from raytrain.config import Config, all_keys, build_config, _flatten
+from raytrain.config import Config, all_keys, build_config, flatten_sections
 
 LAYOUT_KEYS = ("parallel.dp", "parallel.pp", "parallel.microbatches", "parallel.schedule")
 LAYOUTS = "layouts"
@@ -100,7 +100,7 @@ def load_sweep_config(path: str, overrides: Optional[list[str]] = None) -> Sweep
             settings[name] = value
         else:
             base.setdefault(section, {})[name] = value
-    build_config(_flatten(base, path))  # the base alone must be valid
+    build_config(flatten_sections(base, path))  # the base alone must be valid
     return SweepConfig(base=base, space=space, **settings)
 
 
@@ -133,7 +133,7 @@ def layout_combinations(sweep: SweepConfig) -> list[dict]:
 
 def trial_config(base: dict, params: dict) -> Config:
     """The base config with a trial's parameters (an explicit layout is expanded into its keys)."""
-    values = _flatten(base, "sweep base")
+    values = flatten_sections(base, "sweep base")
     for key, value in params.items():
         if key == LAYOUTS:
             values.update(value)
@@ -241,7 +241,7 @@ def _param_space(sweep: SweepConfig) -> dict:
 def _scheduler(sweep: SweepConfig):
     from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
 
-    steps = build_config(_flatten(sweep.base, "sweep base")).train.steps
+    steps = build_config(flatten_sections(sweep.base, "sweep base")).train.steps
     if sweep.scheduler == "asha":
         return ASHAScheduler(metric="loss", mode="min", time_attr="step", max_t=steps,
                              grace_period=sweep.grace_period, reduction_factor=2)
@@ -306,7 +306,7 @@ def summarize(grid, sweep: SweepConfig) -> list[TrialRow]:
     for result in grid:
         m = result.metrics or {}
         params = {k: v for k, v in (result.config or {}).items() if k != "__base__"}
-        base_steps = build_config(_flatten(sweep.base, "sweep base")).train.steps
+        base_steps = build_config(flatten_sections(sweep.base, "sweep base")).train.steps
         status = "error" if result.error else ("finished" if m.get("step") == base_steps else "stopped early")
         rows.append(TrialRow(
             trial_id=m.get("trial_id", "?"), layout=m.get("layout", "?"), params=params, status=status,

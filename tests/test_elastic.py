@@ -46,6 +46,8 @@ def test_dp3_survives_a_kill_in_each_phase(ray_session, make_config, phase):
     assert set(survivors) <= set(result.final_pids), "a survivor was restarted"
     _assert_exactly_once(result, 6, 6)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+    # every checkpoint due was published, including one due right after a rolled-forward step
+    assert [s for s, _ in checkpoint.list_checkpoints(cfg_dir(result))] == [3, 6]
     if phase == "checkpoint":
         # the torn save of step 3 was retried after the repair and published whole
         assert checkpoint.read_manifest(checkpoint.step_dir(cfg_dir(result), 3))["step"] == 3
@@ -142,6 +144,26 @@ def test_failure_during_repair(ray_session, make_config):
     assert "repair_failed" in events and result.failures == 2, events
     _assert_exactly_once(result, 5, 6)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
+def test_coordinator_killed_mid_run_resumes_from_last_checkpoint(ray_session, make_config):
+    cfg = make_config("parallel.dp=2", "train.steps=300", "checkpoint.every=20", "run.trace_steps=0")
+    victim = {}
+
+    def kill_coordinator(rows):
+        for row in rows:
+            if row.get("event") == "started" and "pid" not in victim:
+                victim["pid"] = row["coordinator_pid"]
+            if row.get("step", 0) >= 30 and "pid" in victim and not victim.get("done"):
+                os.kill(victim["pid"], signal.SIGKILL)
+                victim["done"] = True
+
+    result = train(cfg, on_rows=kill_coordinator)
+    assert victim.get("done") and result.coordinator_restarts == 1
+    restart = next(e for e in result.events if e["event"] == "coordinator_restarted")
+    assert restart["resume_from"] is not None and "step_" in restart["resume_from"]
+    assert [r["step"] for r in result.metrics] == list(range(1, 301))
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg), rtol=LONG_RUN_RTOL)
 
 
 def test_pipeline_without_a_surviving_stage_reloads_the_checkpoint(ray_session, make_config):
