@@ -104,3 +104,9 @@ def test_interrupted_sweep_resumes_and_finishes(ray_session, base, tmp_path):
     rows = rt_tune.summarize(grid, sweep)
     assert sorted(r.params["train.seed"] for r in rows) == [1, 2, 3]
     assert all(r.status == "finished" for r in rows), rt_tune.format_table(rows)
+
+
+
+def test_pbt_is_rejected_until_supported(base, tmp_path):
+    with pytest.raises(ValueError, match="sweep.scheduler=pbt is not supported yet"):
+        rt_tune.SweepConfig(base=base, storage_path=str(tmp_path), scheduler="pbt", space={"train.lr": [0.1]})
