@@ -28,18 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "sweep":
         return _sweep(args)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        from raytrain.api import prepare
-
-        prepare(cfg)  # data, resume and layout checks, still before any actor starts
-    except ValueError as e:
-        print(f"raytrain: config error: {e}", file=sys.stderr)
-        return 2
     from raytrain.api import ResourcesUnavailable, train
 
     try:
-        result = train(cfg)
+        # train() validates data, resume and layout (raytrain.api.prepare) before any actor starts.
+        result = train(load_config(args.config, args.overrides))
+    except ValueError as e:
+        print(f"raytrain: config error: {e}", file=sys.stderr)
+        return 2
     except ResourcesUnavailable as e:
         print(f"raytrain: {e}", file=sys.stderr)
         return 3

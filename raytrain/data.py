@@ -90,7 +90,7 @@ def check_dataset(path: str, column: str, seq_len: int, global_batch: int) -> in
     n = meta.metadata.num_rows
     if n < global_batch:
         raise ValueError(f"data.path={path!r} has {n} samples, fewer than train.global_batch={global_batch}")
-    first = pq.read_table(path, columns=[column]).column(column).slice(0, 1).to_pylist()[0]
+    first = meta.read_row_group(0, columns=[column]).column(column).slice(0, 1).to_pylist()[0]
     if first is None or len(first) < seq_len + 1:
         raise ValueError(
             f"data.path={path!r}: rows of column {column!r} need >= model.seq_len + 1 = {seq_len + 1} tokens, "

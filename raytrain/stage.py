@@ -342,8 +342,5 @@ class Stage:
             torch.set_rng_state(state["rng"])
         self.committed, self.prepared = checkpoint.read_manifest(ckpt_dir)["step"], None
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.shard()["model"]
-
     def shutdown(self) -> None:
         self.leave()

@@ -43,8 +43,5 @@ class StageWorker:
     def load(self, ckpt_dir: str) -> None:
         self.stage.load(ckpt_dir)
 
-    def state_dict(self) -> dict:
-        return self.stage.state_dict()
-
     def shutdown(self) -> None:
         self.stage.shutdown()
