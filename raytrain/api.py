@@ -10,19 +10,20 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain import checkpoint, data
 from raytrain.config import Config, check_factory
 from raytrain.coordinator import Coordinator
+from raytrain.placement import ResourcesUnavailable, request, reserve  # noqa: F401 (ResourcesUnavailable is public here)
+from raytrain.rendezvous import RendezvousStore, preload_torch_distributed
 from raytrain.report import RunReporter
 
 POLL_INTERVAL_S = 1.0
 """How often the driver collects metric rows from the coordinator."""
 
-
-class ResourcesUnavailable(RuntimeError):
-    """The cluster did not grant the workers' resources within resources.wait_s."""
+preload_torch_distributed()  # train() hosts the rendezvous store: import torch meanwhile (ray.init, ...)
 
 
 @dataclass
@@ -121,30 +122,6 @@ def ensure_ray(min_cpus: int = 0) -> None:
         ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus) if min_cpus else None, include_dashboard=False)
 
 
-def worker_bundle(cfg: Config) -> dict:
-    """Resources of one worker: its CPU slots, and a GPU when resources.use_gpu."""
-    bundle = {"CPU": float(cfg.resources.cpus_per_worker)}
-    if cfg.resources.use_gpu:
-        bundle["GPU"] = 1.0
-    return bundle
-
-
-def _reserve(cfg: Config):
-    world = cfg.parallel.dp * cfg.parallel.pp
-    bundle = worker_bundle(cfg)
-    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
-    if not pg.wait(timeout_seconds=cfg.resources.wait_s):
-        remove_placement_group(pg)
-        total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
-        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
-        raise ResourcesUnavailable(
-            f"layout {cfg.layout()} needs {world} workers x {bundle} but the cluster did not grant them within "
-            f"resources.wait_s={cfg.resources.wait_s:g}s (cluster total {total}, free now {free}); "
-            "lower parallel.dp / parallel.pp, free resources, or add nodes"
-        )
-    return pg
-
-
 def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]], None]] = None,
           placement=None) -> Result:
     """Run training to ``train.steps`` on the current (or an embedded) Ray cluster.
@@ -153,21 +130,30 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     ``placement=(placement_group, first_bundle)`` runs the workers in bundles first_bundle.. of an
     existing placement group (a Tune trial's) instead of reserving one.
     """
+    rendezvous = RendezvousStore()
     cfg, data_path, num_samples, stages, resume = prepare(cfg)
     ensure_ray()
     run_dir = os.path.join(os.path.abspath(os.path.expanduser(cfg.run.dir)), cfg.run.name)
     reporter = RunReporter(run_dir, cfg.train.steps, cfg.layout(), stream)
     stream.write(f"[raytrain] {cfg.layout()}, {len(stages)} stage(s) {[f'{s[0]}-{s[-1]}' for s in stages]}, "
                  f"global batch {cfg.train.global_batch}, {num_samples} samples; run dir {run_dir}\n")
-    pg, first_bundle = placement if placement is not None else (_reserve(cfg), 0)
+    pg, first_bundle = placement if placement is not None else (reserve(cfg), 0)
+    extra = (cfg.elastic.max_dp or cfg.parallel.dp) - cfg.parallel.dp if placement is None else 0
+    growth = [request(cfg, 1) for _ in range(extra)]  # granted whenever capacity appears
 
     restarts = 0
+    here = ray.get_runtime_context().get_node_id()
+    host = ray.util.get_node_ip_address()
     try:
         while True:
-            coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=4).remote(
-                cfg.to_dict(), data_path, num_samples, stages, pg, first_bundle, resume)
+            # On the driver's node: losing a worker node never takes the coordinator (or its store) with it.
+            coordinator = ray.remote(Coordinator).options(
+                num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+            ).remote(
+                cfg.to_dict(), data_path, num_samples, stages, pg, first_bundle, resume, extra_placements=tuple(growth))
             try:
-                summary = _drive(coordinator, reporter, on_rows)
+                store = rendezvous.address(host, namespace=f"coordinator{restarts}")
+                summary = _drive(coordinator, store, reporter, on_rows)
                 break
             except ray.exceptions.RayActorError as e:  # the coordinator itself was lost
                 if restarts >= cfg.elastic.coordinator_restarts:
@@ -179,8 +165,9 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
             finally:
                 _stop(coordinator)
     finally:
-        if placement is None:
-            remove_placement_group(pg)
+        for group in growth + ([pg] if placement is None else []):
+            remove_placement_group(group)
+        rendezvous.close()
         reporter.finish()
     steps = list({r["step"]: r for r in reporter.steps}.values())  # a restart re-runs steps after its checkpoint
     timed = [r for r in steps[1:] if "step_s" in r]  # the first step pays for warm-up
@@ -194,7 +181,7 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     )
 
 
-def _drive(coordinator, reporter: RunReporter, on_rows) -> dict:
+def _drive(coordinator, store, reporter: RunReporter, on_rows) -> dict:
     """Run the coordinator to completion, forwarding its metric rows as they come."""
 
     def collect():
@@ -203,7 +190,7 @@ def _drive(coordinator, reporter: RunReporter, on_rows) -> dict:
         if on_rows is not None and rows:
             on_rows(rows)
 
-    run_ref = coordinator.run.remote()
+    run_ref = coordinator.run.remote(store)
     while not ray.wait([run_ref], timeout=POLL_INTERVAL_S)[0]:
         collect()
     summary = ray.get(run_ref)

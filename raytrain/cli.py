@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sweep":
         return _sweep(args)
     from raytrain.api import ResourcesUnavailable, train
+    from raytrain.coordinator import CapacityLost
 
     try:
         # train() validates data, resume and layout (raytrain.api.prepare) before any actor starts.
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     except ResourcesUnavailable as e:
         print(f"raytrain: {e}", file=sys.stderr)
         return 3
+    except CapacityLost as e:  # raised in the coordinator actor; its cause holds the plain message
+        print(f"raytrain: capacity lost: {getattr(e, 'cause', e)}", file=sys.stderr)
+        return 4
     print(json.dumps(result.summary()))
     return 0
 

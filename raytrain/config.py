@@ -149,7 +149,9 @@ class ElasticConfig:
     min_dp: Optional[int] = None
     """Fewest replicas the run may shrink to after losing workers (default parallel.dp: replace, never shrink)."""
     max_dp: Optional[int] = None
-    """Replicas the run grows back to when capacity returns (default, and at most, parallel.dp)."""
+    """Most replicas: the run grows to this when capacity appears (default parallel.dp: it grows back only)."""
+    grow_poll_s: float = 2.0
+    """How often a run below max_dp checks whether the cluster granted more replicas."""
     detect_timeout_s: float = 60.0
     """A collective stuck this long on a silent peer fails, so the peer is declared lost."""
     wait_s: float = 60.0
@@ -166,8 +168,11 @@ class ElasticConfig:
 
         for text in self.faults:
             Fault.parse(str(text))
-        if self.detect_timeout_s <= 0 or self.wait_s <= 0:
-            raise ValueError("elastic.detect_timeout_s and elastic.wait_s must be > 0")
+        if self.detect_timeout_s <= 0 or self.wait_s <= 0 or self.grow_poll_s <= 0:
+            raise ValueError("elastic.detect_timeout_s, elastic.wait_s and elastic.grow_poll_s must be > 0")
+
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass
@@ -182,8 +187,14 @@ class ResourcesConfig:
     """How long to wait for the cluster to grant the workers' resources before failing."""
     step_timeout_s: float = 300.0
     """A step that takes longer than this fails the run instead of hanging."""
+    placement_strategy: str = "PACK"
+    """Ray placement-group strategy for the workers: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD
+    (one worker per node, so a node's loss costs one worker)."""
 
     def __post_init__(self):
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"resources.placement_strategy={self.placement_strategy!r}: use one of "
+                             f"{', '.join(PLACEMENT_STRATEGIES)}")
         if self.cpus_per_worker < 1:
             raise ValueError(f"resources.cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
         if self.wait_s <= 0 or self.step_timeout_s <= 0:
@@ -243,11 +254,12 @@ class Config:
         e = self.elastic
         if e.min_dp is not None and not 1 <= e.min_dp <= p.dp:
             raise ValueError(f"elastic.min_dp={e.min_dp} must lie in 1..parallel.dp={p.dp}")
-        if e.max_dp is not None and e.max_dp != p.dp:
-            raise ValueError(
-                f"elastic.max_dp={e.max_dp}: growing beyond the starting size is not supported yet; set "
-                f"parallel.dp={e.max_dp} (the run starts there and grows back to it) and elastic.min_dp lower"
-            )
+        if e.max_dp is not None and e.max_dp < p.dp:
+            raise ValueError(f"elastic.max_dp={e.max_dp} is below parallel.dp={p.dp}, where the run starts; "
+                             f"set elastic.max_dp >= {p.dp} (or lower parallel.dp)")
+        if e.max_dp is not None and e.max_dp * p.microbatches > t.global_batch:
+            raise ValueError(f"elastic.max_dp={e.max_dp} replicas x parallel.microbatches={p.microbatches} exceed "
+                             f"train.global_batch={t.global_batch}: some micro-batch would be empty; lower elastic.max_dp")
 
     # --- public helpers -------------------------------------------------------------------------
 

@@ -31,10 +31,13 @@ from raytrain.config import Config, config_from_dict
 from raytrain.data import even_shares
 from raytrain.faults import FaultPlan
 from raytrain.mesh import Mesh
+from raytrain.rendezvous import StoreAddress
 from raytrain.worker import StageWorker
 
 SETUP_TIMEOUT_S = 300.0
 """Bound on worker start-up and process-group formation."""
+GRANT_AT_START_S = 1.0
+"""How long the start waits for replicas beyond parallel.dp before starting without them."""
 CAPACITY_POLL_S = 1.0
 """How often a run below elastic.min_dp checks whether replacements have started."""
 
@@ -61,6 +64,7 @@ class Member:
 
     handle: Any
     stage: int
+    placement: PlacementGroup
     bundle: int
     ready: Any = None  # ObjectRef of pid(): resolves once the actor is up
     pid: Optional[int] = None
@@ -69,13 +73,19 @@ class Member:
 
 class Coordinator:
     def __init__(self, config: dict, data_path: str, num_samples: int, stage_layers: list[list[int]],
-                 placement: PlacementGroup, first_bundle: int, resume_from: Optional[str], worker_cls=StageWorker):
+                 placement: PlacementGroup, first_bundle: int, resume_from: Optional[str], worker_cls=StageWorker,
+                 extra_placements: tuple[PlacementGroup, ...] = ()):
         self.cfg: Config = config_from_dict(config)
         self.config_dict = config
         self.data_path, self.num_samples = data_path, num_samples
         self.stage_layers = stage_layers
         self.placement, self.first_bundle = placement, first_bundle
+        # Requested by the driver (which removes them), one per replica beyond parallel.dp up to
+        # elastic.max_dp; each is used once Ray grants it.
+        self.unused_placements = [(pg, pg.ready()) for pg in extra_placements]
+        self._next_grow_poll = 0.0
         self.resume_from = resume_from
+        self.store: Optional[StoreAddress] = None  # given to run(): hosted by the driver, which outlives us all
         self.worker_cls = ray.remote(worker_cls) if not hasattr(worker_cls, "remote") else worker_cls
         self.pp = self.cfg.parallel.pp
         self.target_dp = self.cfg.elastic.max_dp or self.cfg.parallel.dp
@@ -88,13 +98,13 @@ class Coordinator:
         self.faults = list(self.cfg.elastic.faults)
         self._rows: list[dict] = []
         self._lock = threading.Lock()
-        self._store = None
         self.last_checkpoint: Optional[str] = resume_from
         self.committed_steps: list[int] = []
         self.failures = 0
         self.recovery_s: list[float] = []
         self.original_pids: list[int] = []
         self._failed_results: list = []  # survivors' reports of the step that just lost a worker
+        self._starting = self._spawn_first_workers()  # they start while the driver finishes its own set-up
 
     # --- driver-facing ----------------------------------------------------------------------------
 
@@ -104,8 +114,10 @@ class Coordinator:
             rows, self._rows = self._rows, []
         return rows
 
-    def run(self) -> dict:
-        """Train to ``train.steps``; returns the summary. Raises on an unrecoverable failure."""
+    def run(self, store: StoreAddress) -> dict:
+        """Train to ``train.steps``, forming groups at ``store``; returns the summary. Raises on an
+        unrecoverable failure."""
+        self.store = store
         step = self._start()
         while step < self.cfg.train.steps:
             self._maybe_grow(step)
@@ -144,26 +156,27 @@ class Coordinator:
     def _members(self) -> list[Member]:
         return [m for rep in self.replicas for m in rep]
 
-    def _spawn(self, stage: int, bundle: int) -> Member:
+    def _spawn(self, stage: int, placement: PlacementGroup, bundle: int) -> Member:
         handle = self.worker_cls.options(
             num_cpus=self.cfg.resources.cpus_per_worker, num_gpus=1 if self.cfg.resources.use_gpu else 0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=bundle),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle),
         ).remote(self.config_dict, self.data_path, self.num_samples, stage, self.stage_layers[stage])
-        return Member(handle, stage, bundle, ready=handle.pid.remote())
+        return Member(handle, stage, placement, bundle, ready=handle.pid.remote())
+
+    def _spawn_first_workers(self) -> list[Member]:
+        dp = self.cfg.parallel.dp
+        members = [self._spawn(s, self.placement, self.first_bundle + r * self.pp + s)
+                   for r in range(dp) for s in range(self.pp)]
+        # Replicas beyond parallel.dp that the cluster can hold now start with the rest.
+        return members + self._workers_for_granted_placements(timeout=GRANT_AT_START_S)
 
     def _start(self) -> int:
-        dp = self.cfg.parallel.dp
-        members = [self._spawn(s, self.first_bundle + r * self.pp + s) for r in range(dp) for s in range(self.pp)]
-        # Import torch only now, while the workers import theirs; the store outlives any worker.
-        import torch.distributed as dist
-
-        host = ray.util.get_node_ip_address()
-        self._store = (dist.TCPStore(host, 0, is_master=True, wait_for_workers=False), host)
+        members, self._starting = self._starting, []
         pids = ray.get([m.ready for m in members], timeout=SETUP_TIMEOUT_S)
         for m, pid in zip(members, pids):
             m.pid = pid
         self.original_pids = pids
-        self.replicas = [members[r * self.pp:(r + 1) * self.pp] for r in range(dp)]
+        self.replicas = [members[r * self.pp:(r + 1) * self.pp] for r in range(len(members) // self.pp)]
         start = 0
         if self.resume_from is not None:
             ray.get([m.handle.load.remote(self.resume_from) for m in members], timeout=SETUP_TIMEOUT_S)
@@ -172,7 +185,8 @@ class Coordinator:
                 m.committed = start
             self._emit({"event": "resumed", "from": self.resume_from, "step": start})
         self._form_generation(start)
-        self._emit({"event": "started", "layout": self.cfg.layout(), "generation": self.generation,
+        self._emit({"event": "started", "layout": self.cfg.layout(), "replicas": len(self.replicas),
+                    "generation": self.generation,
                     "pids": self.original_pids, "coordinator_pid": os.getpid()})
         return start
 
@@ -183,9 +197,8 @@ class Coordinator:
         self.generation += 1
         self.mesh = Mesh(len(self.replicas), self.pp)
         shares = even_shares(self.cfg.train.global_batch, self.mesh.dp)
-        store, host = self._store
         members = [(self.mesh.rank(r, m.stage), m) for r, rep in enumerate(self.replicas) for m in rep]
-        self._call_all([(m, m.handle.join.remote(rank, self.mesh, shares, (host, store.port), self.generation,
+        self._call_all([(m, m.handle.join.remote(rank, self.mesh, shares, self.store, self.generation,
                                                  self.faults)) for rank, m in members])
         behind = [m for _, m in members if m.committed != step]
         if behind:
@@ -290,7 +303,7 @@ class Coordinator:
         """Drop broken replicas, start replacements, wait for min_dp, re-form; retried if more die."""
         for attempt in range(self.cfg.elastic.max_failures):
             for m in dead:
-                self.pending.append(self._spawn(m.stage, m.bundle))
+                self.pending.append(self._spawn(m.stage, m.placement, m.bundle))
             dead_set = set(map(id, dead))
             kept, broken = [], []
             for rep in self.replicas:
@@ -330,7 +343,7 @@ class Coordinator:
                 try:
                     m.pid = ray.get(m.ready)
                 except ray.exceptions.RayActorError:
-                    self.pending.append(self._spawn(m.stage, m.bundle))
+                    self.pending.append(self._spawn(m.stage, m.placement, m.bundle))
                     continue
                 self.spares.append(m)
         while len(self.replicas) < self.target_dp:
@@ -361,8 +374,27 @@ class Coordinator:
                     "reason": "a pipeline stage lost every replica: its state survives only in the checkpoint"})
         return reloaded
 
+    def _workers_for_granted_placements(self, timeout: float) -> list[Member]:
+        """Start one replica's workers in every extra placement group Ray has granted (waiting up to ``timeout``)."""
+        if not self.unused_placements:
+            return []
+        granted, _ = ray.wait([ready for _, ready in self.unused_placements],
+                              num_returns=len(self.unused_placements), timeout=timeout)
+        members = []
+        for pg, ready in [(pg, ready) for pg, ready in self.unused_placements if ready in granted]:
+            self.unused_placements.remove((pg, ready))
+            members += [self._spawn(s, pg, s) for s in range(self.pp)]
+        return members
+
     def _maybe_grow(self, step: int) -> None:
         """At a step boundary: bring started replacements in, up to the target replica count."""
+        if self.unused_placements and time.monotonic() >= self._next_grow_poll:
+            self._next_grow_poll = time.monotonic() + self.cfg.elastic.grow_poll_s
+            granted = self._workers_for_granted_placements(timeout=0)
+            if granted:
+                self.pending += granted
+                self._emit({"event": "capacity", "new_workers": len(granted),
+                            "reason": "the cluster granted another replica's resources (up to elastic.max_dp)"})
         if len(self.replicas) >= self.target_dp or not (self.pending or self.spares):
             return
         before = len(self.replicas)
@@ -455,7 +487,7 @@ def rolled_forward_row(step: int, results: list[dict], cfg: Config, mesh: Mesh, 
     B = cfg.train.global_batch
     last = [r for r in results if mesh.coords(r["rank"])[1] == mesh.pp - 1 and "loss_sum" in r]
     row = {"step": step + 1, "loss": sum(r["loss_sum"] for r in last) / B if len(last) == mesh.dp else None,
-           "rolled_forward": True, "time": time.time()}
+           "rolled_forward": True, "time": time.time(), "layout": f"dp={mesh.dp} pp={mesh.pp}"}
     if cfg.run.record_samples:
         row["sample_ids"] = data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
     return row

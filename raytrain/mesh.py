@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from raytrain.rendezvous import StoreAddress
+
 
 @dataclass(frozen=True)
 class Mesh:
@@ -48,13 +50,13 @@ class Groups:
 
 
 def init_groups(
-    mesh: Mesh, rank: int, store_host: str, store_port: int, generation: int, backend: str, timeout_s: float
+    mesh: Mesh, rank: int, store: StoreAddress, generation: int, backend: str, timeout_s: float
 ) -> Groups:
     """Join generation ``generation`` of the run's process groups (collective over all ranks)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    prefixed = dist.PrefixStore(f"gen{generation}/", store)
+    client = dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    prefixed = dist.PrefixStore(f"{store.namespace}/gen{generation}/", client)
     dist.init_process_group(
         backend, store=prefixed, rank=rank, world_size=mesh.world_size, timeout=timedelta(seconds=timeout_s)
     )

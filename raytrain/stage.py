@@ -34,6 +34,7 @@ from raytrain.faults import FaultPlan
 from raytrain.gradsync import GradientBuckets
 from raytrain.mesh import Mesh, init_groups
 from raytrain.model import build_model
+from raytrain.rendezvous import StoreAddress
 
 # Shape handshake: [ndim, dtype code, dims...] padded to this length.
 _SHAPE_MSG_LEN = 10
@@ -67,7 +68,7 @@ class Stage:
 
     # --- membership ------------------------------------------------------------------------------
 
-    def join(self, rank: int, mesh: Mesh, shares: list[int], store: tuple[str, int], generation: int,
+    def join(self, rank: int, mesh: Mesh, shares: list[int], store: StoreAddress, generation: int,
              faults: list[str]) -> dict:
         """Leave the previous generation's groups (if any) and form ``generation``'s (collective)."""
         cfg = self.cfg
@@ -80,7 +81,7 @@ class Stage:
         if generation > 0:
             self.faults.maybe_fire(self.replica, self.stage, self.committed, "join")
         backend = "nccl" if cfg.resources.use_gpu else "gloo"
-        self.groups = init_groups(mesh, rank, store[0], store[1], generation, backend, cfg.elastic.detect_timeout_s)
+        self.groups = init_groups(mesh, rank, store, generation, backend, cfg.elastic.detect_timeout_s)
         self.generation = generation
         self.grads.group = self.groups.dp_group
         self.share = shares[self.replica]

@@ -19,6 +19,7 @@ import ray
 from ray import tune
 
 from raytrain.config import Config, all_keys, build_config, flatten_sections
+from raytrain.placement import worker_bundle
 
 LAYOUT_KEYS = ("parallel.dp", "parallel.pp", "parallel.microbatches", "parallel.schedule")
 LAYOUTS = "layouts"
@@ -154,7 +155,7 @@ def _layout_label(combo: dict) -> str:
 
 def check_layouts(sweep: SweepConfig, cluster: dict[str, float]) -> None:
     """Reject, before any trial starts, layouts that are invalid or cannot fit the cluster."""
-    from raytrain.api import _stage_ranges, worker_bundle
+    from raytrain.api import _stage_ranges
 
     problems = []
     for combo in layout_combinations(sweep):
@@ -165,6 +166,9 @@ def check_layouts(sweep: SweepConfig, cluster: dict[str, float]) -> None:
         except ValueError as e:
             problems.append(f"{label}: {e}")
             continue
+        if (cfg.elastic.max_dp or cfg.parallel.dp) > cfg.parallel.dp:
+            problems.append(f"{label}: elastic.max_dp={cfg.elastic.max_dp} > parallel.dp; a trial's resources are "
+                            "fixed by Tune, so a trial cannot grow: drop elastic.max_dp from sweeps")
         world = cfg.parallel.dp * cfg.parallel.pp
         for resource, amount in worker_bundle(cfg).items():
             need = world * amount
@@ -177,12 +181,11 @@ def check_layouts(sweep: SweepConfig, cluster: dict[str, float]) -> None:
 
 
 def trial_resources(cfg: Config) -> tune.PlacementGroupFactory:
-    from raytrain.api import worker_bundle
-
     world = cfg.parallel.dp * cfg.parallel.pp
     # An empty head bundle: Tune then places the trial driver without resources, and the placement
     # group holds exactly the workers' bundles (indices 0..world-1).
-    return tune.PlacementGroupFactory([{}] + [worker_bundle(cfg)] * world, strategy="PACK")
+    return tune.PlacementGroupFactory([{}] + [worker_bundle(cfg)] * world,
+                                     strategy=cfg.resources.placement_strategy)
 
 
 # --- the trainable --------------------------------------------------------------------------

@@ -1,0 +1,50 @@
+"""Where workers run: the resources of one worker and the placement groups that reserve them.
+
+The run reserves ``parallel.dp`` replicas in one placement group before any worker starts (and fails
+after ``resources.wait_s`` with what was asked and what the cluster has). Replicas beyond that, up to
+``elastic.max_dp``, are asked for as one placement group each that Ray grants whenever capacity
+appears (a node joins, another job frees devices); an autoscaler sees them as demand.
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from raytrain.config import Config
+
+
+class ResourcesUnavailable(RuntimeError):
+    """The cluster did not grant the workers' resources within resources.wait_s."""
+
+
+def worker_bundle(cfg: Config) -> dict:
+    """Resources of one worker: its CPU slots, and a GPU when resources.use_gpu."""
+    bundle = {"CPU": float(cfg.resources.cpus_per_worker)}
+    if cfg.resources.use_gpu:
+        bundle["GPU"] = 1.0
+    return bundle
+
+
+def request(cfg: Config, replicas: int) -> PlacementGroup:
+    """Ask (without waiting) for ``replicas`` x ``parallel.pp`` worker bundles."""
+    bundles = [worker_bundle(cfg) for _ in range(replicas * cfg.parallel.pp)]
+    return placement_group(bundles, strategy=cfg.resources.placement_strategy)
+
+
+def reserve(cfg: Config) -> PlacementGroup:
+    """The starting layout's bundles, granted within resources.wait_s or a clear error."""
+    pg = request(cfg, cfg.parallel.dp)
+    if not pg.wait(timeout_seconds=cfg.resources.wait_s):
+        remove_placement_group(pg)
+        world = cfg.parallel.dp * cfg.parallel.pp
+        total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        nodes = sum(1 for n in ray.nodes() if n["Alive"])
+        raise ResourcesUnavailable(
+            f"layout {cfg.layout()} needs {world} workers x {worker_bundle(cfg)} "
+            f"(resources.placement_strategy={cfg.resources.placement_strategy}) but the cluster did not grant "
+            f"them within resources.wait_s={cfg.resources.wait_s:g}s (cluster: {nodes} node(s), total {total}, "
+            f"free now {free}); lower parallel.dp / parallel.pp, free resources, or add nodes"
+        )
+    return pg

@@ -1,0 +1,81 @@
+"""Nodes leave and join the session's cluster (ray.cluster_utils.Cluster): the run repairs, waits a
+bounded time for capacity or grows back when a node is added, with the same math throughout.
+
+The workers are spread one per node (resources.placement_strategy=STRICT_SPREAD) over the head and
+an added node, so removing that node kills exactly one worker, as losing a machine does.
+"""
+
+import time
+
+import pytest
+
+from raytrain import checkpoint, data, train
+from raytrain.api import prepare
+from raytrain.coordinator import CapacityLost
+from tests.conftest import LONG_RUN_LR, assert_same_params, reference_state
+
+
+
+@pytest.fixture
+def worker_node(ray_cluster):
+    """A one-CPU node for the duration of a test; every node a test added is removed afterwards."""
+    before = set(ray_cluster.worker_nodes)
+    yield ray_cluster.add_node(num_cpus=1)
+    for node in set(ray_cluster.worker_nodes) - before:
+        ray_cluster.remove_node(node, allow_graceful=False)
+
+
+def test_node_lost_then_added_grows_back_to_max_dp(ray_cluster, worker_node, make_config):
+    steps = 1000  # long enough that the new node's worker (a fresh process importing torch) joins before the end
+    cfg = make_config("parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=2", f"train.steps={steps}", LONG_RUN_LR,
+                      "resources.placement_strategy=STRICT_SPREAD", "run.record_samples=true", "run.trace_steps=0",
+                      "elastic.grow_poll_s=0.5")
+    replaced = []
+
+    def on_rows(rows):
+        if not replaced and any(r.get("step", 0) >= 5 and "loss" in r for r in rows):
+            ray_cluster.remove_node(worker_node, allow_graceful=False)  # the machine goes away...
+            replaced.append(ray_cluster.add_node(num_cpus=1))  # ...and another joins
+
+    result = train(cfg, on_rows=on_rows)
+    events = [e["event"] for e in result.events]
+    assert replaced, "the node was never removed"
+    repair = next(e for e in result.events if e["event"] == "repair")
+    assert repair["new_layout"] == "dp=1 pp=1" and repair["lost"] == ["replica 1 stage 0"]
+    grows = [e for e in result.events if e["event"] == "grow"]
+    assert len(grows) == 1 and grows[0]["new_layout"] == "dp=2 pp=1", events
+    print(f"repaired at step {repair['step']}, grew back at step {grows[0]['step']} of {steps}")
+    layouts = [r["layout"] for r in result.metrics]
+    assert "dp=1 pp=1" in layouts and layouts[-1] == "dp=2 pp=1"
+    assert result.worker_pids[0] in result.final_pids, "the survivor on the head node was restarted"
+    assert result.committed_steps == list(range(steps))
+    # Every global position consumed once, in the fault-free order, across both resizes.
+    num_samples = prepare(cfg)[2]
+    ids = [i for r in result.metrics for i in r["sample_ids"]]
+    assert ids == data.sample_ids(cfg.train.seed, num_samples, 0, steps * cfg.train.global_batch)
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
+def test_capacity_below_min_dp_waits_then_fails_with_checkpoint_intact(ray_cluster, worker_node, make_config,
+                                                                      tmp_path):
+    # min_dp defaults to dp=2: losing the node leaves one replica and nowhere to start a second.
+    cfg = make_config("parallel.dp=2", f"checkpoint.dir={tmp_path / 'ckpt'}", "train.steps=100000", "checkpoint.every=4", "elastic.wait_s=4",
+                      "resources.placement_strategy=STRICT_SPREAD", "run.trace_steps=0")
+    seen = {"removed_at": None}
+
+    def on_rows(rows):
+        if seen["removed_at"] is None and any(r.get("step", 0) >= 9 and "loss" in r for r in rows):
+            ray_cluster.remove_node(worker_node, allow_graceful=False)
+            seen["removed_at"] = time.time()
+
+    with pytest.raises(CapacityLost) as err:
+        train(cfg, on_rows=on_rows)
+    waited = time.time() - seen["removed_at"]
+    message = str(err.value)
+    assert "elastic.min_dp=2" in message and "elastic.wait_s=4" in message, message
+    assert 4 <= waited < 40, f"failed {waited:.1f}s after the node was lost; the wait is bounded by elastic.wait_s=4"
+    latest = checkpoint.latest(cfg.checkpoint.dir)
+    assert latest is not None and latest in message
+    step = checkpoint.read_manifest(latest)["step"]
+    assert step >= 8 and step % 4 == 0
+    assert_same_params(checkpoint.load_state_dict(latest), reference_state(cfg, steps=step))
