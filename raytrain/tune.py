@@ -4,7 +4,8 @@ Each trial runs one raytrain coordinator inside the trial's own placement group:
 worker, and an empty head bundle for the trial's driver, which only polls. So a trial either gets all its devices
 or waits; trials never over-subscribe the cluster. Trials report every step with
 ``ray.tune.report`` (loss, samples/s) and attach each checkpoint as a ``ray.tune.Checkpoint``, so
-ASHA can stop trials early and ``Tuner.restore`` resumes a sweep (PBT is not supported yet).
+ASHA can stop trials early, PBT can exploit (clone a better trial's checkpoint) and explore
+(mutate ``train.lr``), and ``Tuner.restore`` resumes a sweep.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from raytrain.placement import worker_bundle
 LAYOUT_KEYS = ("parallel.dp", "parallel.pp", "parallel.microbatches", "parallel.schedule")
 LAYOUTS = "layouts"
 """Space key for an explicit list of layouts, each a mapping of parallel.* keys (a grid over them)."""
-SCHEDULERS = ("none", "asha")
+SCHEDULERS = ("none", "asha", "pbt")
 
 
 @dataclass
@@ -41,9 +42,13 @@ class SweepConfig:
     num_samples: int = 1
     """Repeats of the grid (or samples of a random space)."""
     scheduler: str = "none"
-    """none, or asha (stop bad trials early on loss)."""
+    """none, asha (stop bad trials early on loss) or pbt (exploit/explore train.lr through checkpoints)."""
     grace_period: int = 3
     """ASHA: steps every trial runs before it can be stopped."""
+    quantile_fraction: float = 0.25
+    """PBT: the bottom fraction of trials that clone one of the top fraction at each perturbation."""
+    synch: bool = False
+    """PBT: pause trials at each perturbation until all reach it (fair for small populations)."""
     max_concurrent_trials: int = 1
     """Trials running at once; each still gets its own placement group."""
     storage_path: str = "runs/sweeps"
@@ -59,11 +64,13 @@ class SweepConfig:
             raise ValueError(f"sweep.metric={self.metric!r}: use samples_per_s or loss")
         if self.mode not in ("max", "min"):
             raise ValueError(f"sweep.mode={self.mode!r}: use max or min")
-        if self.scheduler == "pbt":
-            raise ValueError("sweep.scheduler=pbt is not supported yet (a trial cloned from another's checkpoint "
-                             "fails to restore); use asha or none")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"sweep.scheduler={self.scheduler!r}: use one of {', '.join(SCHEDULERS)}")
+        if self.scheduler == "pbt" and not build_config(flatten_sections(self.base, "sweep base")).checkpoint.every:
+            raise ValueError("sweep.scheduler=pbt needs checkpoint.every > 0: trials clone each other through "
+                             "checkpoints, and PBT perturbs every checkpoint.every steps")
+        if not 0 < self.quantile_fraction <= 0.5:
+            raise ValueError(f"sweep.quantile_fraction={self.quantile_fraction}: use a fraction in (0, 0.5]")
         valid = set(all_keys())
         keys = [k for k in self.space if k != LAYOUTS]
         for layout in self.space.get(LAYOUTS, []):
@@ -193,18 +200,25 @@ def trial_resources(cfg: Config) -> tune.PlacementGroupFactory:
 
 def raytrain_trainable(params: dict) -> None:
     """One trial: a raytrain run in this trial's placement group, reporting every step."""
+    from raytrain import checkpoint
     from raytrain.api import train
 
     started = time.time()
     base = params["__base__"]
     overrides = dict(params)
     trial_dir = tune.get_context().get_trial_dir()
-    overrides.update({"run.dir": trial_dir, "run.name": "run", "checkpoint.dir": os.path.join(trial_dir, "checkpoints")})
+    # Each start of the trial (first, resumed, or cloned by PBT) gets its own run and checkpoint
+    # directories, so a restart never mistakes an older incarnation's checkpoint for its latest.
+    run_dir = os.path.join(trial_dir, f"run-{int(started * 1000)}")
+    overrides.update({"run.dir": trial_dir, "run.name": os.path.basename(run_dir),
+                      "checkpoint.dir": os.path.join(run_dir, "checkpoints")})
     restored = tune.get_checkpoint()
     local_ckpt = None
     if restored is not None:
-        local_ckpt = restored.to_directory(os.path.join(trial_dir, f"restored-{int(time.time() * 1000)}"))
+        local_ckpt = restored.to_directory(os.path.join(run_dir, "restored"))
         overrides["checkpoint.resume"] = local_ckpt
+        if checkpoint.read_manifest(local_ckpt)["step"] >= trial_config(base, overrides).train.steps:
+            return  # paused (PBT) or interrupted at its last step: nothing is left to train
     cfg = trial_config(base, overrides)
     state = {"first_step_s": None, "samples": 0, "seconds": 0.0}
 
@@ -245,12 +259,18 @@ def _param_space(sweep: SweepConfig) -> dict:
 
 
 def _scheduler(sweep: SweepConfig):
-    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
 
     steps = build_config(flatten_sections(sweep.base, "sweep base")).train.steps
     if sweep.scheduler == "asha":
         return ASHAScheduler(metric="loss", mode="min", time_attr="step", max_t=steps,
                              grace_period=sweep.grace_period, reduction_factor=2)
+    if sweep.scheduler == "pbt":
+        every = build_config(flatten_sections(sweep.base, "sweep base")).checkpoint.every
+        # Perturb exactly at checkpoints: a cloned trial resumes from the step its donor reached.
+        return PopulationBasedTraining(metric="loss", mode="min", time_attr="step", perturbation_interval=every,
+                                       quantile_fraction=sweep.quantile_fraction, synch=sweep.synch,
+                                       hyperparam_mutations={"train.lr": tune.loguniform(1e-5, 1e-1)})
     return None
 
 
