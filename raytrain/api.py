@@ -42,13 +42,16 @@ class Result:
     failures: int = 0
     recovery_s: list[float] = field(default_factory=list)
     coordinator_restarts: int = 0
+    auto_layout: Optional[dict] = None
+    """With parallel.auto: the chosen layout and every probe's layout, samples/s and status."""
 
     def summary(self) -> dict:
         """The JSON object printed as the last line of ``python -m raytrain train``."""
         return {"steps": self.steps, "final_loss": self.final_loss, "samples_per_s": self.samples_per_s,
                 "checkpoint": self.checkpoint, "run_dir": self.run_dir, "layout": self.layout,
                 "failures": self.failures, "recovery_s": self.recovery_s,
-                "coordinator_restarts": self.coordinator_restarts}
+                "coordinator_restarts": self.coordinator_restarts,
+                **({"auto_layout": self.auto_layout["chosen"]} if self.auto_layout else {})}
 
 
 def prepare(cfg: Config) -> tuple[Config, str, int, list[list[int]], Optional[str]]:
@@ -83,6 +86,14 @@ def prepare(cfg: Config) -> tuple[Config, str, int, list[list[int]], Optional[st
                 f"train.steps={cfg.train.steps}; raise train.steps to train further"
             )
     return cfg, data_path, num_samples, stages, resume
+
+
+def _layer_count(cfg: Config) -> int:
+    if cfg.model.factory is None:
+        return cfg.model.n_layer + 2  # embedding, blocks, head
+    from raytrain.model import build_model
+
+    return len(build_model(cfg.model, cfg.train.seed).layers)
 
 
 def _stage_ranges(cfg: Config) -> list[range]:
@@ -131,6 +142,13 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     existing placement group (a Tune trial's) instead of reserving one.
     """
     rendezvous = RendezvousStore()
+    auto_layout = None
+    if cfg.parallel.auto:
+        prepare(cfg)  # bad input fails before any probe starts
+        ensure_ray()
+        from raytrain.autolayout import choose_layout
+
+        cfg, auto_layout = choose_layout(cfg, _layer_count(cfg), stream)
     cfg, data_path, num_samples, stages, resume = prepare(cfg)
     ensure_ray()
     run_dir = os.path.join(os.path.abspath(os.path.expanduser(cfg.run.dir)), cfg.run.name)
@@ -177,7 +195,7 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
         samples_per_s=samples_per_s, checkpoint=summary["checkpoint"], run_dir=run_dir, layout=cfg.layout(),
         metrics=steps, events=reporter.events, worker_pids=summary["worker_pids"], final_pids=summary["final_pids"],
         committed_steps=summary["committed_steps"], failures=summary["failures"], recovery_s=summary["recovery_s"],
-        coordinator_restarts=restarts,
+        coordinator_restarts=restarts, auto_layout=auto_layout,
     )
 
 

@@ -88,6 +88,16 @@ class ParallelConfig:
     """Hand-set cuts: indices of the first layer of stages 1..pp-1 (overrides balance)."""
     balance: str = "params"
     """How to cut the layers when split_points is not set: params or time."""
+    auto: bool = False
+    """Probe the feasible layouts with short Tune trials, then train with the fastest (raytrain.autolayout)."""
+    auto_steps: int = 6
+    """Steps per probe trial (the first is warm-up and not timed)."""
+    auto_max_workers: Optional[int] = None
+    """Workers a probed layout may use (default: every CPU slot or GPU of the cluster)."""
+    auto_microbatches: list = field(default_factory=lambda: [2, 4, 8])
+    """Micro-batch counts probed for pipeline layouts."""
+    auto_schedules: list = field(default_factory=lambda: ["1f1b"])
+    """Schedules probed for pipeline layouts (1F1B has GPipe's bubble with less memory)."""
 
     def __post_init__(self):
         for name in ("dp", "pp", "microbatches"):
@@ -105,6 +115,17 @@ class ParallelConfig:
                 )
             if list(self.split_points) != sorted(set(self.split_points)):
                 raise ValueError(f"parallel.split_points must be strictly increasing, got {self.split_points}")
+        if self.auto:
+            if self.split_points is not None:
+                raise ValueError("parallel.auto=true chooses pp, so parallel.split_points cannot be set; drop one")
+            if self.auto_steps < 2:
+                raise ValueError(f"parallel.auto_steps={self.auto_steps}: a probe needs >= 2 steps (the first is warm-up)")
+            bad = [s for s in self.auto_schedules if s not in SCHEDULES]
+            if bad or not self.auto_schedules:
+                raise ValueError(f"parallel.auto_schedules={self.auto_schedules}: use a non-empty list of "
+                                 f"{', '.join(SCHEDULES)}")
+            if not self.auto_microbatches or any(not isinstance(m, int) or m < 1 for m in self.auto_microbatches):
+                raise ValueError(f"parallel.auto_microbatches={self.auto_microbatches}: use a list of integers >= 1")
 
 
 @dataclass
@@ -252,6 +273,9 @@ class Config:
                     f"parallel.split_points={p.split_points} out of range: cuts must lie in 1..{n_layers - 1}"
                 )
         e = self.elastic
+        if p.auto and (e.min_dp is not None or e.max_dp is not None):
+            raise ValueError("parallel.auto=true chooses parallel.dp, so elastic.min_dp / elastic.max_dp cannot be "
+                             "set with it; drop them, or set the layout by hand")
         if e.min_dp is not None and not 1 <= e.min_dp <= p.dp:
             raise ValueError(f"elastic.min_dp={e.min_dp} must lie in 1..parallel.dp={p.dp}")
         if e.max_dp is not None and e.max_dp < p.dp:

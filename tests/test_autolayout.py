@@ -1,0 +1,49 @@
+"""parallel.auto: the candidates are every runnable layout of the cluster's workers; the probe picks
+the fastest and the run trains with it, on the same trajectory as any other layout."""
+
+import pytest
+
+from raytrain import checkpoint, train
+from raytrain.autolayout import candidate_layouts
+from raytrain.config import load_config
+from tests.conftest import assert_same_params, reference_state
+
+
+def _layouts(workers, layers, *overrides):
+    cfg = load_config(None, ["parallel.auto=true", *overrides])
+    return [(l["parallel.dp"], l["parallel.pp"], l["parallel.microbatches"], l.get("parallel.schedule"))
+            for l in candidate_layouts(cfg, workers, layers)]
+
+
+def test_candidates_use_every_worker_and_fit_batch_and_layers():
+    # global batch 8: dp must divide it; the per-replica batch must divide by m; pp <= layers
+    assert _layouts(2, 4, "train.global_batch=8") == [
+        (2, 1, 1, None), (1, 2, 2, "1f1b"), (1, 2, 4, "1f1b"), (1, 2, 8, "1f1b")]
+    assert _layouts(4, 3, "train.global_batch=8", "parallel.auto_microbatches=[2, 8]",
+                    "parallel.auto_schedules=[gpipe, 1f1b]") == [
+        (4, 1, 1, None), (2, 2, 2, "gpipe"), (2, 2, 2, "1f1b")]  # m=8 exceeds the share of 4; pp=4 > 3 layers
+    assert _layouts(3, 4, "train.global_batch=8") == [(1, 3, 2, "1f1b"), (1, 3, 4, "1f1b"), (1, 3, 8, "1f1b")]
+
+
+@pytest.mark.parametrize("overrides, must_mention", [
+    (["parallel.auto=true", "parallel.pp=2", "parallel.split_points=[2]"], ["parallel.split_points"]),
+    (["parallel.auto=true", "elastic.min_dp=1"], ["parallel.auto", "elastic.min_dp"]),
+    (["parallel.auto=true", "parallel.auto_schedules=[zigzag]"], ["parallel.auto_schedules"]),
+])
+def test_auto_bad_input_names_the_key(overrides, must_mention):
+    with pytest.raises(ValueError) as err:
+        load_config(None, overrides)
+    assert all(text in str(err.value) for text in must_mention), str(err.value)
+
+
+def test_auto_probes_then_trains_with_the_fastest_layout(ray_session, make_config):
+    cfg = make_config("parallel.auto=true", "parallel.auto_max_workers=2", "parallel.auto_microbatches=[2]",
+                      "parallel.auto_steps=3", "train.steps=3")
+    result = train(cfg)
+    probes = result.auto_layout["probes"]
+    assert sorted(p["layout"] for p in probes) == ["dp=1 pp=2 m=2 1f1b", "dp=2 pp=1 m=1"]
+    assert all(p["status"] == "finished" and p["samples_per_s"] > 0 for p in probes), probes
+    fastest = max(probes, key=lambda p: p["samples_per_s"])["layout"]
+    assert result.auto_layout["chosen"] == fastest == result.layout
+    assert result.summary()["auto_layout"] == fastest
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
