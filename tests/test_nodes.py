@@ -17,12 +17,17 @@ from tests.conftest import LONG_RUN_LR, assert_same_params, reference_state
 
 
 @pytest.fixture
-def worker_node(ray_cluster):
-    """A one-CPU node for the duration of a test; every node a test added is removed afterwards."""
+def add_node(ray_cluster):
+    """Adds one-CPU nodes for the duration of a test; every node a test added is removed afterwards."""
     before = set(ray_cluster.worker_nodes)
-    yield ray_cluster.add_node(num_cpus=1)
+    yield lambda: ray_cluster.add_node(num_cpus=1)
     for node in set(ray_cluster.worker_nodes) - before:
         ray_cluster.remove_node(node, allow_graceful=False)
+
+
+@pytest.fixture
+def worker_node(add_node):
+    return add_node()
 
 
 def test_node_lost_then_added_grows_back_to_max_dp(ray_cluster, worker_node, make_config):
@@ -79,3 +84,35 @@ def test_capacity_below_min_dp_waits_then_fails_with_checkpoint_intact(ray_clust
     step = checkpoint.read_manifest(latest)["step"]
     assert step >= 8 and step % 4 == 0
     assert_same_params(checkpoint.load_state_dict(latest), reference_state(cfg, steps=step))
+
+
+def test_hybrid_losing_a_node_without_spare_capacity_carries_on_with_dp1(ray_cluster, add_node, make_config):
+    # Another job holds one of the head's 4 CPUs, so the dp=2 x pp=2 run puts three workers on the
+    # head and the fourth on a one-CPU node. When that node goes, nothing can host a replacement:
+    # the broken replica is dropped, its surviving worker waits as a spare, and dp=1 finishes the run.
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    other_job = placement_group([{"CPU": 1}])  # before the node exists: it lands on the head
+    assert other_job.wait(timeout_seconds=30)
+    node = add_node()
+    cfg = make_config("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2", "elastic.min_dp=1",
+                      "train.steps=150", LONG_RUN_LR, "run.trace_steps=0")
+    removed = []
+
+    def on_rows(rows):
+        if not removed and any(r.get("step", 0) >= 3 and "loss" in r for r in rows):
+            ray_cluster.remove_node(node, allow_graceful=False)
+            removed.append(True)
+
+    try:
+        result = train(cfg, on_rows=on_rows)
+    finally:
+        remove_placement_group(other_job)
+    events = [e["event"] for e in result.events]
+    assert removed and result.failures == 1 and "grow" not in events and "reload" not in events, events
+    repair = next(e for e in result.events if e["event"] == "repair")
+    assert repair["new_layout"] == "dp=1 pp=2" and repair["pending_replacements"] == 1, repair
+    assert [r["layout"] for r in result.metrics][-1] == "dp=1 pp=2"
+    assert len(result.final_pids) == 2 and set(result.final_pids) <= set(result.worker_pids), "a survivor was restarted"
+    assert result.committed_steps == list(range(150))
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
