@@ -108,6 +108,7 @@ class Coordinator:
 
     # --- driver-facing ----------------------------------------------------------------------------
 
+    @ray.method(enable_task_events=False)  # the driver calls it every second
     def poll(self) -> list[dict]:
         """Metric rows produced since the last poll."""
         with self._lock:

@@ -228,13 +228,14 @@ def raytrain_trainable(params: dict) -> None:
                 continue
             if state["first_step_s"] is None:
                 state["first_step_s"] = time.time() - started
-            if row["step"] > 1 or local_ckpt is not None:  # the first step pays for warm-up
+            # The first step pays for warm-up; a step rolled forward after a repair has no timing.
+            if (row["step"] > 1 or local_ckpt is not None) and "step_s" in row:
                 state["samples"] += cfg.train.global_batch
                 state["seconds"] += row["step_s"]
             metrics = {
                 "step": row["step"], "loss": row["loss"],
-                "samples_per_s": state["samples"] / state["seconds"] if state["seconds"] else row["samples_per_s"],
-                "bubble": row["bubble"], "layout": cfg.layout(), "first_step_s": state["first_step_s"],
+                "samples_per_s": state["samples"] / state["seconds"] if state["seconds"] else row.get("samples_per_s", 0.0),
+                "bubble": row.get("bubble"), "layout": cfg.layout(), "first_step_s": state["first_step_s"],
             }
             ckpt = tune.Checkpoint.from_directory(row["checkpoint"]) if row.get("checkpoint") else None
             tune.report(metrics, checkpoint=ckpt)
@@ -299,6 +300,7 @@ def run_sweep(sweep: SweepConfig, resume: Optional[str] = None):
             tune_config=tune.TuneConfig(
                 num_samples=sweep.num_samples, scheduler=_scheduler(sweep),
                 max_concurrent_trials=sweep.max_concurrent_trials,
+                reuse_actors=True,  # a trial of the same resources reuses a warm process (imports, torch)
                 **({} if sweep.scheduler != "none" else {"metric": sweep.metric, "mode": sweep.mode}),
             ),
             run_config=tune.RunConfig(name=name, storage_path=os.path.abspath(sweep.storage_path),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import ray
+
 
 class StageWorker:
     def __init__(self, config: dict, data_path: str, num_samples: int, stage: int, layer_ids: list[int]):
@@ -34,6 +36,7 @@ class StageWorker:
     def sync_state(self, src_rank: int) -> int:
         return self.stage.sync_state(src_rank)
 
+    @ray.method(enable_task_events=False)  # called every step: not worth tracing in Ray's task table
     def run_step(self, step: int, trace: bool = False) -> dict:
         return self.stage.run_step(step, trace)
 

@@ -78,7 +78,7 @@ def test_sweep_config_errors_name_the_key(tmp_path, base):
 
 def test_interrupted_sweep_resumes_and_finishes(ray_session, base, tmp_path):
     path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump({**base, "space": {"train.seed": [1, 2, 3]},
+    path.write_text(yaml.safe_dump({**base, "space": {"train.seed": [1, 2]},
                                     "sweep": {"storage_path": str(tmp_path / "exp"), "name": "interrupted"}}))
     # The sweep's driver joins this session's cluster, so killing it leaves no Ray processes behind.
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
@@ -102,7 +102,7 @@ def test_interrupted_sweep_resumes_and_finishes(ray_session, base, tmp_path):
     sweep = rt_tune.load_sweep_config(str(path))
     grid = rt_tune.run_sweep(sweep, resume=str(exp_dir))
     rows = rt_tune.summarize(grid, sweep)
-    assert sorted(r.params["train.seed"] for r in rows) == [1, 2, 3]
+    assert sorted(r.params["train.seed"] for r in rows) == [1, 2]
     assert all(r.status == "finished" for r in rows), rt_tune.format_table(rows)
 
 
