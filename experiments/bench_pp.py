@@ -38,6 +38,11 @@ def stage_cut(cfg) -> list[range]:
     return _stage_ranges(cfg)
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (its other figures come with it)."""
+    return sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
+
+
 def steady_rate(step_ends: list[float], warmup: int) -> float:
     return (len(step_ends) - 1 - warmup) * GLOBAL_BATCH / (step_ends[-1] - step_ends[warmup])
 
@@ -204,6 +209,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--microbatches", default="1,2,4,8")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per system and m, interleaved; the median is shown")
     parser.add_argument("--torch-worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -226,14 +232,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         for m in [int(x) for x in args.microbatches.split(",")]:
             theory = bubble_formula(PP, m)
-            rows = {}
-            for kind in ("gpipe", "1f1b"):
-                if kind == "1f1b" and m < PP:
-                    print(f"{m:>2} torch.pipelining 1f1b  n/a: torch's Schedule1F1B needs microbatches >= stages", flush=True)
-                else:
-                    rows[f"torch.pipelining {kind}"] = run_torch_pipelining(args.steps, args.warmup, m, kind, workdir)
-                rows[f"raytrain {kind}"] = run_raytrain(args.steps, args.warmup, m, kind, workdir)
-            rows["naive Ray object refs"] = run_naive_object_refs(args.steps, args.warmup, m)
+            runs: dict[str, list[dict]] = {}
+            if m < PP:
+                print(f"{m:>2} torch.pipelining 1f1b  n/a: torch's Schedule1F1B needs microbatches >= stages", flush=True)
+            # Repeats interleave the systems, so a slow minute on this shared machine hits them all.
+            for _ in range(args.repeats):
+                for kind in ("gpipe", "1f1b"):
+                    if kind == "gpipe" or m >= PP:
+                        runs.setdefault(f"torch.pipelining {kind}", []).append(
+                            run_torch_pipelining(args.steps, args.warmup, m, kind, workdir))
+                    runs.setdefault(f"raytrain {kind}", []).append(run_raytrain(args.steps, args.warmup, m, kind, workdir))
+            runs["naive Ray object refs"] = [run_naive_object_refs(args.steps, args.warmup, m)]
+            rows = {name: median_run(rs) for name, rs in runs.items()}
             for name, r in rows.items():
                 kind = name.split()[-1]
                 base = rows.get(f"torch.pipelining {kind}")
@@ -241,8 +251,9 @@ def main() -> None:
                 bubble = f"{r['bubble']:.3f}" if "bubble" in r else "-"
                 mem = "/".join(f"{v:.0f}" for v in r.get("peak_mem_mb", [])) or "-"
                 live = "/".join(str(v) for v in r.get("peak_live", [])) or "-"
+                spread = "/".join(f"{x['samples_per_s']:.1f}" for x in runs[name]) if len(runs[name]) > 1 else ""
                 print(f"{m:>2} {name:<22} {r['samples_per_s']:>9.1f} {vs:>11} {r['samples_per_s'] / one:>8.2f}x "
-                      f"{bubble:>7} {theory:>7.3f} {mem:>15} {live:>14}", flush=True)
+                      f"{bubble:>7} {theory:>7.3f} {mem:>15} {live:>14}  {spread}", flush=True)
             if m == 4:
                 src = os.path.join(rows["raytrain 1f1b"]["run_dir"], "timeline.png")
                 os.makedirs("experiments/results", exist_ok=True)
