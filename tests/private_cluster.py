@@ -45,6 +45,10 @@ def _pids_naming(text: str) -> list[int]:
     return pids
 
 
+STOP_GRACE_S = 3
+"""`ray start --block` takes ~20 s to wind down on SIGTERM; after this the test's own cluster is SIGKILLed."""
+
+
 @contextlib.contextmanager
 def private_ray_head(num_cpus: int = 2):
     """Yields (dashboard_url, env) for a fresh head; everything it started is gone afterwards."""
@@ -80,7 +84,7 @@ def private_ray_head(num_cpus: int = 2):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            head.wait(timeout=20)
+            head.wait(timeout=STOP_GRACE_S)
         deadline = time.monotonic() + 20
         while (left := _pids_naming(temp_dir)) and time.monotonic() < deadline:
             for pid in left:

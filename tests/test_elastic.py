@@ -113,7 +113,7 @@ def cfg_dir(result):
 
 def test_kill_from_outside_by_pid(ray_session, make_config):
     # long enough that the driver (polling once a second) sees step 3 while the run is still going
-    cfg = make_config("parallel.dp=2", "train.steps=300", "elastic.min_dp=1", "run.record_samples=true", LONG_RUN_LR,
+    cfg = make_config("parallel.dp=2", "train.steps=200", "elastic.min_dp=1", "run.record_samples=true", LONG_RUN_LR,
                       "run.trace_steps=0")
     victim = {}
 
@@ -128,7 +128,7 @@ def test_kill_from_outside_by_pid(ray_session, make_config):
     result = train(cfg, on_rows=kill_at_step_3)
     assert victim.get("done") and result.failures == 1
     assert result.worker_pids[0] in result.final_pids
-    assert result.committed_steps == list(range(300))
+    assert result.committed_steps == list(range(200))
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 

@@ -31,7 +31,7 @@ def worker_node(add_node):
 
 
 def test_node_lost_then_added_grows_back_to_max_dp(ray_cluster, worker_node, make_config):
-    steps = 1000  # long enough that the new node's worker (a fresh process importing torch) joins before the end
+    steps = 800  # long enough that the new node's worker (a fresh process importing torch) joins before the end
     cfg = make_config("parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=2", f"train.steps={steps}", LONG_RUN_LR,
                       "resources.placement_strategy=STRICT_SPREAD", "run.record_samples=true", "run.trace_steps=0",
                       "elastic.grow_poll_s=0.5")

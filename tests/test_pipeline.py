@@ -10,9 +10,13 @@ from raytrain.reference import train_reference
 from tests.conftest import assert_same_params, reference_state
 
 
-@pytest.mark.parametrize("pp", [2, 4])
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("m", [1, 2, 4])
+# At m=1 the 1F1B plan is the GPipe plan, action for action (asserted in test_schedule), and the
+# executor only runs plans: the (1f1b, m=1) cells would repeat the (gpipe, m=1) runs, so they are
+# not run again on actors.
+CELLS = [(pp, kind, m) for pp in (2, 4) for kind in ("gpipe", "1f1b") for m in (1, 2, 4) if (kind, m) != ("1f1b", 1)]
+
+
+@pytest.mark.parametrize("pp, kind, m", CELLS)
 def test_pipeline_matches_single_process(ray_session, make_config, pp, kind, m):
     cfg = make_config(f"parallel.pp={pp}", f"parallel.schedule={kind}", f"parallel.microbatches={m}", "train.steps=4")
     result = train(cfg)

@@ -25,6 +25,12 @@ def test_live_activations_1f1b_bounded_by_stages_gpipe_grows_with_microbatches(p
     assert one_f_one_b == [min(p - s, m) for s in range(p)]
 
 
+@pytest.mark.parametrize("p", [1, 2, 4, 8])
+def test_with_one_microbatch_1f1b_is_gpipe_action_for_action(p):
+    # test_pipeline relies on this to run the m=1 cells on actors for GPipe only.
+    assert [list(map(repr, a)) for a in build_plan("1f1b", p, 1)] == [list(map(repr, a)) for a in build_plan("gpipe", p, 1)]
+
+
 def _swap(acts, i, j):
     acts = list(acts)
     acts[i], acts[j] = acts[j], acts[i]
