@@ -135,7 +135,7 @@ class Coordinator:
             self._emit(row)
         return {"steps": self.cfg.train.steps, "checkpoint": self.last_checkpoint,
                 "worker_pids": self.original_pids, "final_pids": self.pids(), "committed_steps": self.committed_steps,
-                "failures": self.failures, "recovery_s": self.recovery_s, "final_layout": self.layout()}
+                "failures": self.failures, "recovery_s": self.recovery_s}
 
     def pids(self) -> list[int]:
         return [m.pid for rep in self.replicas for m in rep]
@@ -272,7 +272,9 @@ class Coordinator:
         t_detect, detected_at = time.perf_counter(), time.time()
         self.failures += 1
         if self.failures > self.cfg.elastic.max_failures:
-            raise CapacityLost(f"gave up after {self.failures - 1} repairs (elastic.max_failures)")
+            raise CapacityLost(f"gave up after {self.failures - 1} repairs in one run (elastic.max_failures="
+                               f"{self.cfg.elastic.max_failures}); find why workers keep dying (their logs), or "
+                               f"raise elastic.max_failures; the last checkpoint ({self.last_checkpoint}) is intact")
         results, self._failed_results = self._failed_results, []
         dead_slots = [(r, m.stage) for r, rep in enumerate(self.replicas) for m in rep if m in dead]
         # Commit agreement: a survivor that stepped proves every worker voted; roll the rest forward.
@@ -286,7 +288,8 @@ class Coordinator:
                 dead = dead + more.dead
             next_step = step + 1
             self.committed_steps.append(step)
-            self._emit(rolled_forward_row(step, [r for _, r in results], self.cfg, self.mesh, self.num_samples))
+            self._emit(rolled_forward_row(step, [r for _, r in results], self.cfg, self.mesh, self.num_samples,
+                                          self.layout()))
         retried = None if next_step > step else step
         self.faults = FaultPlan.remaining(self.faults, step)  # fired, or moot: slots are renumbered now
         next_step = self._rebuild(dead, next_step)
@@ -302,7 +305,7 @@ class Coordinator:
 
     def _rebuild(self, dead: list[Member], step: int) -> int:
         """Drop broken replicas, start replacements, wait for min_dp, re-form; retried if more die."""
-        for attempt in range(self.cfg.elastic.max_failures):
+        for _ in range(self.cfg.elastic.max_failures):
             for m in dead:
                 self.pending.append(self._spawn(m.stage, m.placement, m.bundle))
             dead_set = set(map(id, dead))
@@ -333,7 +336,9 @@ class Coordinator:
                 self._emit({"event": "repair_failed", "step": step, "lost": len(more.dead),
                             "reason": "lost worker(s) while re-forming groups; repairing again"})
                 dead = more.dead
-        raise CapacityLost("repairs keep failing (elastic.max_failures)")
+        raise CapacityLost(f"workers kept dying while the groups re-formed ({self.cfg.elastic.max_failures} tries, "
+                           "elastic.max_failures); check the workers' logs and the cluster's health; the last "
+                           f"checkpoint ({self.last_checkpoint}) is intact")
 
     def _collect_ready(self, wait_s: float) -> None:
         """Move started replacements to the spares, and form replicas from spares up to target_dp."""
@@ -426,7 +431,9 @@ class Coordinator:
             except WorkersLost as lost:
                 resumed = self._repair(step, lost.dead, during="checkpoint")
                 assert resumed == step, "a checkpoint repair that reloads an older checkpoint is not handled"
-        raise CapacityLost(f"could not write the checkpoint of step {step}")
+        raise CapacityLost(f"could not write the checkpoint of step {step} in {self.cfg.elastic.max_failures} tries "
+                           f"(workers kept dying while saving); check checkpoint.dir={self.cfg.checkpoint.dir} is "
+                           f"writable from every node; the previous checkpoint ({self.last_checkpoint}) is intact")
 
     def _checkpoint(self, step: int) -> str:
         """Save every stage's shard, publish the manifest; returns the checkpoint's path."""
@@ -479,7 +486,7 @@ def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, m
     return row
 
 
-def rolled_forward_row(step: int, results: list[dict], cfg: Config, mesh: Mesh, num_samples: int) -> dict:
+def rolled_forward_row(step: int, results: list[dict], cfg: Config, mesh: Mesh, num_samples: int, layout: str) -> dict:
     """The row of a step committed by roll-forward: every worker voted for it, some died before replying.
 
     Its loss is known only if the last stage of every replica survived; its samples are the whole
@@ -488,7 +495,7 @@ def rolled_forward_row(step: int, results: list[dict], cfg: Config, mesh: Mesh, 
     B = cfg.train.global_batch
     last = [r for r in results if mesh.coords(r["rank"])[1] == mesh.pp - 1 and "loss_sum" in r]
     row = {"step": step + 1, "loss": sum(r["loss_sum"] for r in last) / B if len(last) == mesh.dp else None,
-           "rolled_forward": True, "time": time.time(), "layout": f"dp={mesh.dp} pp={mesh.pp}"}
+           "rolled_forward": True, "time": time.time(), "layout": layout}
     if cfg.run.record_samples:
         row["sample_ids"] = data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
     return row

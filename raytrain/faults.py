@@ -61,10 +61,12 @@ class FaultPlan:
     def __init__(self, faults: list[str]):
         self.faults = [Fault.parse(f) for f in faults]
 
+    def due(self, replica: int, stage: int, step: int, phase: str) -> bool:
+        return any((f.replica, f.stage, f.step, f.phase) == (replica, stage, step, phase) for f in self.faults)
+
     def maybe_fire(self, replica: int, stage: int, step: int, phase: str) -> None:
-        for f in self.faults:
-            if (f.replica, f.stage, f.step, f.phase) == (replica, stage, step, phase):
-                kill_self()
+        if self.due(replica, stage, step, phase):
+            kill_self()
 
     @staticmethod
     def remaining(faults: list[str], failed_step: int, keep_join: bool = True) -> list[str]:
@@ -72,5 +74,6 @@ class FaultPlan:
 
         A ``join`` fault of that step is kept (it fires during this repair) unless ``keep_join`` is off.
         """
-        return [f for f in faults if Fault.parse(f).step > failed_step
-                or (keep_join and Fault.parse(f).step == failed_step and Fault.parse(f).phase == "join")]
+        parsed = [(text, Fault.parse(text)) for text in faults]
+        return [text for text, f in parsed
+                if f.step > failed_step or (keep_join and f.step == failed_step and f.phase == "join")]

@@ -115,9 +115,6 @@ class Stage:
         gc.collect()
         self.generation = None
 
-    def status(self) -> dict:
-        return {"committed": self.committed, "prepared": self.prepared, "pid": os.getpid()}
-
     def commit_prepared(self, step: int) -> int:
         """Roll forward: apply the prepared update of ``step`` (every worker voted for it)."""
         if self.prepared == step and self.committed == step:
@@ -317,8 +314,7 @@ class Stage:
 
     def save(self, ckpt_dir: str) -> dict:
         shard = self.shard()
-        if any(f.phase == "checkpoint" and (f.replica, f.stage, f.step) == (self.replica, self.stage, self.committed)
-               for f in self.faults.faults):
+        if self.faults.due(self.replica, self.stage, self.committed, "checkpoint"):  # die half-way through
             checkpoint.write_bytes(f"{ckpt_dir}/{checkpoint.shard_name(self.stage)}", b"half a shard")
             self.faults.maybe_fire(self.replica, self.stage, self.committed, "checkpoint")
         size = checkpoint.save_shard(ckpt_dir, self.stage, shard)

@@ -27,9 +27,6 @@ class StageWorker:
     def leave(self) -> None:
         self.stage.leave()
 
-    def status(self) -> dict:
-        return self.stage.status()
-
     def commit_prepared(self, step: int) -> int:
         return self.stage.commit_prepared(step)
 
