@@ -2,7 +2,10 @@
 drives the steps, aggregates metrics, publishes checkpoints, and repairs the run in place.
 
 It sends one small message per worker per step (``run_step(step)``) and gets metrics back; no tensor
-passes through it. The driver polls ``poll()`` for new metric rows while ``run()`` executes.
+passes through it. The next step's message is sent before the current step's replies arrive
+(when no checkpoint or membership change falls between them), so a worker goes from one step to
+the next without waiting a round trip for the coordinator. The driver polls ``poll()`` for new
+metric rows while ``run()`` executes.
 
 Repair (DESIGN invariants 3 and 4): when a worker is lost, survivors are not restarted. They agree
 on the last committed step (rolling forward a step that every worker voted for), broken replicas
@@ -56,6 +59,16 @@ class WorkersLost(Exception):
     def __init__(self, dead: list["Member"]):
         super().__init__(f"{len(dead)} worker(s) lost")
         self.dead = dead
+
+
+@dataclass
+class StepCall:
+    """``run_step`` sent to every member; ``started`` is when its time starts to count."""
+
+    step: int
+    members: list
+    refs: list
+    started: float
 
 
 @dataclass(eq=False)
@@ -120,17 +133,25 @@ class Coordinator:
         unrecoverable failure."""
         self.store = store
         step = self._start()
+        call = None
         while step < self.cfg.train.steps:
-            self._maybe_grow(step)
+            if call is None:
+                self._maybe_grow(step)
+                call = self._send_step(step, time.perf_counter())
+            ahead = self._send_step(step + 1, None) if self._may_send_ahead(step + 1) else None
             try:
-                row = self._run_step(step)
+                row = self._collect_step(call)
             except WorkersLost as lost:
-                next_step = self._repair(step, lost.dead)
+                dead = lost.dead + [m for m in self._drain(ahead) if m not in lost.dead]
+                next_step = self._repair(step, dead)
                 if next_step > step:  # rolled forward: the step is committed, its checkpoint may be due
                     self._maybe_checkpoint(next_step)
-                step = next_step
+                step, call = next_step, None
                 continue
             step += 1
+            if ahead is not None:
+                ahead.started = time.perf_counter()
+            call = ahead
             row["checkpoint"] = self._maybe_checkpoint(step)
             self._emit(row)
         return {"steps": self.cfg.train.steps, "checkpoint": self.last_checkpoint,
@@ -236,14 +257,21 @@ class Coordinator:
 
     # --- one step ---------------------------------------------------------------------------------
 
-    def _run_step(self, step: int) -> dict:
-        trace = step < self.cfg.run.trace_steps
+    def _send_step(self, step: int, started: Optional[float]) -> StepCall:
         members = self._members()
-        t0 = time.perf_counter()
-        refs = [m.handle.run_step.remote(step, trace) for m in members]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.resources.step_timeout_s)
+        trace = step < self.cfg.run.trace_steps
+        return StepCall(step, members, [m.handle.run_step.remote(step, trace) for m in members], started)
+
+    def _may_send_ahead(self, step: int) -> bool:
+        changing = bool(self.unused_placements or self.pending or self.spares)
+        return may_send_ahead(step, self.cfg.train.steps, self.cfg.checkpoint.every, changing)
+
+    def _collect_step(self, call: StepCall) -> dict:
+        """Wait for every member's report of ``call.step``; the step's metrics row."""
+        step = call.step
+        ready, _ = ray.wait(call.refs, num_returns=len(call.refs), timeout=self.cfg.resources.step_timeout_s)
         results, dead = [], []
-        for m, ref in zip(members, refs):
+        for m, ref in zip(call.members, call.refs):
             if ref not in ready:  # silent for longer than a step may take: treat as lost
                 ray.kill(m.handle, no_restart=True)
                 dead.append(m)
@@ -263,7 +291,27 @@ class Coordinator:
         if failed:
             raise StepFailed(f"step {step} failed with every worker alive (layout {self.layout()}): {failed[0]['error']}")
         self.committed_steps.append(step)
-        return aggregate_step(step, [r for _, r in results], time.perf_counter() - t0, self.cfg, self.mesh, self.layout())
+        return aggregate_step(step, [r for _, r in results], time.perf_counter() - call.started, self.cfg, self.mesh,
+                              self.layout())
+
+    def _drain(self, call: Optional[StepCall]) -> list[Member]:
+        """Wait out a step sent ahead of one that failed; returns the members that died meanwhile.
+
+        Workers whose own step failed skip it; the others fail it against their lost peers, so it
+        ends within elastic.detect_timeout_s. Their progress (a committed step) is recorded.
+        """
+        if call is None:
+            return []
+        ray.wait(call.refs, num_returns=len(call.refs), timeout=self.cfg.elastic.detect_timeout_s + 5)
+        dead = []
+        for m, ref in zip(call.members, call.refs):
+            try:
+                m.committed = ray.get(ref, timeout=0)["committed"]
+            except ray.exceptions.RayActorError:
+                dead.append(m)
+            except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError):
+                pass
+        return dead
 
     # --- repair -----------------------------------------------------------------------------------
 
@@ -453,6 +501,16 @@ class Coordinator:
         self.last_checkpoint = ckpt_dir
         self._emit({"event": "checkpoint", "step": step, "path": ckpt_dir, "seconds": round(time.perf_counter() - t0, 3)})
         return ckpt_dir
+
+
+def may_send_ahead(step: int, steps: int, checkpoint_every: int, membership_changing: bool) -> bool:
+    """Whether ``step`` may be queued on the workers before the step before it has finished.
+
+    Only when nothing happens between the two: no checkpoint after the previous step (nor the end of
+    the run), and no replica that may join (a granted placement or a replacement starting).
+    """
+    checkpoint_due = step == steps or bool(checkpoint_every and step % checkpoint_every == 0)
+    return step < steps and not checkpoint_due and not membership_changing
 
 
 def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, mesh: Mesh, layout: str) -> dict:

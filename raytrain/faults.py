@@ -16,7 +16,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
+
+REPLY_FLUSH_S = 0.2
+"""A fault waits this long before it kills: replies this worker already sent (the previous step's,
+which the coordinator may not have read yet while this step runs ahead) leave the process first,
+as they would when a real crash strikes in the middle of a step rather than microseconds after a reply."""
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "join")
 
@@ -66,6 +72,7 @@ class FaultPlan:
 
     def maybe_fire(self, replica: int, stage: int, step: int, phase: str) -> None:
         if self.due(replica, stage, step, phase):
+            time.sleep(REPLY_FLUSH_S)
             kill_self()
 
     @staticmethod

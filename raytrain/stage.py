@@ -172,7 +172,13 @@ class Stage:
     # --- one step ---------------------------------------------------------------------------------
 
     def run_step(self, step: int, trace: bool = False) -> dict[str, Any]:
-        """Run ``step``; returns its metrics with ``ok``. A failed collective returns ``ok=False``."""
+        """Run ``step``; returns its metrics with ``ok``. A failed collective returns ``ok=False``.
+
+        A step the coordinator sent ahead of one that failed here finds no groups: it is skipped.
+        """
+        if self.groups is None:
+            return {"rank": self.rank, "step": step, "ok": False, "committed": self.committed,
+                    "prepared": self.prepared, "error": "skipped: this worker left its groups after a failed step"}
         assert step == self.committed, f"asked for step {step} but {self.committed} steps are committed"
         result = {"rank": self.rank, "step": step}
         try:

@@ -6,6 +6,7 @@ import signal
 import pytest
 
 from raytrain import checkpoint, train
+from raytrain.coordinator import may_send_ahead
 from tests.conftest import LONG_RUN_LR, TEST_RAY_CPUS, assert_same_params, pid_alive, reference_state
 
 
@@ -26,6 +27,14 @@ def _assert_exactly_once(result, steps, global_batch):
     assert [r["step"] for r in result.metrics] == list(range(1, steps + 1))
     ids = [i for r in result.metrics for i in r["sample_ids"]]
     assert len(ids) == steps * global_batch and len(set(ids)) == len(ids)  # less than an epoch: all distinct
+
+
+def test_next_step_is_sent_ahead_only_when_nothing_happens_in_between():
+    assert may_send_ahead(4, steps=10, checkpoint_every=5, membership_changing=False)
+    assert not may_send_ahead(5, steps=10, checkpoint_every=5, membership_changing=False)  # checkpoint after step 5
+    assert not may_send_ahead(10, steps=10, checkpoint_every=0, membership_changing=False)  # the run is over
+    assert may_send_ahead(9, steps=10, checkpoint_every=0, membership_changing=False)
+    assert not may_send_ahead(4, steps=10, checkpoint_every=0, membership_changing=True)  # a replica may join
 
 
 @pytest.mark.parametrize("phase", list(PHASE_FAULTS))
