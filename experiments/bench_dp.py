@@ -1,5 +1,9 @@
 """Data-parallel throughput and start-up: raytrain vs Ray Train V2 vs torchrun DDP vs one process.
 
+The row ``raytrain-no-ray`` is raytrain's own worker code in plain torchrun processes
+(experiments/executor_without_ray.py): raytrain against it is what running inside Ray costs,
+it against torchrun DDP is what raytrain's executor costs.
+
 Same GPT (4 layers, d_model 256, 4 heads, seq 128, vocab 256), global batch 32, AdamW, the same data
 order; 2 gloo workers of 1 torch thread each. Every system runs in its own subprocess launched by this
 script, so "time to first step" counts from process launch (interpreter, imports, cluster start) to
@@ -22,7 +26,7 @@ import time
 MODEL = ["model.n_layer=4", "model.d_model=256", "model.n_head=4", "model.seq_len=128", "model.vocab_size=256"]
 GLOBAL_BATCH = 32
 WARMUP = 10
-SYSTEMS = ["one-process", "torchrun", "raytrain", "ray-train-v2"]
+SYSTEMS = ["one-process", "torchrun", "raytrain", "raytrain-no-ray", "ray-train-v2"]
 
 
 def bench_config(steps: int, extra=()):
@@ -156,20 +160,24 @@ def run_ray_train_v2(steps, out):
 
 
 def launch(system: str, steps: int, workdir: str) -> dict:
-    out = os.path.join(workdir, f"{system}.json")
-    script = os.path.abspath(__file__)
-    if system == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-               script, "--variant", system, "--steps", str(steps), "--out", out]
-    else:
-        cmd = [sys.executable, script, "--variant", system, "--steps", str(steps), "--out", out]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     launched = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{system} failed:\n{proc.stderr[-3000:]}")
-    with open(out) as f:
-        res = json.load(f)
+    if system == "raytrain-no-ray":
+        import executor_without_ray
+        from raytrain.api import _stage_ranges
+
+        cfg = bench_config(steps)
+        res = {"step_end": executor_without_ray.launch(cfg, _stage_ranges(cfg), workdir, system)}
+    else:
+        out = os.path.join(workdir, f"{system}.json")
+        script = [os.path.abspath(__file__), "--variant", system, "--steps", str(steps), "--out", out]
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
+        cmd = [sys.executable, *(launcher if system == "torchrun" else []), *script]
+        proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                              timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{system} failed:\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            res = json.load(f)
     ends = res["step_end"]
     steady = (len(ends) - 1 - WARMUP) * GLOBAL_BATCH / (ends[-1] - ends[WARMUP])
     return {"system": system, "first_step_s": ends[0] - launched, "samples_per_s": steady,

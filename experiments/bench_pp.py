@@ -8,6 +8,11 @@ and peak memory per stage.
 
     python experiments/bench_pp.py                 # about 10 minutes on 2 cores
     python experiments/bench_pp.py --steps 10 --microbatches 4
+    python experiments/bench_pp.py --microbatches 4 --without-ray   # adds "raytrain <schedule> no Ray" rows
+
+The "no Ray" rows run raytrain's own stage executor in plain torchrun processes
+(experiments/executor_without_ray.py), splitting raytrain's distance from torch.pipelining into
+what its executor costs and what running inside Ray costs.
 """
 
 from __future__ import annotations
@@ -62,6 +67,14 @@ def run_raytrain(steps, warmup, m, schedule, workdir):
             "peak_mem_mb": [rows[-1]["peak_mem_mb"][str(s)] for s in range(PP)],
             "peak_live": [rows[-1]["peak_live_activations"][str(s)] for s in range(PP)],
             "run_dir": result.run_dir}
+
+
+def run_executor_without_ray(steps, warmup, m, schedule, workdir):
+    import executor_without_ray
+
+    cfg = bench_config(steps, [f"parallel.microbatches={m}", f"parallel.schedule={schedule}"])
+    ends = executor_without_ray.launch(cfg, stage_cut(cfg), workdir, f"no-ray-{schedule}-{m}")
+    return {"samples_per_s": steady_rate(ends, warmup)}
 
 
 def run_one_process(steps, warmup):
@@ -210,6 +223,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--microbatches", default="1,2,4,8")
     parser.add_argument("--repeats", type=int, default=1, help="runs per system and m, interleaved; the median is shown")
+    parser.add_argument("--without-ray", action="store_true",
+                        help="also run raytrain's executor in plain torchrun processes")
     parser.add_argument("--torch-worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -242,10 +257,13 @@ def main() -> None:
                         runs.setdefault(f"torch.pipelining {kind}", []).append(
                             run_torch_pipelining(args.steps, args.warmup, m, kind, workdir))
                     runs.setdefault(f"raytrain {kind}", []).append(run_raytrain(args.steps, args.warmup, m, kind, workdir))
+                    if args.without_ray:
+                        runs.setdefault(f"raytrain {kind} no Ray", []).append(
+                            run_executor_without_ray(args.steps, args.warmup, m, kind, workdir))
             runs["naive Ray object refs"] = [run_naive_object_refs(args.steps, args.warmup, m)]
             rows = {name: median_run(rs) for name, rs in runs.items()}
             for name, r in rows.items():
-                kind = name.split()[-1]
+                kind = name.split()[1] if name.startswith("raytrain") else name.split()[-1]
                 base = rows.get(f"torch.pipelining {kind}")
                 vs = f"{r['samples_per_s'] / base['samples_per_s']:.3f}x" if base else "-"
                 bubble = f"{r['bubble']:.3f}" if "bubble" in r else "-"
