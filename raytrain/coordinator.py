@@ -4,8 +4,10 @@ drives the steps, aggregates metrics, publishes checkpoints, and repairs the run
 It sends one small message per worker per step (``run_step(step)``) and gets metrics back; no tensor
 passes through it. The next step's message is sent before the current step's replies arrive
 (when no checkpoint or membership change falls between them), so a worker goes from one step to
-the next without waiting a round trip for the coordinator. The driver polls ``poll()`` for new
-metric rows while ``run()`` executes.
+the next without waiting a round trip for the coordinator. A worker that dies early in the step
+sent ahead may take the previous step's reply with it: that step is then repaired as if the worker
+died in it, and the survivors' votes roll it forward. The driver polls ``poll()`` for new metric
+rows while ``run()`` executes.
 
 Repair (DESIGN invariants 3 and 4): when a worker is lost, survivors are not restarted. They agree
 on the last committed step (rolling forward a step that every worker voted for), broken replicas
@@ -68,7 +70,7 @@ class StepCall:
     step: int
     members: list
     refs: list
-    started: float
+    started: Optional[float]  # None while it waits behind the step before it
 
 
 @dataclass(eq=False)
