@@ -49,15 +49,39 @@ STOP_GRACE_S = 3
 """`ray start --block` takes ~20 s to wind down on SIGTERM; after this the test's own cluster is SIGKILLed."""
 
 
+START_ATTEMPTS = 3
+"""A head that exits while starting (a port taken between choosing it and binding it) is retried."""
+
+
 @contextlib.contextmanager
 def private_ray_head(num_cpus: int = 2):
     """Yields (dashboard_url, env) for a fresh head; everything it started is gone afterwards."""
-    temp_dir = tempfile.mkdtemp(prefix="rtjob-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    gcs, dash, client, nm, om, agent, agent_grpc, metrics, rt_env, wmin = free_ports(10)
     env = dict(os.environ, RAY_AUTH_MODE="token")
     env.pop("RAY_ADDRESS", None)
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     subprocess.run([ray_bin, "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60, check=True)
+    for attempt in range(1, START_ATTEMPTS + 1):
+        head, url, temp_dir, log = _start_head(ray_bin, env, num_cpus)
+        try:
+            if _wait_until_up(head, url):
+                break
+            reason = f"exited with {head.returncode}"
+        except TimeoutError:
+            reason = f"was not up within {START_TIMEOUT_S}s"
+        _stop(head, temp_dir)
+        with open(log, errors="replace") as f:
+            tail = f.read()[-2000:]
+        if attempt == START_ATTEMPTS or reason.startswith("was not"):
+            raise RuntimeError(f"private Ray head at {url} {reason} (attempt {attempt}); ray start said:\n{tail}")
+    try:
+        yield url, env
+    finally:
+        _stop(head, temp_dir)
+
+
+def _start_head(ray_bin: str, env: dict, num_cpus: int):
+    temp_dir = tempfile.mkdtemp(prefix="rtjob-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    gcs, dash, client, nm, om, agent, agent_grpc, metrics, rt_env, wmin = free_ports(10)
     cmd = [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
            f"--ray-client-server-port={client}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
@@ -65,31 +89,40 @@ def private_ray_head(num_cpus: int = 2):
            f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}",
            f"--min-worker-port={wmin}", f"--max-worker-port={wmin + 200}" if wmin + 200 < 65535 else "--max-worker-port=65535",
            f"--num-cpus={num_cpus}", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
-    head = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{dash}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=2)
-                break
-            except Exception as e:  # 401 (token auth) also means it is up
-                if getattr(e, "code", None) == 401:
-                    break
-                if head.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"private Ray head did not come up at {url} within {START_TIMEOUT_S}s") from e
-                time.sleep(0.5)
-        yield url, env
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            head.wait(timeout=STOP_GRACE_S)
-        deadline = time.monotonic() + 20
-        while (left := _pids_naming(temp_dir)) and time.monotonic() < deadline:
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+    log = os.path.join(temp_dir, "ray-start.log")
+    with open(log, "w") as out:
+        head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return head, f"http://127.0.0.1:{dash}", temp_dir, log
+
+
+def _wait_until_up(head: subprocess.Popen, url: str) -> bool:
+    """True once the dashboard answers; False if the head exits first; TimeoutError after START_TIMEOUT_S."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return True
+        except Exception as e:  # 401 (token auth) also means it is up
+            if getattr(e, "code", None) == 401:
+                return True
+            if head.poll() is not None:
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(url) from e
             time.sleep(0.5)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGKILL)
+
+
+def _stop(head: subprocess.Popen, temp_dir: str) -> None:
+    """Stop the head's process group and anything else naming its temp dir."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        head.wait(timeout=STOP_GRACE_S)
+    deadline = time.monotonic() + 20
+    while (left := _pids_naming(temp_dir)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGKILL)
