@@ -469,8 +469,7 @@ class Coordinator:
 
     def _maybe_checkpoint(self, step: int) -> Optional[str]:
         """Checkpoint after ``step`` committed steps when checkpoint.every (or the end) says so."""
-        every = self.cfg.checkpoint.every
-        if (every and step % every == 0) or step == self.cfg.train.steps:
+        if checkpoint_due(step, self.cfg.train.steps, self.cfg.checkpoint.every):
             return self._checkpoint_with_repair(step)
         return None
 
@@ -511,8 +510,12 @@ def may_send_ahead(step: int, steps: int, checkpoint_every: int, membership_chan
     Only when nothing happens between the two: no checkpoint after the previous step (nor the end of
     the run), and no replica that may join (a granted placement or a replacement starting).
     """
-    checkpoint_due = step == steps or bool(checkpoint_every and step % checkpoint_every == 0)
-    return step < steps and not checkpoint_due and not membership_changing
+    return step < steps and not checkpoint_due(step, steps, checkpoint_every) and not membership_changing
+
+
+def checkpoint_due(committed: int, steps: int, checkpoint_every: int) -> bool:
+    """Whether a checkpoint is written once ``committed`` steps are done: every checkpoint.every, and at the end."""
+    return committed == steps or bool(checkpoint_every and committed % checkpoint_every == 0)
 
 
 def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, mesh: Mesh, layout: str) -> dict:

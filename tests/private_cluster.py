@@ -65,13 +65,13 @@ def private_ray_head(num_cpus: int = 2):
         try:
             if _wait_until_up(head, url):
                 break
-            reason = f"exited with {head.returncode}"
+            reason, retry = f"exited with {head.returncode}", attempt < START_ATTEMPTS
         except TimeoutError:
-            reason = f"was not up within {START_TIMEOUT_S}s"
+            reason, retry = f"was not up within {START_TIMEOUT_S}s", False
         _stop(head, temp_dir)
         with open(log, errors="replace") as f:
             tail = f.read()[-2000:]
-        if attempt == START_ATTEMPTS or reason.startswith("was not"):
+        if not retry:
             raise RuntimeError(f"private Ray head at {url} {reason} (attempt {attempt}); ray start said:\n{tail}")
     try:
         yield url, env
