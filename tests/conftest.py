@@ -51,21 +51,31 @@ def data_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("data-cache"))
 
 
+def small_config(run_dir, data_cache: str, *overrides: str):
+    """A small GPT on a small slice of the built-in corpus; ``overrides`` are --set strings."""
+    base = [
+        "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16",
+        "train.steps=5", "train.global_batch=8", "train.lr=1e-2", "train.seed=3",
+        f"data.cache_dir={data_cache}", "data.max_bytes=200000",
+        f"run.dir={run_dir}", "run.trace_steps=0", "resources.wait_s=20",
+        "resources.step_timeout_s=60",
+    ]
+    return load_config(None, base + list(overrides))
+
+
 @pytest.fixture
 def make_config(tmp_path, data_cache):
-    """A small GPT on a small slice of the built-in corpus; keyword args are --set overrides."""
+    """``small_config`` writing under this test's tmp_path."""
+    return lambda *overrides: small_config(tmp_path / "runs", data_cache, *overrides)
 
-    def make(*overrides: str, **kw):
-        base = [
-            "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16",
-            "train.steps=5", "train.global_batch=8", "train.lr=1e-2", "train.seed=3",
-            f"data.cache_dir={data_cache}", "data.max_bytes=200000",
-            f"run.dir={tmp_path / 'runs'}", "run.trace_steps=1", "resources.wait_s=20",
-            "resources.step_timeout_s=60",
-        ]
-        return load_config(None, base + list(overrides))
 
-    return make
+@pytest.fixture(scope="session")
+def dp2_run(ray_session, tmp_path_factory, data_cache):
+    """The default small config at dp=2, trained once and read by several tests (config, Result)."""
+    from raytrain import train
+
+    cfg = small_config(tmp_path_factory.mktemp("dp2") / "runs", data_cache, "parallel.dp=2")
+    return cfg, train(cfg)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -31,9 +31,8 @@ def test_resume_continues_the_same_trajectory(ray_session, make_config, tmp_path
     assert all(float(st["step"]) == 10 for st in optim.values())
 
 
-def test_dp2_checkpoint_loads_into_a_single_process(ray_session, make_config):
-    cfg = make_config("parallel.dp=2")
-    result = train(cfg)
+def test_dp2_checkpoint_loads_into_a_single_process(dp2_run):
+    cfg, result = dp2_run
     model = full_model(cfg.model, cfg.train.seed)
     model.load_state_dict(checkpoint.load_state_dict(os.path.dirname(result.checkpoint)), strict=True)
     assert_same_params(dict(model.state_dict()), reference_state(cfg))

@@ -8,23 +8,38 @@ import pytest
 from raytrain import checkpoint, train
 from raytrain.reference import train_reference
 from tests.conftest import assert_same_params, reference_state
+from tests.forked_stages import run_stages
 
 
 # At m=1 the 1F1B plan is the GPipe plan, action for action (asserted in test_schedule), and the
-# executor only runs plans: the (1f1b, m=1) cells would repeat the (gpipe, m=1) runs, so they are
-# not run again on actors.
+# executor only runs plans: the (1f1b, m=1) cells would repeat the (gpipe, m=1) runs.
 CELLS = [(pp, kind, m) for pp in (2, 4) for kind in ("gpipe", "1f1b") for m in (1, 2, 4) if (kind, m) != ("1f1b", 1)]
+# The cells that also run on Ray actors: both schedules, both depths. The schedule and m only change
+# what each Stage executes, which the whole grid checks in forked processes; what the coordinator
+# does for a pipeline does not depend on them.
+RAY_CELLS = [(2, "gpipe", 2), (4, "1f1b", 4)]
+
+
+def expected_peak_live(pp: int, kind: str, m: int) -> list[int]:
+    """Live activations per stage: 1F1B keeps at most pp - stage, GPipe all m."""
+    return [m] * pp if kind == "gpipe" else [min(pp - s, m) for s in range(pp)]
 
 
 @pytest.mark.parametrize("pp, kind, m", CELLS)
-def test_pipeline_matches_single_process(ray_session, make_config, pp, kind, m):
+def test_executor_grid_matches_single_process(make_config, tmp_path, pp, kind, m):
+    cfg = make_config(f"parallel.pp={pp}", f"parallel.schedule={kind}", f"parallel.microbatches={m}", "train.steps=4")
+    model, peak_live = run_stages(cfg, str(tmp_path))
+    assert_same_params(model, reference_state(cfg))
+    assert peak_live == expected_peak_live(pp, kind, m)
+
+
+@pytest.mark.parametrize("pp, kind, m", RAY_CELLS)
+def test_pipeline_on_actors_matches_single_process(ray_session, make_config, pp, kind, m):
     cfg = make_config(f"parallel.pp={pp}", f"parallel.schedule={kind}", f"parallel.microbatches={m}", "train.steps=4")
     result = train(cfg)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
-    # Count live activations per stage (rank == stage here): 1F1B keeps at most pp - stage, GPipe all m.
     peaks = result.metrics[-1]["peak_live_activations"]
-    want = [m] * pp if kind == "gpipe" else [min(pp - s, m) for s in range(pp)]
-    assert [peaks[str(s)] for s in range(pp)] == want
+    assert [peaks[str(s)] for s in range(pp)] == expected_peak_live(pp, kind, m)
 
 
 def test_hybrid_dp2_pp2_matches_single_process(ray_session, make_config):
@@ -50,10 +65,11 @@ def test_hybrid_checkpoint_reshards_to_other_layouts(ray_session, make_config, t
     ckpt_dir = str(tmp_path / "ckpts")
     first = train(make_config("parallel.dp=2", "parallel.pp=2", "train.steps=3", f"checkpoint.dir={ckpt_dir}"))
     want = reference_state(make_config("train.steps=6"))
-    for layout in (["parallel.pp=4"], ["parallel.dp=4"]):
-        resumed = train(make_config(*layout, "train.steps=6", f"checkpoint.resume={first.checkpoint}",
-                                    f"checkpoint.dir={tmp_path / 'out' / layout[0]}"))
-        assert_same_params(checkpoint.load_state_dict(resumed.checkpoint), want)
+    # Resumed by the stage executor that actor runs use (forked processes: see tests/forked_stages.py)
+    for layout in ("parallel.pp=4", "parallel.dp=4"):
+        model, _ = run_stages(make_config(layout, "train.steps=6", f"checkpoint.resume={first.checkpoint}"),
+                              str(tmp_path / layout))
+        assert_same_params(model, want)
     # and in a single plain-torch process
     model, _ = train_reference(make_config("train.steps=6"), resume_from=first.checkpoint)
     assert_same_params(dict(model.state_dict()), want)

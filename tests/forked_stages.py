@@ -1,0 +1,94 @@
+"""raytrain's ``Stage`` executor in forked processes joined by gloo, without Ray: for test grids.
+
+A Ray worker spends about 3 s of CPU starting (a Python process, ``import torch``, and the
+``torch._dynamo`` import that AdamW's constructor triggers), so a grid of layouts on actors costs
+tens of seconds on 2 cores. Here one forkserver imports all that once and forks every worker in
+milliseconds. The workers run the very code a ``StageWorker`` hosts (``join`` then ``run_step`` per
+step, with the same store, mesh, shares and stage cut as a raytrain run); what Ray adds (placement,
+the coordinator's messages, repair) is tested on real actors elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from typing import Optional
+
+import torch
+
+from raytrain.api import prepare
+from raytrain.config import Config
+from raytrain.data import even_shares
+from raytrain.mesh import Mesh
+from raytrain.rendezvous import RendezvousStore
+
+JOIN_TIMEOUT_S = 120.0
+"""Bound on one run of the whole grid cell; a hang fails the test instead of CI."""
+
+_context: Optional[multiprocessing.context.BaseContext] = None
+
+
+def _forkserver():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        # Imported once in the server, inherited by every fork. (AdamW's constructor imports torch._dynamo.)
+        _context.set_forkserver_preload(["raytrain.stage", "torch._dynamo"])
+    return _context
+
+
+def _run_worker(cfg_dict: dict, data_path: str, num_samples: int, stage_layers: list[list[int]], rank: int,
+                mesh: Mesh, store, out_dir: str, resume: Optional[str]) -> None:
+    from raytrain.stage import Stage
+
+    replica, stage_index = mesh.coords(rank)
+    steps = cfg_dict["train"]["steps"]
+    stage = Stage(cfg_dict, data_path, num_samples, stage_index, stage_layers[stage_index])
+    if resume is not None:
+        stage.load(resume)
+    stage.join(rank, mesh, even_shares(cfg_dict["train"]["global_batch"], mesh.dp), store, generation=0, faults=[])
+    peak_live = 0
+    for step in range(stage.committed, steps):
+        result = stage.run_step(step)
+        if not result["ok"]:
+            raise RuntimeError(f"rank {rank} failed step {step}: {result.get('error')}")
+        peak_live = max(peak_live, result["peak_live"])
+    if replica == 0:
+        torch.save(stage.shard()["model"], os.path.join(out_dir, f"stage{stage_index}.pt"))
+        with open(os.path.join(out_dir, f"stage{stage_index}.json"), "w") as f:
+            json.dump({"peak_live": peak_live}, f)
+    stage.shutdown()
+
+
+def run_stages(cfg: Config, out_dir: str) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Train ``cfg`` (its dp x pp layout, resuming from checkpoint.resume if set) in forked processes;
+    returns the model by global name and the peak number of live activations of each stage (replica 0's)."""
+    cfg, data_path, num_samples, stage_layers, resume = prepare(cfg)
+    mesh = Mesh(cfg.parallel.dp, cfg.parallel.pp)
+    os.makedirs(out_dir, exist_ok=True)
+    rendezvous = RendezvousStore()
+    store = rendezvous.address("127.0.0.1", namespace=os.path.basename(out_dir))
+    ctx = _forkserver()
+    procs = [ctx.Process(target=_run_worker, args=(cfg.to_dict(), data_path, num_samples, stage_layers, rank, mesh,
+                                                   store, out_dir, resume), daemon=True)
+             for rank in range(mesh.world_size)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=JOIN_TIMEOUT_S)
+        failed = {rank: p.exitcode for rank, p in enumerate(procs) if p.exitcode != 0}
+        assert not failed, f"forked stage workers failed (rank: exit code, None = still running): {failed}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        rendezvous.close()
+    model, peak_live = {}, []
+    for s in range(mesh.pp):
+        model.update(torch.load(os.path.join(out_dir, f"stage{s}.pt"), weights_only=True))
+        with open(os.path.join(out_dir, f"stage{s}.json")) as f:
+            peak_live.append(json.load(f)["peak_live"])
+    return model, peak_live
