@@ -11,6 +11,7 @@ from torch import nn
 from raytrain import checkpoint, data
 from raytrain.config import Config
 from raytrain.model import build_model
+from raytrain.optim import make_optimizer
 
 
 def train_reference(
@@ -23,7 +24,7 @@ def train_reference(
     torch.manual_seed(cfg.train.seed)
     spec = build_model(cfg.model, cfg.train.seed)
     model = nn.Sequential(*spec.layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = make_optimizer(model.parameters(), cfg.train)
     start = 0
     if resume_from is not None:
         state = checkpoint.merged_state(resume_from)

@@ -34,6 +34,7 @@ from raytrain.faults import FaultPlan
 from raytrain.gradsync import GradientBuckets
 from raytrain.mesh import Mesh, init_groups
 from raytrain.model import build_model
+from raytrain.optim import make_optimizer
 from raytrain.rendezvous import StoreAddress
 
 # Shape handshake: [ndim, dtype code, dims...] padded to this length.
@@ -58,7 +59,7 @@ class Stage:
         self.param_names = spec.param_names()
         self.params = list(self.module.parameters())
         self.grads = GradientBuckets(self.params, None)
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.optimizer = make_optimizer(self.params, cfg.train)
         self.dataset = None
         self.committed = 0  # steps applied so far; the next step to run
         self.prepared: Optional[int] = None  # a step whose gradients are reduced but not yet applied
@@ -133,17 +134,28 @@ class Stage:
                 dist.broadcast(p.data, src=src_rank, group=group)
                 state = self.optimizer.state[p]
                 for key in sorted(state):
-                    dist.broadcast(state[key], src=src_rank, group=group)
+                    self._broadcast_(state[key], src_rank, group)
             count = torch.tensor([self.committed], dtype=torch.long, device=self.device)
             dist.broadcast(count, src=src_rank, group=group)
         self.committed, self.prepared = int(count), None
         return self.committed
 
+    def _broadcast_(self, tensor: torch.Tensor, src_rank: int, group) -> None:
+        """Broadcast in place; a tensor off the device (AdamW keeps ``step`` on the CPU unless fused)
+        travels as a device copy, since NCCL only moves device memory."""
+        if tensor.device == self.device:
+            dist.broadcast(tensor, src=src_rank, group=group)
+        else:
+            on_device = tensor.to(self.device)
+            dist.broadcast(on_device, src=src_rank, group=group)
+            tensor.copy_(on_device)
+
     def _ensure_optimizer_state(self) -> None:
         """Give a fresh optimizer AdamW's state tensors so a broadcast can fill them in place."""
+        step_device = self.device if self.cfg.train.fused_optimizer else torch.device("cpu")  # where AdamW keeps it
         for p in self.params:
             if not self.optimizer.state[p]:
-                self.optimizer.state[p].update(step=torch.zeros((), dtype=torch.float32),
+                self.optimizer.state[p].update(step=torch.zeros((), dtype=torch.float32, device=step_device),
                                                exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
     def _exchange_shapes(self) -> tuple[Optional[tuple[int, ...]], Optional[torch.dtype]]:
