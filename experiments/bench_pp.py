@@ -9,6 +9,11 @@ and peak memory per stage.
     python experiments/bench_pp.py                 # about 10 minutes on 2 cores
     python experiments/bench_pp.py --steps 10 --microbatches 4
     python experiments/bench_pp.py --microbatches 4 --without-ray   # adds "raytrain <schedule> no Ray" rows
+    python experiments/bench_pp.py --microbatches 4 --unfused       # adds "raytrain <schedule> unfused" rows
+
+raytrain uses AdamW's fused kernel (train.fused_optimizer, its default); torch.pipelining and the
+other baselines use torch's default AdamW. ``--unfused`` adds "raytrain <schedule> unfused" rows
+with it turned off, to show what the fused step contributes.
 
 The "no Ray" rows run raytrain's own stage executor in plain torchrun processes
 (experiments/executor_without_ray.py), splitting raytrain's distance from torch.pipelining into
@@ -55,11 +60,11 @@ def steady_rate(step_ends: list[float], warmup: int) -> float:
 # --- systems -----------------------------------------------------------------------------------
 
 
-def run_raytrain(steps, warmup, m, schedule, workdir):
+def run_raytrain(steps, warmup, m, schedule, workdir, fused=True):
     from raytrain import train
 
     cfg = bench_config(steps, [f"parallel.microbatches={m}", f"parallel.schedule={schedule}", f"run.dir={workdir}",
-                               "run.trace_steps=3"])
+                               "run.trace_steps=3", f"train.fused_optimizer={str(fused).lower()}"])
     result = train(cfg, stream=open(os.devnull, "w"))
     rows = result.metrics
     return {"samples_per_s": steady_rate([r["time"] for r in rows], warmup),
@@ -225,6 +230,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per system and m, interleaved; the median is shown")
     parser.add_argument("--without-ray", action="store_true",
                         help="also run raytrain's executor in plain torchrun processes")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also run raytrain with train.fused_optimizer=false (torch's default AdamW, as the baselines)")
     parser.add_argument("--torch-worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -257,6 +264,9 @@ def main() -> None:
                         runs.setdefault(f"torch.pipelining {kind}", []).append(
                             run_torch_pipelining(args.steps, args.warmup, m, kind, workdir))
                     runs.setdefault(f"raytrain {kind}", []).append(run_raytrain(args.steps, args.warmup, m, kind, workdir))
+                    if args.unfused:
+                        runs.setdefault(f"raytrain {kind} unfused", []).append(
+                            run_raytrain(args.steps, args.warmup, m, kind, workdir, fused=False))
                     if args.without_ray:
                         runs.setdefault(f"raytrain {kind} no Ray", []).append(
                             run_executor_without_ray(args.steps, args.warmup, m, kind, workdir))
