@@ -60,7 +60,7 @@ class TrainConfig:
     """AdamW weight decay."""
     fused_optimizer: bool = True
     """AdamW's fused kernel: one pass over each parameter instead of a chain of tensor ops (on CPU
-    its step is ~6x faster). The same update up to float rounding; false uses torch's default."""
+    its step is 3-6x faster). The same update up to float rounding; false uses torch's default."""
     seed: int = 0
     """Seeds the model initialisation and the sample order."""
     grad_clip: float = 1.0
