@@ -66,6 +66,7 @@ class Stage:
         self.faults = FaultPlan([])
         self.generation: Optional[int] = None
         self.groups = None
+        self.joins = 0  # join attempts so far, successful or not
 
     # --- membership ------------------------------------------------------------------------------
 
@@ -74,6 +75,7 @@ class Stage:
         """Leave the previous generation's groups (if any) and form ``generation``'s (collective)."""
         cfg = self.cfg
         self.leave()
+        self.joins += 1
         self.mesh, self.rank = mesh, rank
         self.replica, stage = mesh.coords(rank)
         assert stage == self.stage, f"worker of stage {self.stage} placed at stage {stage}"
@@ -113,7 +115,8 @@ class Stage:
             # needs a successful init) resets it. Group names key the store, so a stale counter would
             # make this worker wait under different keys than its peers. No public API does this.
             dist.distributed_c10d._world.group_count = 0
-        gc.collect()
+        if self.joins:
+            gc.collect()  # 0.1 s: worth it only once a join may have left groups behind
         self.generation = None
 
     def commit_prepared(self, step: int) -> int:
