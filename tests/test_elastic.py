@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -70,28 +71,64 @@ def test_starts_at_max_dp_when_the_cluster_has_room(ray_session, make_config):
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 
+def _ray_worker_processes() -> dict[int, str]:
+    """pid -> process title of every Ray process hosting a raytrain StageWorker actor on this machine."""
+    titles = {}
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith("ray::StageWorker"):
+            titles[pid] = title
+    return titles
+
+
+def _wait_for_a_new_worker_to_start(known: set[int], timeout_s: float = 120.0) -> int:
+    """The pid of a StageWorker actor not in ``known`` once its constructor has returned (Ray retitles
+    the process from ``ray::StageWorker.__init__`` to ``ray::StageWorker``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        started = [p for p, t in _ray_worker_processes().items() if p not in known and not t.endswith("__init__")]
+        if started:
+            return started[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no new StageWorker actor finished starting within {timeout_s} s")
+
+
 def test_grows_beyond_its_starting_size_when_another_job_frees_resources(ray_session, make_config):
     # Another job holds all but one CPU slot, so the run starts with dp=1. When that job ends, the
     # run's request for a second replica (its own placement group) is granted, and the new worker
     # joins at a step boundary, receiving the state by broadcast. (Shrinking on a lost node and
     # growing back when a node joins: tests/test_nodes.py.)
+    # The run does not wait for the new worker to start; tiny steps could finish the run first. So the
+    # test pauses the first worker (SIGSTOP) from the grant until the new worker's constructor returned.
     from ray.util.placement_group import placement_group, remove_placement_group
 
     other_job = placement_group([{"CPU": TEST_RAY_CPUS - 1}])
     assert other_job.wait(timeout_seconds=30)
     cfg = make_config("parallel.dp=1", "elastic.max_dp=2", "elastic.grow_poll_s=0.5", "train.steps=1000",
                       LONG_RUN_LR, "run.record_samples=true", "run.trace_steps=0")
-    freed = []
+    seen = {}
 
-    def free_once_started(rows):
-        if not freed and any(r.get("event") == "started" for r in rows):
-            remove_placement_group(other_job)
-            freed.append(True)
+    def free_once_started_then_hold_until_the_new_worker_is_up(rows):
+        for row in rows:
+            if row.get("event") == "started" and "first" not in seen:
+                seen["first"] = row["pids"][0]
+                seen["known"] = set(_ray_worker_processes())
+                remove_placement_group(other_job)
+            if row.get("event") == "capacity" and "new" not in seen:
+                os.kill(seen["first"], signal.SIGSTOP)
+                try:
+                    seen["new"] = _wait_for_a_new_worker_to_start(seen["known"])
+                finally:
+                    os.kill(seen["first"], signal.SIGCONT)
 
     try:
-        result = train(cfg, on_rows=free_once_started)
+        result = train(cfg, on_rows=free_once_started_then_hold_until_the_new_worker_is_up)
     finally:
-        if not freed:
+        if "first" not in seen:
             remove_placement_group(other_job)
     events = [e["event"] for e in result.events]
     assert events.count("capacity") == 1 and events.count("grow") == 1 and result.failures == 0, events
@@ -99,7 +136,8 @@ def test_grows_beyond_its_starting_size_when_another_job_frees_resources(ray_ses
     print(f"grew at step {grow['step']} of 1000")
     layouts = [r["layout"] for r in result.metrics]
     assert layouts[0] == "dp=1 pp=1" and layouts[-1] == "dp=2 pp=1"
-    assert result.worker_pids[0] in result.final_pids and len(result.final_pids) == 2
+    assert result.worker_pids[0] in result.final_pids and seen["new"] in result.final_pids
+    assert len(result.final_pids) == 2
     _assert_exactly_once(result, 1000, 8)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
