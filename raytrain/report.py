@@ -44,15 +44,23 @@ class RunReporter:
         if self.steps and rows and self.steps[-1].get("loss") is not None and "samples_per_s" in self.steps[-1]:
             self._progress(self.steps[-1])
 
+    def _current_layout(self, row: dict) -> str:
+        """The layout this step ran on: a repair or a grow changes dp ("dp=2 pp=1" in the row); the
+        micro-batches and schedule come from the configured layout."""
+        if "layout" not in row:
+            return self.layout
+        return " ".join([row["layout"]] + self.layout.split()[2:])
+
     def _progress(self, row: dict) -> None:
         now = time.monotonic()
         last = row["step"] == self.total_steps
         if not self._tty and not last and now - self._last_print < PROGRESS_INTERVAL_S:
             return
         self._last_print = now
-        bubble = f" | bubble {row['bubble']:.0%}" if "pp=1" not in self.layout else ""
+        layout = self._current_layout(row)
+        bubble = f" | bubble {row['bubble']:.0%}" if "pp=1" not in layout else ""
         line = (f"step {row['step']}/{self.total_steps} | loss {row['loss']:.4f} | "
-                f"{row['samples_per_s']:.1f} samples/s | {self.layout}{bubble}")
+                f"{row['samples_per_s']:.1f} samples/s | {layout}{bubble}")
         if self._tty:
             self.stream.write("\r" + line + ("\n" if last else ""))
         else:

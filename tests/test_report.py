@@ -1,0 +1,23 @@
+"""The progress line a person watches: it names the layout each step actually ran on."""
+
+import io
+
+from raytrain.report import RunReporter
+
+
+def _step(step, layout, **extra):
+    return {"step": step, "loss": 2.5, "samples_per_s": 100.0, "layout": layout, **extra}
+
+
+def test_progress_line_follows_the_layout_through_a_grow_and_a_repair(tmp_path):
+    out = io.StringIO()
+    reporter = RunReporter(str(tmp_path), total_steps=3, layout="dp=1 pp=2 m=4 1f1b", stream=out)
+    reporter.add([_step(1, "dp=1 pp=2", bubble=0.2)])
+    reporter._last_print = 0.0  # not a terminal: lines are otherwise at most one per PROGRESS_INTERVAL_S
+    reporter.add([{"event": "grow", "step": 1, "new_layout": "dp=2 pp=2"}, _step(2, "dp=2 pp=2", bubble=0.2)])
+    reporter.add([_step(3, "dp=1 pp=2", bubble=0.2)])  # the last step always prints
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step")]
+    assert lines == ["step 1/3 | loss 2.5000 | 100.0 samples/s | dp=1 pp=2 m=4 1f1b | bubble 20%",
+                     "step 2/3 | loss 2.5000 | 100.0 samples/s | dp=2 pp=2 m=4 1f1b | bubble 20%",
+                     "step 3/3 | loss 2.5000 | 100.0 samples/s | dp=1 pp=2 m=4 1f1b | bubble 20%"]
+    assert "[raytrain] grow: step=1, new_layout=dp=2 pp=2" in out.getvalue()
