@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -103,3 +105,41 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def stage_worker_pids() -> set[int]:
+    """Pids of the processes on this machine that host a raytrain StageWorker actor."""
+    return set(_stage_worker_titles())
+
+
+def _stage_worker_titles() -> dict[int, str]:
+    titles = {}
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith("ray::StageWorker"):
+            titles[pid] = title
+    return titles
+
+
+def hold_until_a_new_worker_starts(running: list[int], known: set[int], timeout_s: float = 120.0) -> int:
+    """Pause the ``running`` workers (SIGSTOP) until a StageWorker not in ``known`` has started, and
+    return its pid. A run never waits for a joining worker, so with tiny test steps it could end
+    before a fresh process has imported torch; this makes a grow test independent of that race.
+    Ray retitles an actor's process from ``ray::StageWorker.__init__`` once the constructor returned."""
+    for pid in running:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            started = [p for p, t in _stage_worker_titles().items() if p not in known and not t.endswith("__init__")]
+            if started:
+                return started[0]
+            time.sleep(0.2)
+        raise AssertionError(f"no new StageWorker actor finished starting within {timeout_s} s")
+    finally:
+        for pid in running:
+            os.kill(pid, signal.SIGCONT)

@@ -2,13 +2,13 @@
 
 import os
 import signal
-import time
 
 import pytest
 
 from raytrain import checkpoint, train
 from raytrain.coordinator import may_send_ahead
-from tests.conftest import LONG_RUN_LR, TEST_RAY_CPUS, assert_same_params, pid_alive, reference_state
+from tests.conftest import (LONG_RUN_LR, TEST_RAY_CPUS, assert_same_params, hold_until_a_new_worker_starts, pid_alive,
+                            reference_state, stage_worker_pids)
 
 
 PHASE_FAULTS = {
@@ -71,32 +71,6 @@ def test_starts_at_max_dp_when_the_cluster_has_room(ray_session, make_config):
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 
-def _ray_worker_processes() -> dict[int, str]:
-    """pid -> process title of every Ray process hosting a raytrain StageWorker actor on this machine."""
-    titles = {}
-    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                title = f.read().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue
-        if title.startswith("ray::StageWorker"):
-            titles[pid] = title
-    return titles
-
-
-def _wait_for_a_new_worker_to_start(known: set[int], timeout_s: float = 120.0) -> int:
-    """The pid of a StageWorker actor not in ``known`` once its constructor has returned (Ray retitles
-    the process from ``ray::StageWorker.__init__`` to ``ray::StageWorker``)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        started = [p for p, t in _ray_worker_processes().items() if p not in known and not t.endswith("__init__")]
-        if started:
-            return started[0]
-        time.sleep(0.2)
-    raise AssertionError(f"no new StageWorker actor finished starting within {timeout_s} s")
-
-
 def test_grows_beyond_its_starting_size_when_another_job_frees_resources(ray_session, make_config):
     # Another job holds all but one CPU slot, so the run starts with dp=1. When that job ends, the
     # run's request for a second replica (its own placement group) is granted, and the new worker
@@ -116,14 +90,10 @@ def test_grows_beyond_its_starting_size_when_another_job_frees_resources(ray_ses
         for row in rows:
             if row.get("event") == "started" and "first" not in seen:
                 seen["first"] = row["pids"][0]
-                seen["known"] = set(_ray_worker_processes())
+                seen["known"] = stage_worker_pids()
                 remove_placement_group(other_job)
             if row.get("event") == "capacity" and "new" not in seen:
-                os.kill(seen["first"], signal.SIGSTOP)
-                try:
-                    seen["new"] = _wait_for_a_new_worker_to_start(seen["known"])
-                finally:
-                    os.kill(seen["first"], signal.SIGCONT)
+                seen["new"] = hold_until_a_new_worker_starts([seen["first"]], seen["known"])
 
     try:
         result = train(cfg, on_rows=free_once_started_then_hold_until_the_new_worker_is_up)

@@ -12,7 +12,7 @@ import pytest
 from raytrain import checkpoint, data, train
 from raytrain.api import prepare
 from raytrain.coordinator import CapacityLost
-from tests.conftest import LONG_RUN_LR, assert_same_params, reference_state
+from tests.conftest import LONG_RUN_LR, assert_same_params, hold_until_a_new_worker_starts, reference_state, stage_worker_pids
 
 
 
@@ -31,13 +31,18 @@ def worker_node(add_node):
 
 
 def test_node_lost_then_added_grows_back_to_max_dp(ray_cluster, worker_node, make_config):
-    steps = 800  # long enough that the new node's worker (a fresh process importing torch) joins before the end
+    steps = 800
     cfg = make_config("parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=2", f"train.steps={steps}", LONG_RUN_LR,
                       "resources.placement_strategy=STRICT_SPREAD", "run.record_samples=true", "run.trace_steps=0",
                       "elastic.grow_poll_s=0.5")
-    replaced = []
+    replaced, seen = [], {}
 
     def on_rows(rows):
+        for row in rows:
+            if row.get("event") == "started":
+                seen["survivor"], seen["known"] = row["pids"][0], stage_worker_pids()
+            if row.get("event") == "repair" and "new" not in seen:
+                seen["new"] = hold_until_a_new_worker_starts([seen["survivor"]], seen["known"])
         if not replaced and any(r.get("step", 0) >= 5 and "loss" in r for r in rows):
             ray_cluster.remove_node(worker_node, allow_graceful=False)  # the machine goes away...
             replaced.append(ray_cluster.add_node(num_cpus=1))  # ...and another joins
@@ -53,6 +58,7 @@ def test_node_lost_then_added_grows_back_to_max_dp(ray_cluster, worker_node, mak
     layouts = [r["layout"] for r in result.metrics]
     assert "dp=1 pp=1" in layouts and layouts[-1] == "dp=2 pp=1"
     assert result.worker_pids[0] in result.final_pids, "the survivor on the head node was restarted"
+    assert seen["new"] in result.final_pids
     assert result.committed_steps == list(range(steps))
     # Every global position consumed once, in the fault-free order, across both resizes.
     num_samples = prepare(cfg)[2]
