@@ -107,6 +107,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+@pytest.fixture
+def fast_driver_poll(monkeypatch):
+    """The driver collects rows every 0.1 s instead of every second, so an ``on_rows`` callback that
+    acts on an event (kills a worker, frees resources) acts within a few tiny test steps of it."""
+    import raytrain.api
+
+    monkeypatch.setattr(raytrain.api, "POLL_INTERVAL_S", 0.1)
+
+
 def stage_worker_pids() -> set[int]:
     """Pids of the processes on this machine that host a raytrain StageWorker actor."""
     return set(_stage_worker_titles())

@@ -30,8 +30,8 @@ def worker_node(add_node):
     return add_node()
 
 
-def test_node_lost_then_added_grows_back_to_max_dp(ray_cluster, worker_node, make_config):
-    steps = 800
+def test_node_lost_then_added_grows_back_to_max_dp(ray_cluster, worker_node, make_config, fast_driver_poll):
+    steps = 300
     cfg = make_config("parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=2", f"train.steps={steps}", LONG_RUN_LR,
                       "resources.placement_strategy=STRICT_SPREAD", "run.record_samples=true", "run.trace_steps=0",
                       "elastic.grow_poll_s=0.5")
@@ -92,7 +92,8 @@ def test_capacity_below_min_dp_waits_then_fails_with_checkpoint_intact(ray_clust
     assert_same_params(checkpoint.load_state_dict(latest), reference_state(cfg, steps=step))
 
 
-def test_hybrid_losing_a_node_without_spare_capacity_carries_on_with_dp1(ray_cluster, add_node, make_config):
+def test_hybrid_losing_a_node_without_spare_capacity_carries_on_with_dp1(ray_cluster, add_node, make_config,
+                                                                      fast_driver_poll):
     # Another job holds one of the head's 4 CPUs, so the dp=2 x pp=2 run puts three workers on the
     # head and the fourth on a one-CPU node. When that node goes, nothing can host a replacement:
     # the broken replica is dropped, its surviving worker waits as a spare, and dp=1 finishes the run.
