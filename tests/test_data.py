@@ -31,7 +31,7 @@ def test_builtin_corpus_is_built_once_and_cached(make_config):
     mtime = __import__("os").path.getmtime(path)
     assert data.resolve_data_path(cfg) == path and __import__("os").path.getmtime(path) == mtime
     table = pq.read_table(path)
-    assert table.num_rows > 100 and table.schema.field("tokens").type.list_size == cfg.model.seq_len + 1
+    assert table.num_rows > 100 and table.schema.field("tokens").type.byte_width == cfg.model.seq_len + 1
     ds = data.TokenDataset(path, "tokens", cfg.model.seq_len)
     x, y = ds.batch([0, 5])
     assert x.shape == (2, 16) and bool((x[:, 1:] == y[:, :-1]).all())
@@ -69,3 +69,34 @@ def test_every_sample_exactly_once_per_epoch(ray_session, make_config, tmp_path,
     first_epoch, second_half = consumed[:num_samples], consumed[num_samples:]
     assert sorted(first_epoch) == list(range(num_samples))
     assert len(set(second_half)) == len(second_half) == steps * B - num_samples
+
+
+def test_byte_and_list_columns_give_the_same_batches(tmp_path):
+    # The built-in corpus stores each row as fixed_size_binary (flat in Parquet, fast to decode);
+    # a user's list<int> column, or plain binary, must read as the same tokens.
+    import pyarrow as pa
+
+    rows = np.random.default_rng(1).integers(0, 256, size=(12, 9)).astype(np.uint8)
+    paths = {kind: str(tmp_path / f"{kind}.parquet") for kind in ("list", "fsb", "binary")}
+    data.write_token_parquet(paths["list"], rows)
+    raw = pa.py_buffer(rows.tobytes())
+    pq.write_table(pa.table({"tokens": pa.FixedSizeBinaryArray.from_buffers(pa.binary(9), 12, [None, raw])}), paths["fsb"])
+    pq.write_table(pa.table({"tokens": pa.array([r.tobytes() for r in rows], type=pa.binary())}), paths["binary"])
+    batches = {}
+    for kind, path in paths.items():
+        assert data.check_dataset(path, "tokens", seq_len=8, global_batch=4) == 12
+        with pytest.raises(ValueError, match=f"{kind}.parquet.*need >= model.seq_len \\+ 1 = 10 tokens, the first has 9"):
+            data.check_dataset(path, "tokens", seq_len=9, global_batch=4)
+        batches[kind] = data.TokenDataset(path, "tokens", seq_len=8).batch([3, 0, 11])
+    for x, y in batches.values():
+        assert x.dtype == y.dtype == __import__("torch").int64
+        assert x.tolist() == rows[[3, 0, 11], :8].tolist() and y.tolist() == rows[[3, 0, 11], 1:].tolist()
+
+
+def test_a_column_of_the_wrong_type_is_named(tmp_path):
+    import pyarrow as pa
+
+    path = str(tmp_path / "floats.parquet")
+    pq.write_table(pa.table({"tokens": pa.array([0.5] * 8)}), path)
+    with pytest.raises(ValueError, match="floats.parquet.*column 'tokens' is double; it needs a list of integer"):
+        data.check_dataset(path, "tokens", seq_len=4, global_batch=4)
