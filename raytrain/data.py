@@ -135,9 +135,10 @@ class TokenDataset:
         width = seq_len + 1
         if pa.types.is_fixed_size_list(col.type) and col.type.list_size == width:
             self.rows = _flat_values(col).reshape(len(col), width)
-        elif pa.types.is_fixed_size_binary(col.type) and col.type.byte_width == width and not col.null_count:
-            self.rows = np.frombuffer(col.buffers()[1], dtype=np.uint8, count=len(col) * width,
-                                      offset=col.offset * width).reshape(len(col), width)
+        elif pa.types.is_fixed_size_binary(col.type) and not col.null_count:
+            stride = col.type.byte_width  # >= width (checked by check_dataset); longer rows are cut, not copied
+            self.rows = np.frombuffer(col.buffers()[1], dtype=np.uint8, count=len(col) * stride,
+                                      offset=col.offset * stride).reshape(len(col), stride)[:, :width]
         elif _is_bytes(col.type):
             self.rows = np.stack([np.frombuffer(r[:width], dtype=np.uint8) for r in col.to_pylist()])
         else:

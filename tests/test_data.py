@@ -88,6 +88,8 @@ def test_byte_and_list_columns_give_the_same_batches(tmp_path):
         with pytest.raises(ValueError, match=f"{kind}.parquet.*need >= model.seq_len \\+ 1 = 10 tokens, the first has 9"):
             data.check_dataset(path, "tokens", seq_len=9, global_batch=4)
         batches[kind] = data.TokenDataset(path, "tokens", seq_len=8).batch([3, 0, 11])
+        x, y = data.TokenDataset(path, "tokens", seq_len=6).batch([2])  # rows longer than needed are cut
+        assert x.tolist() == rows[[2], :6].tolist() and y.tolist() == rows[[2], 1:7].tolist()
     for x, y in batches.values():
         assert x.dtype == y.dtype == __import__("torch").int64
         assert x.tolist() == rows[[3, 0, 11], :8].tolist() and y.tolist() == rows[[3, 0, 11], 1:].tolist()
