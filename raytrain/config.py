@@ -136,9 +136,9 @@ class DataConfig:
     path: Optional[str] = None
     """Parquet file with a token column; unset uses the built-in corpus (Python stdlib source, bytes)."""
     column: str = "tokens"
-    """Name of the list<int> column in data.path; each row needs >= seq_len + 1 tokens."""
+    """Name of the token column in data.path (list<int> or bytes); each row needs >= seq_len + 1 tokens."""
     cache_dir: str = "~/.cache/raytrain"
-    """Where the built-in corpus is built once and cached."""
+    """Where the built-in corpus is built once, and where each machine keeps decoded token rows (decoded/)."""
     max_bytes: int = 8_000_000
     """Cap on the source bytes read into the built-in corpus."""
 

@@ -13,12 +13,13 @@ import glob
 import hashlib
 import os
 import sysconfig
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raytrain import token_cache
 from raytrain.config import Config, DataConfig
 
 BUILTIN_COLUMN = "tokens"
@@ -121,28 +122,23 @@ def _row_width(meta: pq.ParquetFile, column: str) -> int:
 
 
 class TokenDataset:
-    """Rows of token ids, read from Parquet into one (N, seq_len + 1) integer array.
+    """Rows of token ids from a Parquet column, as one (N, seq_len + 1) integer array.
 
     Columns: a list of integer ids per row, or bytes (``binary``/``fixed_size_binary``: one token per
-    byte, as the built-in corpus)."""
+    byte, as the built-in corpus). With ``cache_dir`` (what workers use) the rows are decoded once per
+    machine and memory-mapped (raytrain.token_cache); without it they are decoded into this process.
+    """
 
-    def __init__(self, path: str, column: str, seq_len: int):
-        # ParquetFile, not pq.read_table: read_table imports pyarrow.dataset (0.4 s of CPU per worker).
-        # One thread: every worker decodes at once on its own CPU slots, and pyarrow's default pool
-        # (a thread per core in each worker) made the read 5x slower there than alone.
-        table = pq.ParquetFile(path, memory_map=True).read(columns=[column], use_threads=False)
-        col = table.column(column).combine_chunks()
+    def __init__(self, path: str, column: str, seq_len: int, cache_dir: Optional[str] = None):
         width = seq_len + 1
-        if pa.types.is_fixed_size_list(col.type) and col.type.list_size == width:
-            self.rows = _flat_values(col).reshape(len(col), width)
-        elif pa.types.is_fixed_size_binary(col.type) and not col.null_count:
-            stride = col.type.byte_width  # >= width (checked by check_dataset); longer rows are cut, not copied
-            self.rows = np.frombuffer(col.buffers()[1], dtype=np.uint8, count=len(col) * stride,
-                                      offset=col.offset * stride).reshape(len(col), stride)[:, :width]
-        elif _is_bytes(col.type):
-            self.rows = np.stack([np.frombuffer(r[:width], dtype=np.uint8) for r in col.to_pylist()])
+        if cache_dir is not None:
+            self.rows = token_cache.open_rows(path, column, width, cache_dir, lambda t: _decode_rows(t, column, width))
         else:
-            self.rows = np.stack([np.asarray(r[:width]) for r in col.to_pylist()])
+            # ParquetFile, not pq.read_table: read_table imports pyarrow.dataset (0.4 s of CPU per worker).
+            # One thread: pyarrow's default pool (a thread per core in each worker) made the read 5x
+            # slower with every worker decoding at once than alone.
+            table = pq.ParquetFile(path, memory_map=True).read(columns=[column], use_threads=False)
+            self.rows = _decode_rows(table, column, width)
         self.seq_len = seq_len
 
     def __len__(self) -> int:
@@ -154,6 +150,20 @@ class TokenDataset:
 
         rows = torch.from_numpy(self.rows[np.asarray(sample_ids)].astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
+
+
+def _decode_rows(table: pa.Table, column: str, width: int) -> np.ndarray:
+    """The first ``width`` tokens of every row of ``table[column]``, without copying where the layout allows."""
+    col = table.column(column).combine_chunks()
+    if pa.types.is_fixed_size_list(col.type) and col.type.list_size == width:
+        return _flat_values(col).reshape(len(col), width)
+    if pa.types.is_fixed_size_binary(col.type) and not col.null_count:
+        stride = col.type.byte_width  # >= width (checked by check_dataset); longer rows are cut, not copied
+        return np.frombuffer(col.buffers()[1], dtype=np.uint8, count=len(col) * stride,
+                             offset=col.offset * stride).reshape(len(col), stride)[:, :width]
+    if _is_bytes(col.type):
+        return np.stack([np.frombuffer(r[:width], dtype=np.uint8) for r in col.to_pylist()])
+    return np.stack([np.asarray(r[:width]) for r in col.to_pylist()])
 
 
 def _is_bytes(kind: pa.DataType) -> bool:

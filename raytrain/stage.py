@@ -92,7 +92,7 @@ class Stage:
         self.mb_bounds = data.microbatch_bounds(self.share, cfg.parallel.microbatches)
         self.plan = schedule.build_plan(cfg.parallel.schedule, mesh.pp, cfg.parallel.microbatches)[self.stage]
         if self.dataset is None and (self.is_first or self.is_last):
-            self.dataset = data.TokenDataset(self.data_path, cfg.data.column, cfg.model.seq_len)
+            self.dataset = data.TokenDataset(self.data_path, cfg.data.column, cfg.model.seq_len, cfg.data.cache_dir)
         self.prev_rank = mesh.rank(self.replica, self.stage - 1) if not self.is_first else None
         self.next_rank = mesh.rank(self.replica, self.stage + 1) if not self.is_last else None
         self.input_tail, self.input_dtype = self._exchange_shapes()

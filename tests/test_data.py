@@ -1,5 +1,7 @@
 """Sample order and exactly-once consumption (DESIGN invariant 5)."""
 
+import os
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -102,3 +104,38 @@ def test_a_column_of_the_wrong_type_is_named(tmp_path):
     pq.write_table(pa.table({"tokens": pa.array([0.5] * 8)}), path)
     with pytest.raises(ValueError, match="floats.parquet.*column 'tokens' is double; it needs a list of integer"):
         data.check_dataset(path, "tokens", seq_len=4, global_batch=4)
+
+
+def test_workers_decode_once_per_machine_and_map_the_same_file(tmp_path):
+    # With a cache_dir (as workers read), the rows are decoded once into a .npy that every later
+    # reader memory-maps; a rewritten dataset gets a new cache; the tokens are the same either way.
+    from concurrent.futures import ProcessPoolExecutor
+
+    from raytrain import token_cache
+
+    rows = np.random.default_rng(2).integers(0, 300, size=(40, 9))
+    path, cache = str(tmp_path / "ids.parquet"), str(tmp_path / "cache")
+    data.write_token_parquet(path, rows)
+    with ProcessPoolExecutor(3) as pool:  # three "workers" at once: one builds, the others wait for it
+        shapes = list(pool.map(_rows_shape_via_cache, [(path, cache)] * 3))
+    assert shapes == [(40, 9)] * 3
+    cached = token_cache.cache_path(path, "tokens", 9, cache)
+    name = os.path.basename(cached)
+    assert sorted(os.listdir(os.path.dirname(cached))) == [name, name + ".lock"]  # one file, no temporaries left
+    ds = data.TokenDataset(path, "tokens", seq_len=8, cache_dir=cache)
+    assert isinstance(ds.rows, np.memmap) and ds.rows.dtype == np.uint16  # ids < 300: two bytes each
+    direct = data.TokenDataset(path, "tokens", seq_len=8)
+    assert [t.tolist() for t in ds.batch([5, 39, 0])] == [t.tolist() for t in direct.batch([5, 39, 0])]
+
+    built = os.path.getmtime(cached)
+    assert data.TokenDataset(path, "tokens", seq_len=8, cache_dir=cache).rows.shape == (40, 9)
+    assert os.path.getmtime(cached) == built  # not rebuilt
+    data.write_token_parquet(path, rows[:20] + 1)  # the dataset is rewritten
+    fresh = data.TokenDataset(path, "tokens", seq_len=8, cache_dir=cache)
+    assert token_cache.cache_path(path, "tokens", 9, cache) != cached
+    assert fresh.batch([3])[0].tolist() == (rows[[3], :8] + 1).tolist()
+
+
+def _rows_shape_via_cache(args):
+    path, cache = args
+    return data.TokenDataset(path, "tokens", seq_len=8, cache_dir=cache).rows.shape

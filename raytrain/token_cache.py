@@ -1,0 +1,78 @@
+"""A Parquet token column decoded once per machine into a ``.npy`` file that workers memory-map.
+
+Decoding Parquet gives every worker a private copy of the whole column, and for a list column it is
+slow (nesting levels and dictionary pages unpacked value by value). The cache turns that into one
+decode per machine and dataset version: every later worker, run or replacement maps the same file
+read-only, so the operating system's page cache holds the tokens once per machine, however many
+workers read them, and opening it costs a fraction of a millisecond.
+
+The first worker on a machine builds it under a file lock while the others wait; it is written to a
+temporary name and renamed, so no reader ever sees a half file. The key covers the source file's
+path, size and modification time, so a rewritten dataset gets a new cache.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+
+
+def cache_path(source: str, column: str, width: int, cache_dir: str) -> str:
+    """Where the decoded rows of ``source``'s ``column`` (first ``width`` tokens of each row) live."""
+    source = os.path.abspath(source)
+    st = os.stat(source)
+    key = hashlib.sha1(f"{source}|{st.st_size}|{st.st_mtime_ns}|{column}|{width}".encode()).hexdigest()[:16]
+    return os.path.join(os.path.expanduser(cache_dir), "decoded", f"{os.path.basename(source)}-{key}.npy")
+
+
+def open_rows(source: str, column: str, width: int, cache_dir: str, decode) -> np.ndarray:
+    """The (N, width) token rows of ``source``, memory-mapped read-only; built with ``decode(table)``
+    (one row group's table -> its rows) the first time on this machine."""
+    path = cache_path(source, column, width, cache_dir)
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+            if not os.path.exists(path):  # another worker may have built it while this one waited
+                _build(source, column, width, path, decode)
+    return np.load(path, mmap_mode="r")
+
+
+def _build(source: str, column: str, width: int, path: str, decode) -> None:
+    """Decode one row group at a time into a preallocated file: memory stays at one row group."""
+    parquet = pq.ParquetFile(source, memory_map=True)
+    dtype = _smallest_dtype(parquet, column)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(parquet.metadata.num_rows, width))
+    start = 0
+    for group in range(parquet.num_row_groups):
+        rows = decode(parquet.read_row_group(group, columns=[column], use_threads=False))
+        out[start : start + len(rows)] = rows
+        start += len(rows)
+    out.flush()
+    del out
+    os.replace(tmp, path)
+
+
+def _smallest_dtype(parquet: pq.ParquetFile, column: str) -> np.dtype:
+    """uint8 or uint16 when the column's statistics bound every token id; int64 otherwise."""
+    meta = parquet.metadata
+    index = next((i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] == column), None)
+    if index is None:
+        return np.dtype(np.int64)
+    top = 0
+    for group in range(meta.num_row_groups):
+        stats = meta.row_group(group).column(index).statistics
+        if stats is None or not stats.has_min_max:
+            return np.dtype(np.int64)
+        low, high = stats.min, stats.max
+        if isinstance(high, bytes):  # byte tokens: every value fits a uint8
+            return np.dtype(np.uint8)
+        if low < 0:
+            return np.dtype(np.int64)
+        top = max(top, high)
+    return np.dtype(np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.int64)
