@@ -159,6 +159,8 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     extra = (cfg.elastic.max_dp or cfg.parallel.dp) - cfg.parallel.dp if placement is None else 0
     growth = [request(cfg, 1) for _ in range(extra)]  # granted whenever capacity appears
 
+    # The driver built the built-in corpus in its own cache; workers on other machines get its bytes.
+    corpus = [ray.put(_read_bytes(data_path))] if cfg.data.path is None else None
     restarts = 0
     here = ray.get_runtime_context().get_node_id()
     host = ray.util.get_node_ip_address()
@@ -168,7 +170,8 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
             coordinator = ray.remote(Coordinator).options(
                 num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
             ).remote(
-                cfg.to_dict(), data_path, num_samples, stages, pg, first_bundle, resume, extra_placements=tuple(growth))
+                cfg.to_dict(), data_path, num_samples, stages, pg, first_bundle, resume, extra_placements=tuple(growth),
+                corpus=corpus)
             try:
                 store = rendezvous.address(host, namespace=f"coordinator{restarts}")
                 summary = _drive(coordinator, store, reporter, on_rows)
@@ -197,6 +200,11 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
         committed_steps=summary["committed_steps"], failures=summary["failures"], recovery_s=summary["recovery_s"],
         coordinator_restarts=restarts, auto_layout=auto_layout,
     )
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _drive(coordinator, store, reporter: RunReporter, on_rows) -> dict:

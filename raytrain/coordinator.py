@@ -89,10 +89,11 @@ class Member:
 class Coordinator:
     def __init__(self, config: dict, data_path: str, num_samples: int, stage_layers: list[list[int]],
                  placement: PlacementGroup, first_bundle: int, resume_from: Optional[str], worker_cls=StageWorker,
-                 extra_placements: tuple[PlacementGroup, ...] = ()):
+                 extra_placements: tuple[PlacementGroup, ...] = (), corpus: Optional[list] = None):
         self.cfg: Config = config_from_dict(config)
         self.config_dict = config
         self.data_path, self.num_samples = data_path, num_samples
+        self.corpus = corpus  # [ref to the built-in corpus's bytes] for workers on machines without it
         self.stage_layers = stage_layers
         self.placement, self.first_bundle = placement, first_bundle
         # Requested by the driver (which removes them), one per replica beyond parallel.dp up to
@@ -184,7 +185,7 @@ class Coordinator:
         handle = self.worker_cls.options(
             num_cpus=self.cfg.resources.cpus_per_worker, num_gpus=1 if self.cfg.resources.use_gpu else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle),
-        ).remote(self.config_dict, self.data_path, self.num_samples, stage, self.stage_layers[stage])
+        ).remote(self.config_dict, self.data_path, self.num_samples, stage, self.stage_layers[stage], self.corpus)
         return Member(handle, stage, placement, bundle, ready=handle.pid.remote())
 
     def _spawn_first_workers(self) -> list[Member]:

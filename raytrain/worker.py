@@ -8,14 +8,17 @@ contains ``Worker`` so the processes are recognisable in ``ps`` (``ray::StageWor
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import ray
 
 
 class StageWorker:
-    def __init__(self, config: dict, data_path: str, num_samples: int, stage: int, layer_ids: list[int]):
+    def __init__(self, config: dict, data_path: str, num_samples: int, stage: int, layer_ids: list[int],
+                 corpus: Optional[list] = None):
         from raytrain.stage import Stage
 
+        data_path = dataset_here(data_path, corpus, config["data"]["cache_dir"])
         self.stage = Stage(config, data_path, num_samples, stage, layer_ids)
 
     def pid(self) -> int:
@@ -45,3 +48,20 @@ class StageWorker:
 
     def shutdown(self) -> None:
         self.stage.shutdown()
+
+
+def dataset_here(data_path: str, corpus: Optional[list], cache_dir: str) -> str:
+    """The dataset's path on this machine. The driver's path where it exists here (the driver's own
+    machine, or storage every node mounts); else, for the built-in corpus, which the driver built in
+    its own cache, the driver's copy of the file (``corpus``: [object ref of its bytes]) written
+    into this machine's cache, so that every worker trains on the same bytes."""
+    if os.path.exists(data_path) or not corpus:
+        return data_path
+    local = os.path.join(os.path.expanduser(cache_dir), os.path.basename(data_path))
+    if not os.path.exists(local):
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        tmp = f"{local}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(ray.get(corpus[0]))
+        os.replace(tmp, local)
+    return local

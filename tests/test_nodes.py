@@ -5,6 +5,7 @@ The workers are spread one per node (resources.placement_strategy=STRICT_SPREAD)
 an added node, so removing that node kills exactly one worker, as losing a machine does.
 """
 
+import os
 import time
 
 import pytest
@@ -123,3 +124,21 @@ def test_hybrid_losing_a_node_without_spare_capacity_carries_on_with_dp1(ray_clu
     assert len(result.final_pids) == 2 and set(result.final_pids) <= set(result.worker_pids), "a survivor was restarted"
     assert result.committed_steps == list(range(150))
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
+def test_a_machine_without_the_builtin_corpus_gets_the_drivers_copy(ray_session, tmp_path):
+    # The driver builds the built-in corpus in its own cache; a worker on another machine finds no
+    # file at that path and writes the driver's bytes (from the object store) into its own cache.
+    from raytrain.worker import dataset_here
+
+    drivers = tmp_path / "driver-cache" / "stdlib-bytes-fsb-T17-abc.parquet"
+    drivers.parent.mkdir()
+    drivers.write_bytes(b"PAR1 the driver's corpus PAR1")
+    corpus = [ray_session.put(drivers.read_bytes())]
+    elsewhere = str(tmp_path / "not-on-this-machine" / drivers.name)
+    node_cache = tmp_path / "node-cache"
+    got = dataset_here(elsewhere, corpus, str(node_cache))
+    assert got == str(node_cache / drivers.name) and open(got, "rb").read() == drivers.read_bytes()
+    assert os.listdir(node_cache) == [drivers.name]  # no temporary left behind
+    assert dataset_here(str(drivers), corpus, str(node_cache)) == str(drivers)  # present here: used as is
+    assert dataset_here(elsewhere, None, str(node_cache)) == elsewhere  # the user's data.path: never replaced
