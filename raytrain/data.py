@@ -99,7 +99,7 @@ def check_dataset(path: str, column: str, seq_len: int, global_batch: int) -> in
             or _is_bytes(kind)):
         raise ValueError(f"data.path={path!r}: column {column!r} is {kind}; it needs a list of integer token ids "
                          f"per row, or bytes (one token per byte)")
-    width = _row_width(meta, column)
+    width = _row_width(meta, column, kind)
     if width < seq_len + 1:
         raise ValueError(
             f"data.path={path!r}: rows of column {column!r} need >= model.seq_len + 1 = {seq_len + 1} tokens, "
@@ -108,10 +108,9 @@ def check_dataset(path: str, column: str, seq_len: int, global_batch: int) -> in
     return n
 
 
-def _row_width(meta: pq.ParquetFile, column: str) -> int:
+def _row_width(meta: pq.ParquetFile, column: str, kind: pa.DataType) -> int:
     """Tokens in the first row: from the schema for fixed-width types, else from one decoded row (not
     the whole row group, which for a single-group file is the whole dataset)."""
-    kind = meta.schema_arrow.field(column).type
     if pa.types.is_fixed_size_list(kind):
         return kind.list_size
     if pa.types.is_fixed_size_binary(kind):
