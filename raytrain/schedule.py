@@ -6,6 +6,12 @@ passes the checker cannot deadlock in the executor.
 
 Actions print compactly: ``F3`` forward micro-batch 3, ``B3`` backward, ``>F3`` send activation to the
 next stage, ``<F3`` receive it, ``>B3`` send input gradient to the previous stage, ``<B3`` receive it.
+
+With ``split_backward``, stages after the first compute only the input gradient in ``B3`` and the
+weight gradients later in ``W3`` (raytrain.split_backward), so ``>B3`` leaves a weight-gradient time
+sooner. The F/B order of the schedule does not change; only where ``W`` goes: GPipe, which keeps every
+micro-batch alive anyway, puts all of a stage's ``W`` after its last backward; 1F1B puts ``W3`` right
+after ``>B3``, so it keeps its memory bound.
 """
 
 from __future__ import annotations
@@ -13,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = ">F", "<F", ">B", "<B"
-COMPUTE = (FORWARD, BACKWARD)
+COMPUTE = (FORWARD, BACKWARD, WEIGHT)
 
 Plan = list[list["Action"]]  # plan[stage] = that stage's ordered actions
 
@@ -49,18 +55,25 @@ def _backward_unit(stage: int, num_stages: int, mb: int) -> list[Action]:
     return acts
 
 
-def gpipe(num_stages: int, num_microbatches: int) -> Plan:
+def gpipe(num_stages: int, num_microbatches: int, split_backward: bool = False) -> Plan:
     """All forwards, then all backwards: simple, but every micro-batch's activations stay alive."""
     plan = []
     for s in range(num_stages):
         acts = [a for mb in range(num_microbatches) for a in _forward_unit(s, num_stages, mb)]
         acts += [a for mb in range(num_microbatches) for a in _backward_unit(s, num_stages, mb)]
+        if split_backward and s > 0:
+            acts += [Action(WEIGHT, mb) for mb in range(num_microbatches)]
         plan.append(acts)
     return plan
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Plan:
+def one_f_one_b(num_stages: int, num_microbatches: int, split_backward: bool = False) -> Plan:
     """1F1B: p-s-1 warm-up forwards, then alternate forward/backward; at most p-s activations alive."""
+
+    def backward(s: int, mb: int) -> list[Action]:
+        weight = [Action(WEIGHT, mb)] if split_backward and s > 0 else []
+        return _backward_unit(s, num_stages, mb) + weight
+
     plan = []
     for s in range(num_stages):
         warmup = min(num_stages - s - 1, num_microbatches)
@@ -68,10 +81,10 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Plan:
         next_f, next_b = warmup, 0
         while next_f < num_microbatches:
             acts += _forward_unit(s, num_stages, next_f)
-            acts += _backward_unit(s, num_stages, next_b)
+            acts += backward(s, next_b)
             next_f, next_b = next_f + 1, next_b + 1
         while next_b < num_microbatches:
-            acts += _backward_unit(s, num_stages, next_b)
+            acts += backward(s, next_b)
             next_b += 1
         plan.append(acts)
     return plan
@@ -80,10 +93,10 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Plan:
 SCHEDULE_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
-def build_plan(kind: str, num_stages: int, num_microbatches: int) -> Plan:
+def build_plan(kind: str, num_stages: int, num_microbatches: int, split_backward: bool = False) -> Plan:
     if kind not in SCHEDULE_BUILDERS:
         raise ValueError(f"unknown schedule {kind!r}; use one of {', '.join(SCHEDULE_BUILDERS)}")
-    plan = SCHEDULE_BUILDERS[kind](num_stages, num_microbatches)
+    plan = SCHEDULE_BUILDERS[kind](num_stages, num_microbatches, split_backward)
     check_plan(plan, num_microbatches)
     return plan
 
@@ -108,7 +121,8 @@ def _check_stage_order(plan: Plan, num_microbatches: int) -> None:
             for kind in required:
                 if (kind, mb) not in seen:
                     raise PlanError(f"stage {s} is missing {kind}{mb}\n{format_grid(plan)}")
-            before = [(RECV_F, FORWARD), (FORWARD, SEND_F), (FORWARD, BACKWARD), (RECV_B, BACKWARD), (BACKWARD, SEND_B)]
+            before = [(RECV_F, FORWARD), (FORWARD, SEND_F), (FORWARD, BACKWARD), (RECV_B, BACKWARD), (BACKWARD, SEND_B),
+                      (BACKWARD, WEIGHT), (SEND_B, WEIGHT)]
             for first, then in before:
                 if (first, mb) in seen and (then, mb) in seen and seen[(first, mb)] > seen[(then, mb)]:
                     i = seen[(then, mb)]
@@ -118,10 +132,19 @@ def _check_stage_order(plan: Plan, num_microbatches: int) -> None:
         extra = [a for a in acts if (s == 0 and a.kind in (RECV_F, SEND_B)) or (s == p - 1 and a.kind in (SEND_F, RECV_B))]
         if extra:
             raise PlanError(f"stage {s} has communication with a stage that does not exist: {extra}")
+        weights = {a.mb for a in acts if a.kind == WEIGHT}
+        if weights and s == 0:
+            raise PlanError("stage 0 has W actions: it sends no input gradient, so its backward is never split")
+        if weights and len(weights) != num_microbatches:
+            missing = sorted(set(range(num_microbatches)) - weights)
+            raise PlanError(f"stage {s} splits some backwards but has no W for micro-batches {missing}\n{format_grid(plan)}")
 
 
-def simulate(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0):
+def simulate(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0, weight_cost: float = 0.0):
     """Run the plan under the executor's semantics (non-blocking sends, blocking receives).
+
+    A backward costs ``backward_cost``; where the stage has a ``W`` for it, ``weight_cost`` of that
+    moves to the ``W``.
 
     Returns ``(finish_time, busy_time_per_stage, timeline)`` where timeline[stage] lists
     ``(start, end, action)`` for compute actions. Raises PlanError on a deadlock or a receive that
@@ -134,13 +157,15 @@ def simulate(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0):
     timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
     # channels[(src, dst, kind)] = FIFO of (mb, time the message is available)
     channels: dict[tuple[int, int, str], list[tuple[int, float]]] = {}
+    split = [any(a.kind == WEIGHT for a in acts) for acts in plan]
+    cost_of = {FORWARD: forward_cost, WEIGHT: weight_cost}
     while any(pos[s] < len(plan[s]) for s in range(p)):
         progressed = False
         for s in range(p):
             while pos[s] < len(plan[s]):
                 a = plan[s][pos[s]]
                 if a.kind in COMPUTE:
-                    cost = forward_cost if a.kind == FORWARD else backward_cost
+                    cost = cost_of.get(a.kind, backward_cost - (weight_cost if split[s] else 0.0))
                     timeline[s].append((clock[s], clock[s] + cost, a))
                     clock[s] += cost
                     busy[s] += cost
@@ -179,9 +204,9 @@ def check_plan(plan: Plan, num_microbatches: int) -> None:
     simulate(plan)
 
 
-def idle_fraction(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0) -> float:
+def idle_fraction(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0, weight_cost: float = 0.0) -> float:
     """Fraction of stage-time spent waiting, for stages of equal cost."""
-    finish, busy, _ = simulate(plan, forward_cost, backward_cost)
+    finish, busy, _ = simulate(plan, forward_cost, backward_cost, weight_cost)
     return 1.0 - sum(busy) / (finish * len(plan))
 
 
@@ -190,13 +215,14 @@ def bubble_formula(num_stages: int, num_microbatches: int) -> float:
 
 
 def peak_live_activations(stage_actions: list[Action]) -> int:
-    """Most micro-batches whose forward ran and whose backward has not yet, on one stage."""
+    """Most micro-batches whose forward ran and whose backward (its weight half, if split) has not yet."""
+    releases = WEIGHT if any(a.kind == WEIGHT for a in stage_actions) else BACKWARD
     live = peak = 0
     for a in stage_actions:
         if a.kind == FORWARD:
             live += 1
             peak = max(peak, live)
-        elif a.kind == BACKWARD:
+        elif a.kind == releases:
             live -= 1
     return peak
 
