@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain import checkpoint, data, schedule
+from raytrain import checkpoint, data, schedule, split_backward
 from raytrain.config import config_from_dict
 from raytrain.faults import FaultPlan
 from raytrain.gradsync import GradientBuckets
@@ -90,7 +90,8 @@ class Stage:
         self.share = shares[self.replica]
         self.batch_offset = sum(shares[: self.replica])
         self.mb_bounds = data.microbatch_bounds(self.share, cfg.parallel.microbatches)
-        self.plan = schedule.build_plan(cfg.parallel.schedule, mesh.pp, cfg.parallel.microbatches)[self.stage]
+        self.plan = schedule.build_plan(cfg.parallel.schedule, mesh.pp, cfg.parallel.microbatches,
+                                        cfg.parallel.split_backward)[self.stage]
         if self.dataset is None and (self.is_first or self.is_last):
             self.dataset = data.TokenDataset(self.data_path, cfg.data.column, cfg.model.seq_len, cfg.data.cache_dir)
         self.prev_rank = mesh.rank(self.replica, self.stage - 1) if not self.is_first else None
@@ -230,10 +231,14 @@ class Stage:
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         out_grads: dict[int, torch.Tensor] = {}
+        input_grads: dict[int, torch.Tensor] = {}
+        weight_halves: dict[int, split_backward.WeightGradients] = {}  # backwards whose W has not run
         sends = []
         loss_sum = torch.zeros((), device=self.device)
         busy_s, peak_live, events = 0.0, 0, []
-        last_backward = max(i for i, a in enumerate(self.plan) if a.kind == schedule.BACKWARD)
+        split = any(a.kind == schedule.WEIGHT for a in self.plan)
+        fills_grads = schedule.WEIGHT if split else schedule.BACKWARD
+        last_grad_action = max(i for i, a in enumerate(self.plan) if a.kind == fills_grads)
         self.faults.maybe_fire(self.replica, self.stage, step, "forward")
         seen_backward = False
 
@@ -254,7 +259,7 @@ class Stage:
                     loss_sum += loss.detach() * (hi - lo)
                     out = loss * ((hi - lo) / B)  # share of the global batch: grads then just sum
                 outputs[action.mb] = out
-                peak_live = max(peak_live, len(outputs))
+                peak_live = max(peak_live, len(outputs) + len(weight_halves))
             elif kind == schedule.SEND_F:
                 sends.append(dist.isend(outputs[action.mb].detach().contiguous(), dst=self.next_rank))
             elif kind == schedule.RECV_B:
@@ -265,12 +270,23 @@ class Stage:
                 if not seen_backward:
                     self.faults.maybe_fire(self.replica, self.stage, step, "backward")
                     seen_backward = True
-                if i == last_backward:
+                if i == last_grad_action:
                     self.grads.arm()
                 out = outputs.pop(action.mb)
-                out.backward(None if self.is_last else out_grads.pop(action.mb))
+                out_grad = None if self.is_last else out_grads.pop(action.mb)
+                if split:
+                    input_grads[action.mb], weight_halves[action.mb] = split_backward.backward_input(
+                        out, out_grad, inputs.pop(action.mb), self.params)
+                else:
+                    out.backward(out_grad)
+                    if not self.is_first:
+                        input_grads[action.mb] = inputs.pop(action.mb).grad
             elif kind == schedule.SEND_B:
-                sends.append(dist.isend(inputs.pop(action.mb).grad.contiguous(), dst=self.prev_rank))
+                sends.append(dist.isend(input_grads.pop(action.mb).contiguous(), dst=self.prev_rank))
+            elif kind == schedule.WEIGHT:
+                if i == last_grad_action:
+                    self.grads.arm()
+                weight_halves.pop(action.mb).run()
             t1 = time.perf_counter()
             if kind in schedule.COMPUTE:
                 busy_s += t1 - t0

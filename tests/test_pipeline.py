@@ -27,7 +27,17 @@ def expected_peak_live(pp: int, kind: str, m: int) -> list[int]:
 
 @pytest.mark.parametrize("pp, kind, m", CELLS)
 def test_executor_grid_matches_single_process(make_config, tmp_path, pp, kind, m):
+    # parallel.split_backward is on by default: stages after the first send input gradients first.
     cfg = make_config(f"parallel.pp={pp}", f"parallel.schedule={kind}", f"parallel.microbatches={m}", "train.steps=4")
+    model, peak_live = run_stages(cfg, str(tmp_path))
+    assert_same_params(model, reference_state(cfg))
+    assert peak_live == expected_peak_live(pp, kind, m)
+
+
+@pytest.mark.parametrize("pp, kind, m", [(2, "gpipe", 2), (4, "1f1b", 4)])
+def test_executor_with_whole_backwards_matches_single_process(make_config, tmp_path, pp, kind, m):
+    cfg = make_config(f"parallel.pp={pp}", f"parallel.schedule={kind}", f"parallel.microbatches={m}", "train.steps=4",
+                      "parallel.split_backward=false")
     model, peak_live = run_stages(cfg, str(tmp_path))
     assert_same_params(model, reference_state(cfg))
     assert peak_live == expected_peak_live(pp, kind, m)
@@ -56,7 +66,7 @@ def test_timeline_and_bubble_are_recorded(ray_session, make_config):
     tracks = {e["tid"] for e in trace if e["ph"] == "X"}
     assert tracks == {0, 1}
     names = [e["name"] for e in trace if e["ph"] == "X" and e["tid"] == 1 and e["args"]["step"] == 1]
-    assert [n for n in names if n[0] in "FB"] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    assert [n for n in names if n[0] in "FBW"] == ["F0", "B0", "W0", "F1", "B1", "W1", "F2", "B2", "W2", "F3", "B3", "W3"]
     assert all(0.0 <= r["bubble"] < 1.0 for r in result.metrics)
     assert os.path.exists(os.path.join(result.run_dir, "loss.png"))
 
