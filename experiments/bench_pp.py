@@ -10,10 +10,16 @@ and peak memory per stage.
     python experiments/bench_pp.py --steps 10 --microbatches 4
     python experiments/bench_pp.py --microbatches 4 --without-ray   # adds "raytrain <schedule> no Ray" rows
     python experiments/bench_pp.py --microbatches 4 --unfused       # adds "raytrain <schedule> unfused" rows
+    python experiments/bench_pp.py --microbatches 4 --unsplit       # adds "raytrain <schedule> unsplit" rows
 
 raytrain uses AdamW's fused kernel (train.fused_optimizer, its default); torch.pipelining and the
 other baselines use torch's default AdamW. ``--unfused`` adds "raytrain <schedule> unfused" rows
 with it turned off, to show what the fused step contributes.
+
+raytrain splits the backward of stage 1 (parallel.split_backward, its default): the input gradient
+is sent before the weight gradients are computed. torch.pipelining's ScheduleGPipe and Schedule1F1B
+run the whole backward before sending. ``--unsplit`` adds "raytrain <schedule> unsplit" rows with
+the split turned off: the same algorithm as torch.pipelining's, step for step.
 
 The "no Ray" rows run raytrain's own stage executor in plain torchrun processes
 (experiments/executor_without_ray.py), splitting raytrain's distance from torch.pipelining into
@@ -60,11 +66,12 @@ def steady_rate(step_ends: list[float], warmup: int) -> float:
 # --- systems -----------------------------------------------------------------------------------
 
 
-def run_raytrain(steps, warmup, m, schedule, workdir, fused=True):
+def run_raytrain(steps, warmup, m, schedule, workdir, fused=True, split=True):
     from raytrain import train
 
     cfg = bench_config(steps, [f"parallel.microbatches={m}", f"parallel.schedule={schedule}", f"run.dir={workdir}",
-                               "run.trace_steps=3", f"train.fused_optimizer={str(fused).lower()}"])
+                               "run.trace_steps=3", f"train.fused_optimizer={str(fused).lower()}",
+                               f"parallel.split_backward={str(split).lower()}"])
     result = train(cfg, stream=open(os.devnull, "w"))
     rows = result.metrics
     return {"samples_per_s": steady_rate([r["time"] for r in rows], warmup),
@@ -232,6 +239,9 @@ def main() -> None:
                         help="also run raytrain's executor in plain torchrun processes")
     parser.add_argument("--unfused", action="store_true",
                         help="also run raytrain with train.fused_optimizer=false (torch's default AdamW, as the baselines)")
+    parser.add_argument("--unsplit", action="store_true",
+                        help="also run raytrain with parallel.split_backward=false (whole backward before the send)")
+    parser.add_argument("--only-raytrain", action="store_true", help="skip the baselines (quick A/B of raytrain's own options)")
     parser.add_argument("--torch-worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -260,17 +270,21 @@ def main() -> None:
             # Repeats interleave the systems, so a slow minute on this shared machine hits them all.
             for _ in range(args.repeats):
                 for kind in ("gpipe", "1f1b"):
-                    if kind == "gpipe" or m >= PP:
+                    if (kind == "gpipe" or m >= PP) and not args.only_raytrain:
                         runs.setdefault(f"torch.pipelining {kind}", []).append(
                             run_torch_pipelining(args.steps, args.warmup, m, kind, workdir))
                     runs.setdefault(f"raytrain {kind}", []).append(run_raytrain(args.steps, args.warmup, m, kind, workdir))
                     if args.unfused:
                         runs.setdefault(f"raytrain {kind} unfused", []).append(
                             run_raytrain(args.steps, args.warmup, m, kind, workdir, fused=False))
+                    if args.unsplit:
+                        runs.setdefault(f"raytrain {kind} unsplit", []).append(
+                            run_raytrain(args.steps, args.warmup, m, kind, workdir, split=False))
                     if args.without_ray:
                         runs.setdefault(f"raytrain {kind} no Ray", []).append(
                             run_executor_without_ray(args.steps, args.warmup, m, kind, workdir))
-            runs["naive Ray object refs"] = [run_naive_object_refs(args.steps, args.warmup, m)]
+            if not args.only_raytrain:
+                runs["naive Ray object refs"] = [run_naive_object_refs(args.steps, args.warmup, m)]
             rows = {name: median_run(rs) for name, rs in runs.items()}
             for name, r in rows.items():
                 kind = name.split()[1] if name.startswith("raytrain") else name.split()[-1]
