@@ -14,11 +14,11 @@ autograd at those nodes (``GradientEdge`` roots) with the recorded gradients and
 ``inputs``, so each node now computes only its weight outputs, and the weights accumulate into
 ``.grad`` as usual (post-accumulate hooks fire: bucketed all-reduce still overlaps).
 
-Boundary nodes are grouped by the weights they reach, one autograd call per group, so that no call
-reaches its weights back through the input path (which would recompute it). A graph where one
-group's boundary node lies on another's path to its weights (a weight used twice in a stage) cannot
-be split this way: ``backward_input`` then does the whole backward at once and the weight half is
-empty. Same gradients either way.
+One autograd call per boundary node, with only the weights it reaches as ``inputs``: a call that
+also named a deeper node's weights would re-run the input path down to them. A weight reached from
+two boundary nodes (used at two depths of the stage) would do that too, so such a graph is not
+split: ``backward_input`` then does the whole backward at once and the weight half is empty. Same
+gradients either way.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class WeightGradients:
         self._calls = calls
 
     def run(self) -> None:
-        calls, self._calls = self._calls, []  # drop the graph's saved tensors as soon as it ran
+        calls, self._calls = self._calls, []  # our last references to the graph: it is freed after this
         for roots, grads, weights in calls:
             torch.autograd.backward(roots, grads, retain_graph=True, inputs=weights)
 
