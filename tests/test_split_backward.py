@@ -11,7 +11,7 @@ from raytrain.model import build_model
 from raytrain.split_backward import backward_input
 
 
-def _stage_and_batch(bf16: bool = False):
+def _stage_and_batch():
     torch.manual_seed(0)
     cfg = ModelConfig(n_layer=2, d_model=32, n_head=4, seq_len=16, vocab_size=64)
     spec = build_model(cfg, 0, [2, 3])  # the second block and the head: a last stage
