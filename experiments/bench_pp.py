@@ -10,16 +10,16 @@ and peak memory per stage.
     python experiments/bench_pp.py --steps 10 --microbatches 4
     python experiments/bench_pp.py --microbatches 4 --without-ray   # adds "raytrain <schedule> no Ray" rows
     python experiments/bench_pp.py --microbatches 4 --unfused       # adds "raytrain <schedule> unfused" rows
-    python experiments/bench_pp.py --microbatches 4 --unsplit       # adds "raytrain <schedule> unsplit" rows
+    python experiments/bench_pp.py --microbatches 4 --split         # adds "raytrain <schedule> split" rows
 
 raytrain uses AdamW's fused kernel (train.fused_optimizer, its default); torch.pipelining and the
 other baselines use torch's default AdamW. ``--unfused`` adds "raytrain <schedule> unfused" rows
 with it turned off, to show what the fused step contributes.
 
-raytrain splits the backward of stage 1 (parallel.split_backward, its default): the input gradient
-is sent before the weight gradients are computed. torch.pipelining's ScheduleGPipe and Schedule1F1B
-run the whole backward before sending. ``--unsplit`` adds "raytrain <schedule> unsplit" rows with
-the split turned off: the same algorithm as torch.pipelining's, step for step.
+"raytrain <schedule>" rows run raytrain's defaults: the same algorithm as torch.pipelining's
+ScheduleGPipe and Schedule1F1B, step for step. ``--split`` adds "raytrain <schedule> split" rows with
+parallel.split_backward=true: stage 1 sends its input gradient before it computes its weight
+gradients.
 
 The "no Ray" rows run raytrain's own stage executor in plain torchrun processes
 (experiments/executor_without_ray.py), splitting raytrain's distance from torch.pipelining into
@@ -66,7 +66,7 @@ def steady_rate(step_ends: list[float], warmup: int) -> float:
 # --- systems -----------------------------------------------------------------------------------
 
 
-def run_raytrain(steps, warmup, m, schedule, workdir, fused=True, split=True):
+def run_raytrain(steps, warmup, m, schedule, workdir, fused=True, split=False):
     from raytrain import train
 
     cfg = bench_config(steps, [f"parallel.microbatches={m}", f"parallel.schedule={schedule}", f"run.dir={workdir}",
@@ -239,8 +239,8 @@ def main() -> None:
                         help="also run raytrain's executor in plain torchrun processes")
     parser.add_argument("--unfused", action="store_true",
                         help="also run raytrain with train.fused_optimizer=false (torch's default AdamW, as the baselines)")
-    parser.add_argument("--unsplit", action="store_true",
-                        help="also run raytrain with parallel.split_backward=false (whole backward before the send)")
+    parser.add_argument("--split", action="store_true",
+                        help="also run raytrain with parallel.split_backward=true (input gradient sent before weight gradients)")
     parser.add_argument("--only-raytrain", action="store_true", help="skip the baselines (quick A/B of raytrain's own options)")
     parser.add_argument("--torch-worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -277,9 +277,9 @@ def main() -> None:
                     if args.unfused:
                         runs.setdefault(f"raytrain {kind} unfused", []).append(
                             run_raytrain(args.steps, args.warmup, m, kind, workdir, fused=False))
-                    if args.unsplit:
-                        runs.setdefault(f"raytrain {kind} unsplit", []).append(
-                            run_raytrain(args.steps, args.warmup, m, kind, workdir, split=False))
+                    if args.split:
+                        runs.setdefault(f"raytrain {kind} split", []).append(
+                            run_raytrain(args.steps, args.warmup, m, kind, workdir, split=True))
                     if args.without_ray:
                         runs.setdefault(f"raytrain {kind} no Ray", []).append(
                             run_executor_without_ray(args.steps, args.warmup, m, kind, workdir))
@@ -297,7 +297,8 @@ def main() -> None:
                 print(f"{m:>2} {name:<22} {r['samples_per_s']:>9.1f} {vs:>11} {r['samples_per_s'] / one:>8.2f}x "
                       f"{bubble:>7} {theory:>7.3f} {mem:>15} {live:>14}  {spread}", flush=True)
             if m == 4:
-                src = os.path.join(rows["raytrain 1f1b"]["run_dir"], "timeline.png")
+                shown = rows.get("raytrain 1f1b split", rows["raytrain 1f1b"])  # the README's picture
+                src = os.path.join(shown["run_dir"], "timeline.png")
                 os.makedirs("experiments/results", exist_ok=True)
                 if os.path.exists(src):
                     import shutil

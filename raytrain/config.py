@@ -87,8 +87,9 @@ class ParallelConfig:
     """Micro-batches each replica splits its share of the global batch into."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe or 1f1b."""
-    split_backward: bool = True
-    """Stages after the first send their input gradient before computing weight gradients (W actions)."""
+    split_backward: bool = False
+    """Stages after the first send their input gradient before computing weight gradients (W actions):
+    a shorter cool-down per step for more memory and per-layer autograd overhead (README: Performance)."""
     split_points: Optional[list] = None
     """Hand-set cuts: indices of the first layer of stages 1..pp-1 (overrides balance)."""
     balance: str = "params"

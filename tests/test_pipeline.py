@@ -25,19 +25,11 @@ def expected_peak_live(pp: int, kind: str, m: int) -> list[int]:
     return [m] * pp if kind == "gpipe" else [min(pp - s, m) for s in range(pp)]
 
 
+@pytest.mark.parametrize("split", ["false", "true"], ids=["whole-backward", "split-backward"])
 @pytest.mark.parametrize("pp, kind, m", CELLS)
-def test_executor_grid_matches_single_process(make_config, tmp_path, pp, kind, m):
-    # parallel.split_backward is on by default: stages after the first send input gradients first.
-    cfg = make_config(f"parallel.pp={pp}", f"parallel.schedule={kind}", f"parallel.microbatches={m}", "train.steps=4")
-    model, peak_live = run_stages(cfg, str(tmp_path))
-    assert_same_params(model, reference_state(cfg))
-    assert peak_live == expected_peak_live(pp, kind, m)
-
-
-@pytest.mark.parametrize("pp, kind, m", [(2, "gpipe", 2), (4, "1f1b", 4)])
-def test_executor_with_whole_backwards_matches_single_process(make_config, tmp_path, pp, kind, m):
+def test_executor_grid_matches_single_process(make_config, tmp_path, pp, kind, m, split):
     cfg = make_config(f"parallel.pp={pp}", f"parallel.schedule={kind}", f"parallel.microbatches={m}", "train.steps=4",
-                      "parallel.split_backward=false")
+                      f"parallel.split_backward={split}")
     model, peak_live = run_stages(cfg, str(tmp_path))
     assert_same_params(model, reference_state(cfg))
     assert peak_live == expected_peak_live(pp, kind, m)
@@ -53,13 +45,14 @@ def test_pipeline_on_actors_matches_single_process(ray_session, make_config, pp,
 
 
 def test_hybrid_dp2_pp2_matches_single_process(ray_session, make_config):
-    cfg = make_config("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2")
+    # split: the dp all-reduce starts from hooks that fire in the W actions
+    cfg = make_config("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.split_backward=true")
     result = train(cfg)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 
 def test_timeline_and_bubble_are_recorded(ray_session, make_config):
-    cfg = make_config("parallel.pp=2", "parallel.microbatches=4", "run.trace_steps=2")
+    cfg = make_config("parallel.pp=2", "parallel.microbatches=4", "run.trace_steps=2", "parallel.split_backward=true")
     result = train(cfg)
     with open(os.path.join(result.run_dir, "trace.json")) as f:
         trace = json.load(f)["traceEvents"]
