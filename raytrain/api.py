@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import ray
@@ -160,7 +161,7 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     growth = [request(cfg, 1) for _ in range(extra)]  # granted whenever capacity appears
 
     # The driver built the built-in corpus in its own cache; workers on other machines get its bytes.
-    corpus = [ray.put(_read_bytes(data_path))] if cfg.data.path is None else None
+    corpus = [ray.put(Path(data_path).read_bytes())] if cfg.data.path is None else None
     restarts = 0
     here = ray.get_runtime_context().get_node_id()
     host = ray.util.get_node_ip_address()
@@ -200,11 +201,6 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
         committed_steps=summary["committed_steps"], failures=summary["failures"], recovery_s=summary["recovery_s"],
         coordinator_restarts=restarts, auto_layout=auto_layout,
     )
-
-
-def _read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def _drive(coordinator, store, reporter: RunReporter, on_rows) -> dict:

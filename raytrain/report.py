@@ -11,6 +11,8 @@ import sys
 import time
 from typing import TextIO
 
+from raytrain.schedule import COMPUTE
+
 PROGRESS_INTERVAL_S = 2.0
 """Minimum seconds between progress lines when stderr is not a terminal."""
 
@@ -111,10 +113,10 @@ def plot_timeline(per_rank: dict, path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(10, 0.7 * len(ranks) + 1.2))
     for row, rank in enumerate(ranks):
         for name, start, end in per_rank[rank]:
-            kind = name[0] if name[0] in "FBW" else "comm"
+            kind = name[0] if name[0] in COMPUTE else "comm"
             ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (row - 0.4, 0.8),
                            facecolors=colours.get(kind, "#BBBBBB"), edgecolor="white", linewidth=0.5)
-            if kind in "FBW" and (end - start) * 1e3 > 0:
+            if kind in COMPUTE and (end - start) * 1e3 > 0:
                 ax.text((start + end) / 2 * 1e3, row, name, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
@@ -139,7 +141,7 @@ def write_chrome_trace(traces: dict[int, dict], path: str) -> None:
                                "args": {"name": f"worker rank {rank}"}})
             for name, start, end in acts:
                 events.append({
-                    "name": name, "cat": name[0] if name[0] in "FBW" else "comm", "ph": "X", "pid": 0,
+                    "name": name, "cat": name[0] if name[0] in COMPUTE else "comm", "ph": "X", "pid": 0,
                     "tid": int(rank), "ts": offset_us + start * 1e6, "dur": max((end - start) * 1e6, 1.0),
                     "args": {"step": step},
                 })

@@ -246,6 +246,8 @@ class Stage:
             lo, hi = self.mb_bounds[action.mb]
             t0 = time.perf_counter()
             kind = action.kind
+            if i == last_grad_action:  # this action fills the step's last gradients: buckets reduce as they fill
+                self.grads.arm()
             if kind == schedule.RECV_F:
                 buf = torch.empty(hi - lo, *self.input_tail, dtype=self.input_dtype, device=self.device)
                 dist.recv(buf, src=self.prev_rank)
@@ -270,8 +272,6 @@ class Stage:
                 if not seen_backward:
                     self.faults.maybe_fire(self.replica, self.stage, step, "backward")
                     seen_backward = True
-                if i == last_grad_action:
-                    self.grads.arm()
                 out = outputs.pop(action.mb)
                 out_grad = None if self.is_last else out_grads.pop(action.mb)
                 if split:
@@ -284,8 +284,6 @@ class Stage:
             elif kind == schedule.SEND_B:
                 sends.append(dist.isend(input_grads.pop(action.mb).contiguous(), dst=self.prev_rank))
             elif kind == schedule.WEIGHT:
-                if i == last_grad_action:
-                    self.grads.arm()
                 weight_halves.pop(action.mb).run()
             t1 = time.perf_counter()
             if kind in schedule.COMPUTE:
