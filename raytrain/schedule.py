@@ -7,11 +7,18 @@ passes the checker cannot deadlock in the executor.
 Actions print compactly: ``F3`` forward micro-batch 3, ``B3`` backward, ``>F3`` send activation to the
 next stage, ``<F3`` receive it, ``>B3`` send input gradient to the previous stage, ``<B3`` receive it.
 
-With ``split_backward``, stages after the first compute only the input gradient in ``B3`` and the
-weight gradients later in ``W3`` (raytrain.split_backward), so ``>B3`` leaves a weight-gradient time
-sooner. The F/B order of the schedule does not change; only where ``W`` goes: GPipe, which keeps every
-micro-batch alive anyway, puts all of a stage's ``W`` after its last backward; 1F1B puts ``W3`` right
-after ``>B3``, so it keeps its memory bound.
+With ``split_backward``, a stage after the first may compute only the input gradient in ``B3`` and
+the weight gradients later in ``W3`` (raytrain.split_backward), so ``>B3`` leaves a weight-gradient
+time sooner. A backward is split exactly when its micro-batch has a ``W`` on that stage. Splitting
+costs a little (a graph walk and more autograd calls), so a schedule splits only the backwards whose
+``W`` can move into time the stage would otherwise wait. The F/B order does not change:
+
+- GPipe splits every backward and puts the ``W``s after the stage's last backward, where the stage
+  waits for the earlier stages' backwards anyway; it keeps every micro-batch alive regardless.
+- 1F1B splits the cool-down backwards, the ones after the stage's last forward, with ``W3`` right
+  after ``>B3``. In the steady state a stage has no wait to fill, so a split there only adds its
+  cost; in the cool-down each split lets the previous stage start one weight-gradient time sooner.
+  The memory bound is unchanged.
 """
 
 from __future__ import annotations
@@ -71,7 +78,8 @@ def one_f_one_b(num_stages: int, num_microbatches: int, split_backward: bool = F
     """1F1B: p-s-1 warm-up forwards, then alternate forward/backward; at most p-s activations alive."""
 
     def backward(s: int, mb: int) -> list[Action]:
-        weight = [Action(WEIGHT, mb)] if split_backward and s > 0 else []
+        cool_down = mb >= num_microbatches - (num_stages - s)  # after the stage's last forward
+        weight = [Action(WEIGHT, mb)] if split_backward and s > 0 and cool_down else []
         return _backward_unit(s, num_stages, mb) + weight
 
     plan = []
@@ -132,19 +140,21 @@ def _check_stage_order(plan: Plan, num_microbatches: int) -> None:
         extra = [a for a in acts if (s == 0 and a.kind in (RECV_F, SEND_B)) or (s == p - 1 and a.kind in (SEND_F, RECV_B))]
         if extra:
             raise PlanError(f"stage {s} has communication with a stage that does not exist: {extra}")
-        weights = {a.mb for a in acts if a.kind == WEIGHT}
-        if weights and s == 0:
+        if s == 0 and any(a.kind == WEIGHT for a in acts):
             raise PlanError("stage 0 has W actions: it sends no input gradient, so its backward is never split")
-        if weights and len(weights) != num_microbatches:
-            missing = sorted(set(range(num_microbatches)) - weights)
-            raise PlanError(f"stage {s} splits some backwards but has no W for micro-batches {missing}\n{format_grid(plan)}")
 
 
-def simulate(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0, weight_cost: float = 0.0):
+def split_microbatches(stage_actions: list[Action]) -> set[int]:
+    """The micro-batches whose backward this stage splits: those with a ``W``."""
+    return {a.mb for a in stage_actions if a.kind == WEIGHT}
+
+
+def simulate(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0, weight_cost: float = 0.0,
+             split_cost: float = 0.0):
     """Run the plan under the executor's semantics (non-blocking sends, blocking receives).
 
     A backward costs ``backward_cost``; where the stage has a ``W`` for it, ``weight_cost`` of that
-    moves to the ``W``.
+    moves to the ``W`` and the input half costs ``split_cost`` more (the price of splitting).
 
     Returns ``(finish_time, busy_time_per_stage, timeline)`` where timeline[stage] lists
     ``(start, end, action)`` for compute actions. Raises PlanError on a deadlock or a receive that
@@ -157,15 +167,16 @@ def simulate(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0, 
     timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
     # channels[(src, dst, kind)] = FIFO of (mb, time the message is available)
     channels: dict[tuple[int, int, str], list[tuple[int, float]]] = {}
-    split = [any(a.kind == WEIGHT for a in acts) for acts in plan]
+    split = [split_microbatches(acts) for acts in plan]
     cost_of = {FORWARD: forward_cost, WEIGHT: weight_cost}
+    input_half_cost = backward_cost - weight_cost + split_cost
     while any(pos[s] < len(plan[s]) for s in range(p)):
         progressed = False
         for s in range(p):
             while pos[s] < len(plan[s]):
                 a = plan[s][pos[s]]
                 if a.kind in COMPUTE:
-                    cost = cost_of.get(a.kind, backward_cost - (weight_cost if split[s] else 0.0))
+                    cost = cost_of.get(a.kind, input_half_cost if a.mb in split[s] else backward_cost)
                     timeline[s].append((clock[s], clock[s] + cost, a))
                     clock[s] += cost
                     busy[s] += cost
@@ -216,13 +227,13 @@ def bubble_formula(num_stages: int, num_microbatches: int) -> float:
 
 def peak_live_activations(stage_actions: list[Action]) -> int:
     """Most micro-batches whose forward ran and whose backward (its weight half, if split) has not yet."""
-    releases = WEIGHT if any(a.kind == WEIGHT for a in stage_actions) else BACKWARD
+    split = split_microbatches(stage_actions)
     live = peak = 0
     for a in stage_actions:
         if a.kind == FORWARD:
             live += 1
             peak = max(peak, live)
-        elif a.kind == releases:
+        elif a.kind == (WEIGHT if a.mb in split else BACKWARD):
             live -= 1
     return peak
 

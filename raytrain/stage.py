@@ -236,9 +236,9 @@ class Stage:
         sends = []
         loss_sum = torch.zeros((), device=self.device)
         busy_s, peak_live, events = 0.0, 0, []
-        split = any(a.kind == schedule.WEIGHT for a in self.plan)
-        fills_grads = schedule.WEIGHT if split else schedule.BACKWARD
-        last_grad_action = max(i for i, a in enumerate(self.plan) if a.kind == fills_grads)
+        split = schedule.split_microbatches(self.plan)
+        last_grad_action = max(i for i, a in enumerate(self.plan)  # the last W, or whole backward
+                               if a.kind == schedule.WEIGHT or (a.kind == schedule.BACKWARD and a.mb not in split))
         self.faults.maybe_fire(self.replica, self.stage, step, "forward")
         seen_backward = False
 
@@ -274,7 +274,7 @@ class Stage:
                     seen_backward = True
                 out = outputs.pop(action.mb)
                 out_grad = None if self.is_last else out_grads.pop(action.mb)
-                if split:
+                if action.mb in split:
                     input_grads[action.mb], weight_halves[action.mb] = split_backward.backward_input(
                         out, out_grad, inputs.pop(action.mb), self.params)
                 else:
