@@ -11,6 +11,7 @@ and peak memory per stage.
     python experiments/bench_pp.py --microbatches 4 --without-ray   # adds "raytrain <schedule> no Ray" rows
     python experiments/bench_pp.py --microbatches 4 --unfused       # adds "raytrain <schedule> unfused" rows
     python experiments/bench_pp.py --microbatches 4 --split         # adds "raytrain <schedule> split" rows
+    python experiments/bench_pp.py --microbatches 2,8 --schedules gpipe --split   # one schedule only
 
 raytrain uses AdamW's fused kernel (train.fused_optimizer, its default); torch.pipelining and the
 other baselines use torch's default AdamW. ``--unfused`` adds "raytrain <schedule> unfused" rows
@@ -234,6 +235,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--microbatches", default="1,2,4,8")
+    parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated subset of gpipe,1f1b")
     parser.add_argument("--repeats", type=int, default=1, help="runs per system and m, interleaved; the median is shown")
     parser.add_argument("--without-ray", action="store_true",
                         help="also run raytrain's executor in plain torchrun processes")
@@ -269,7 +271,7 @@ def main() -> None:
                 print(f"{m:>2} torch.pipelining 1f1b  n/a: torch's Schedule1F1B needs microbatches >= stages", flush=True)
             # Repeats interleave the systems, so a slow minute on this shared machine hits them all.
             for _ in range(args.repeats):
-                for kind in ("gpipe", "1f1b"):
+                for kind in args.schedules.split(","):
                     if (kind == "gpipe" or m >= PP) and not args.only_raytrain:
                         runs.setdefault(f"torch.pipelining {kind}", []).append(
                             run_torch_pipelining(args.steps, args.warmup, m, kind, workdir))
@@ -296,7 +298,7 @@ def main() -> None:
                 spread = "/".join(f"{x['samples_per_s']:.1f}" for x in runs[name]) if len(runs[name]) > 1 else ""
                 print(f"{m:>2} {name:<22} {r['samples_per_s']:>9.1f} {vs:>11} {r['samples_per_s'] / one:>8.2f}x "
                       f"{bubble:>7} {theory:>7.3f} {mem:>15} {live:>14}  {spread}", flush=True)
-            if m == 4:
+            if m == 4 and "raytrain 1f1b" in rows:
                 shown = rows.get("raytrain 1f1b split", rows["raytrain 1f1b"])  # the README's picture
                 src = os.path.join(shown["run_dir"], "timeline.png")
                 os.makedirs("experiments/results", exist_ok=True)
