@@ -247,6 +247,9 @@ def main() -> None:
     parser.add_argument("--torch-worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    unknown = set(args.schedules.split(",")) - {"gpipe", "1f1b"}
+    if unknown:
+        parser.error(f"--schedules: unknown {sorted(unknown)}; use gpipe, 1f1b or gpipe,1f1b")
     if args.torch_worker:
         torch_pipelining_worker(args.steps, int(args.microbatches), args.torch_worker, args.out)
         return

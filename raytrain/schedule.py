@@ -149,6 +149,13 @@ def split_microbatches(stage_actions: list[Action]) -> set[int]:
     return {a.mb for a in stage_actions if a.kind == WEIGHT}
 
 
+def last_gradient_action(stage_actions: list[Action]) -> int:
+    """Index of the action that fills the step's last weight gradients: the last W or whole backward."""
+    split = split_microbatches(stage_actions)
+    return max(i for i, a in enumerate(stage_actions)
+               if a.kind == WEIGHT or (a.kind == BACKWARD and a.mb not in split))
+
+
 def simulate(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0, weight_cost: float = 0.0,
              split_cost: float = 0.0):
     """Run the plan under the executor's semantics (non-blocking sends, blocking receives).

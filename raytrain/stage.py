@@ -92,6 +92,8 @@ class Stage:
         self.mb_bounds = data.microbatch_bounds(self.share, cfg.parallel.microbatches)
         self.plan = schedule.build_plan(cfg.parallel.schedule, mesh.pp, cfg.parallel.microbatches,
                                         cfg.parallel.split_backward)[self.stage]
+        self.split_mbs = schedule.split_microbatches(self.plan)
+        self.last_grad_action = schedule.last_gradient_action(self.plan)
         if self.dataset is None and (self.is_first or self.is_last):
             self.dataset = data.TokenDataset(self.data_path, cfg.data.column, cfg.model.seq_len, cfg.data.cache_dir)
         self.prev_rank = mesh.rank(self.replica, self.stage - 1) if not self.is_first else None
@@ -236,9 +238,6 @@ class Stage:
         sends = []
         loss_sum = torch.zeros((), device=self.device)
         busy_s, peak_live, events = 0.0, 0, []
-        split = schedule.split_microbatches(self.plan)
-        last_grad_action = max(i for i, a in enumerate(self.plan)  # the last W, or whole backward
-                               if a.kind == schedule.WEIGHT or (a.kind == schedule.BACKWARD and a.mb not in split))
         self.faults.maybe_fire(self.replica, self.stage, step, "forward")
         seen_backward = False
 
@@ -246,7 +245,7 @@ class Stage:
             lo, hi = self.mb_bounds[action.mb]
             t0 = time.perf_counter()
             kind = action.kind
-            if i == last_grad_action:  # this action fills the step's last gradients: buckets reduce as they fill
+            if i == self.last_grad_action:  # this action fills the step's last gradients: buckets reduce as they fill
                 self.grads.arm()
             if kind == schedule.RECV_F:
                 buf = torch.empty(hi - lo, *self.input_tail, dtype=self.input_dtype, device=self.device)
@@ -274,7 +273,7 @@ class Stage:
                     seen_backward = True
                 out = outputs.pop(action.mb)
                 out_grad = None if self.is_last else out_grads.pop(action.mb)
-                if action.mb in split:
+                if action.mb in self.split_mbs:
                     input_grads[action.mb], weight_halves[action.mb] = split_backward.backward_input(
                         out, out_grad, inputs.pop(action.mb), self.params)
                 else:

@@ -54,6 +54,16 @@ def test_1f1b_splits_only_where_the_weight_half_fills_a_wait(p, m):
         assert every_split > whole
 
 
+def test_last_gradient_action_is_the_last_w_or_whole_backward():
+    # the executor arms the dp all-reduce buckets before this action
+    whole, split = build_plan("1f1b", 2, 4)[1], build_plan("1f1b", 2, 4, split_backward=True)[1]
+    assert whole[schedule.last_gradient_action(whole)] == Action("B", 3)
+    assert split[schedule.last_gradient_action(split)] == Action("W", 3)
+    # stage 0 never splits
+    stage0 = build_plan("gpipe", 2, 4, split_backward=True)[0]
+    assert stage0[schedule.last_gradient_action(stage0)] == Action("B", 3)
+
+
 def test_split_backward_two_stages_one_microbatch_exact_timeline():
     finish, _, timeline = schedule.simulate(build_plan("gpipe", 2, 1, split_backward=True), 1.0, 2.0, 1.0)
     assert [(start, end, repr(a)) for start, end, a in timeline[1]] == [(1, 2, "F0"), (2, 3, "B0"), (3, 4, "W0")]
