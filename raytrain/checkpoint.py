@@ -5,6 +5,11 @@ A checkpoint is a directory ``<dir>/step_<NNNNNNNN>/`` holding one shard per pip
 ``manifest.json``, written last through a temporary name. A directory without a manifest is not a
 checkpoint: a save killed half-way is invisible, and the previous checkpoint stays the latest.
 Shards are loaded with ``torch.load(weights_only=True)``: a checkpoint is data, not code.
+
+A published checkpoint is immutable: every save writes into a directory that did not exist before,
+so a second save of the same step (a resumed run, a save retried after a repair) goes to
+``step_<NNNNNNNN>.<n>``. Each manifest carries a sequence number one above every manifest already
+in the directory, so "latest" is the checkpoint published last, whatever its step.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import io
 import json
 import os
 import re
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import pyarrow.fs as pafs
@@ -22,25 +28,60 @@ import pyarrow.fs as pafs
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_STEP_DIR = re.compile(r"^step_(\d{8})(?:\.(\d+))?$")
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, partial or corrupt; the message names the file."""
 
 
-def _fs(uri: str) -> tuple[pafs.FileSystem, str]:
+def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem of a local path or URI, and the path within it."""
     if "://" in uri:
         return pafs.FileSystem.from_uri(uri)
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
 
 
-def _join(uri: str, *parts: str) -> str:
+def join_uri(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
 
 
+def check_writable(base: str) -> None:
+    """Create ``base`` and write and delete a probe file in it, or raise CheckpointError saying why.
+
+    Run before any actor starts, so a bad checkpoint.dir fails in seconds, not at the first save.
+    """
+    try:
+        fs, path = filesystem(base)
+        fs.create_dir(path, recursive=True)
+        probe = join_uri(path, f".probe-{os.getpid()}-{os.urandom(4).hex()}")
+        with fs.open_output_stream(probe) as f:
+            f.write(b"raytrain")
+        fs.delete_file(probe)
+    except (OSError, ValueError) as e:  # pyarrow: ArrowInvalid (a ValueError) for an unknown scheme
+        raise CheckpointError(f"cannot write checkpoints to {base} ({type(e).__name__}: {e})") from e
+
+
 def step_dir(base: str, step: int) -> str:
-    return _join(base, f"step_{step:08d}")
+    """The first name a checkpoint of ``step`` gets (later saves of the same step: ``new_step_dir``)."""
+    return join_uri(base, f"step_{step:08d}")
+
+
+def new_step_dir(base: str, step: int) -> str:
+    """A directory for a new save of ``step`` that no earlier save (published or not) has used."""
+    fs, path = filesystem(base)
+    taken = {info.base_name for info in _entries(fs, path)}
+    name, attempt = f"step_{step:08d}", 0
+    while (f"{name}.{attempt}" if attempt else name) in taken:
+        attempt += 1
+    return join_uri(base, f"{name}.{attempt}" if attempt else name)
+
+
+def _entries(fs: pafs.FileSystem, path: str) -> list[pafs.FileInfo]:
+    try:
+        return fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except OSError:
+        return []
 
 
 def shard_name(stage: int) -> str:
@@ -48,14 +89,14 @@ def shard_name(stage: int) -> str:
 
 
 def write_bytes(uri: str, data: bytes) -> None:
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     fs.create_dir(os.path.dirname(path), recursive=True)
     with fs.open_output_stream(path) as f:
         f.write(data)
 
 
 def read_bytes(uri: str) -> bytes:
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     try:
         with fs.open_input_stream(path) as f:
             return f.read()
@@ -70,24 +111,29 @@ def save_shard(ckpt_dir: str, stage: int, shard: dict[str, Any]) -> int:
     buf = io.BytesIO()
     torch.save(shard, buf)
     data = buf.getvalue()
-    write_bytes(_join(ckpt_dir, shard_name(stage)), data)
+    write_bytes(join_uri(ckpt_dir, shard_name(stage)), data)
     return len(data)
 
 
 def publish(ckpt_dir: str, manifest: dict[str, Any]) -> None:
-    """Make the checkpoint visible: write the manifest to a temporary name, then move it in place."""
-    fs, path = _fs(ckpt_dir)
-    tmp = _join(path, MANIFEST + ".tmp")
+    """Make the checkpoint visible: write the manifest to a temporary name, then move it in place.
+
+    The manifest's ``seq`` orders it after every checkpoint already published beside it.
+    """
+    fs, path = filesystem(ckpt_dir)
+    base = ckpt_dir.rstrip("/").rsplit("/", 1)[0]
+    seq = max((c.seq for c in list_published(base)), default=0) + 1
+    tmp = join_uri(path, MANIFEST + ".tmp")
     with fs.open_output_stream(tmp) as f:
-        f.write(json.dumps({"format": FORMAT_VERSION, **manifest}, indent=1).encode())
-    fs.move(tmp, _join(path, MANIFEST))
+        f.write(json.dumps({"format": FORMAT_VERSION, "seq": seq, **manifest}, indent=1).encode())
+    fs.move(tmp, join_uri(path, MANIFEST))
 
 
 def read_manifest(ckpt_dir: str) -> dict[str, Any]:
     try:
-        manifest = json.loads(read_bytes(_join(ckpt_dir, MANIFEST)))
+        manifest = json.loads(read_bytes(join_uri(ckpt_dir, MANIFEST)))
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{_join(ckpt_dir, MANIFEST)} is not valid JSON ({e})") from e
+        raise CheckpointError(f"{join_uri(ckpt_dir, MANIFEST)} is not valid JSON ({e})") from e
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{ckpt_dir}: unsupported checkpoint format {manifest.get('format')!r}")
     return manifest
@@ -100,7 +146,7 @@ def load_shards(ckpt_dir: str) -> list[dict[str, Any]]:
     manifest = read_manifest(ckpt_dir)
     shards = []
     for entry in manifest["shards"]:
-        uri = _join(ckpt_dir, entry["file"])
+        uri = join_uri(ckpt_dir, entry["file"])
         data = read_bytes(uri)
         if len(data) != entry["bytes"]:
             raise CheckpointError(f"{uri} has {len(data)} bytes, the manifest says {entry['bytes']}: truncated or replaced")
@@ -132,32 +178,52 @@ def load_state_dict(path: str) -> dict[str, torch.Tensor]:
     return merged_state(resolve(path))["model"]
 
 
-def list_checkpoints(base: str) -> list[tuple[int, str]]:
-    """Published checkpoints under ``base`` as (step, uri), oldest first."""
-    fs, path = _fs(base)
-    try:
-        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    except OSError:
-        return []
+@dataclass(frozen=True)
+class Published:
+    """A published checkpoint as its directory listing and manifest describe it."""
+
+    step: int
+    uri: str
+    seq: int
+    """Publication order within its directory (0 for manifests written before raytrain recorded it)."""
+    finite: bool
+    """Every parameter and optimizer value was finite when it was saved."""
+
+
+def list_published(base: str) -> list[Published]:
+    """Published checkpoints under ``base``, oldest publication first."""
+    fs, path = filesystem(base)
     found = []
-    for info in infos:
+    for info in _entries(fs, path):
         match = _STEP_DIR.match(info.base_name)
-        if match and info.type == pafs.FileType.Directory:
-            manifest = fs.get_file_info(_join(info.path, MANIFEST))
-            if manifest.type == pafs.FileType.File:
-                found.append((int(match.group(1)), _join(base, info.base_name)))
-    return sorted(found)
+        if not match or info.type != pafs.FileType.Directory:
+            continue
+        uri = join_uri(base, info.base_name)
+        try:
+            manifest = read_manifest(uri)
+        except CheckpointError:
+            continue  # no manifest: a save that never finished, not a checkpoint
+        attempt = int(match.group(2) or 0)
+        found.append((manifest.get("seq", 0), int(match.group(1)), attempt,
+                      Published(int(match.group(1)), uri, manifest.get("seq", 0), manifest.get("finite", True))))
+    return [p for *_, p in sorted(found, key=lambda t: t[:3])]
+
+
+def list_checkpoints(base: str) -> list[tuple[int, str]]:
+    """Published checkpoints under ``base`` as (step, uri), oldest publication first."""
+    return [(p.step, p.uri) for p in list_published(base)]
 
 
 def latest(base: str) -> Optional[str]:
-    found = list_checkpoints(base)
-    return found[-1][1] if found else None
+    """The checkpoint published last under ``base`` (None if there is none)."""
+    found = list_published(base)
+    return found[-1].uri if found else None
 
 
 def resolve(path: str) -> str:
     """A step directory as is; a checkpoint directory -> its latest published checkpoint."""
-    fs, local = _fs(path)
-    if fs.get_file_info(_join(local, MANIFEST)).type == pafs.FileType.File:
+    fs, local = filesystem(path)
+    if fs.get_file_info(join_uri(local, MANIFEST)).type == pafs.FileType.File:
         return path
     found = latest(path)
     if found is None:
@@ -168,15 +234,19 @@ def resolve(path: str) -> str:
 
 
 def prune(base: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` published checkpoints, and unpublished leftovers older than them."""
-    fs, path = _fs(base)
-    published = list_checkpoints(base)
-    if len(published) <= keep:
-        return
-    oldest_kept = published[-keep][0]
-    for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
-        match = _STEP_DIR.match(info.base_name)
-        if match and int(match.group(1)) < oldest_kept:
+    """Delete all but the newest ``keep`` published checkpoints, and every unpublished leftover.
+
+    The newest checkpoint whose values are all finite is never deleted, however old. Only the run
+    that holds ``base`` (raytrain.lease) prunes, after a publish, so no save is in flight.
+    """
+    fs, path = filesystem(base)
+    published = list_published(base)
+    kept = {p.uri for p in published[-keep:]}
+    finite = [p for p in published if p.finite]
+    if finite:
+        kept.add(finite[-1].uri)
+    for info in _entries(fs, path):
+        if _STEP_DIR.match(info.base_name) and join_uri(base, info.base_name) not in kept:
             fs.delete_dir(info.path)
 
 
