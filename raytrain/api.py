@@ -19,10 +19,14 @@ from raytrain.config import Config, check_factory
 from raytrain.coordinator import Coordinator
 from raytrain.placement import ResourcesUnavailable, request, reserve  # noqa: F401 (ResourcesUnavailable is public here)
 from raytrain.rendezvous import RendezvousStore, preload_torch_distributed
+from raytrain.lease import Lease
 from raytrain.report import RunReporter
+from raytrain.signals import StopOnSignal
 
 POLL_INTERVAL_S = 1.0
 """How often the driver collects metric rows from the coordinator."""
+POLL_TIMEOUT_S = 30.0
+"""How long the driver waits for a failed coordinator's last metric rows."""
 
 preload_torch_distributed()  # train() hosts the rendezvous store: import torch meanwhile (ray.init, ...)
 
@@ -45,13 +49,18 @@ class Result:
     coordinator_restarts: int = 0
     auto_layout: Optional[dict] = None
     """With parallel.auto: the chosen layout and every probe's layout, samples/s and status."""
+    stopped: Optional[str] = None
+    """The signal (SIGINT, SIGTERM) that stopped the run early at a step boundary, after a checkpoint."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """Steps (1-based) not applied because their loss or gradient norm was not finite."""
 
     def summary(self) -> dict:
         """The JSON object printed as the last line of ``python -m raytrain train``."""
         return {"steps": self.steps, "final_loss": self.final_loss, "samples_per_s": self.samples_per_s,
                 "checkpoint": self.checkpoint, "run_dir": self.run_dir, "layout": self.layout,
                 "failures": self.failures, "recovery_s": self.recovery_s,
-                "coordinator_restarts": self.coordinator_restarts,
+                "coordinator_restarts": self.coordinator_restarts, "stopped": self.stopped,
+                "skipped_steps": self.skipped_steps,
                 **({"auto_layout": self.auto_layout["chosen"]} if self.auto_layout else {})}
 
 
@@ -65,28 +74,67 @@ def prepare(cfg: Config) -> tuple[Config, str, int, list[list[int]], Optional[st
     data_path = data.resolve_data_path(cfg)
     num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch)
     stages = [list(r) for r in _stage_ranges(cfg)]
-    run_name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S-") + cfg.layout().replace(" ", "_").replace("=", "")
-    run_dir = os.path.abspath(os.path.join(os.path.expanduser(cfg.run.dir), run_name))
-    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    run_root = os.path.abspath(os.path.expanduser(cfg.run.dir))
+    run_name = cfg.run.name or _new_run_name(run_root, cfg.layout())
+    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_root, run_name, "checkpoints")
+    resume = _resume_source(cfg, run_root, ckpt_dir)
+    try:
+        checkpoint.check_writable(ckpt_dir)
+    except checkpoint.CheckpointError as e:
+        raise ValueError(f"checkpoint.dir={ckpt_dir!r}: {e}; point checkpoint.dir at a writable directory or a "
+                         f"pyarrow.fs URI (s3://, gs://, hdfs://) whose credentials this machine has") from e
     cfg = dataclasses.replace(
         cfg,
         run=dataclasses.replace(cfg.run, name=run_name),
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir),
     )
-    resume = None
-    if cfg.checkpoint.resume is not None:
-        where = ckpt_dir if cfg.checkpoint.resume == "latest" else cfg.checkpoint.resume
-        try:
-            resume = checkpoint.resolve(where)
-            manifest = checkpoint.read_manifest(resume)
-        except checkpoint.CheckpointError as e:
-            raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}") from e
-        if manifest["step"] >= cfg.train.steps:
-            raise ValueError(
-                f"checkpoint.resume={cfg.checkpoint.resume!r} is at step {manifest['step']}, not before "
-                f"train.steps={cfg.train.steps}; raise train.steps to train further"
-            )
     return cfg, data_path, num_samples, stages, resume
+
+
+def _new_run_name(run_root: str, layout: str) -> str:
+    """A timestamp and the layout, with a suffix when a run of the same second already has it."""
+    base = time.strftime("%Y%m%d-%H%M%S-") + layout.replace(" ", "_").replace("=", "")
+    name, n = base, 1
+    while os.path.exists(os.path.join(run_root, name)):
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def _resume_source(cfg: Config, run_root: str, ckpt_dir: str) -> Optional[str]:
+    """The checkpoint ``checkpoint.resume`` names, checked; None when not resuming.
+
+    ``latest`` means checkpoint.dir's latest when checkpoint.dir is set; else the checkpoint published
+    last by any run under run.dir (each run has its own default checkpoint directory).
+    """
+    if cfg.checkpoint.resume is None:
+        return None
+    where = cfg.checkpoint.resume
+    if where == "latest":
+        where = ckpt_dir if cfg.checkpoint.dir or cfg.run.name else _newest_run_checkpoint(run_root) or ckpt_dir
+    try:
+        resume = checkpoint.resolve(where)
+        manifest = checkpoint.read_manifest(resume)
+    except checkpoint.CheckpointError as e:
+        raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}") from e
+    if manifest["step"] >= cfg.train.steps:
+        raise ValueError(
+            f"checkpoint.resume={cfg.checkpoint.resume!r} ({resume}) is at step {manifest['step']}, not before "
+            f"train.steps={cfg.train.steps}; raise train.steps to train further"
+        )
+    return resume
+
+
+def _newest_run_checkpoint(run_root: str) -> Optional[str]:
+    """The checkpoint published last under ``<run_root>/*/checkpoints`` (by its manifest's time)."""
+    newest, newest_time = None, -1.0
+    for run in os.scandir(run_root) if os.path.isdir(run_root) else []:
+        found = checkpoint.latest(os.path.join(run.path, "checkpoints")) if run.is_dir() else None
+        if found is not None:
+            published = os.path.getmtime(os.path.join(found, checkpoint.MANIFEST))
+            if published > newest_time:
+                newest, newest_time = found, published
+    return newest
 
 
 def _layer_count(cfg: Config) -> int:
@@ -140,9 +188,10 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
 
     ``on_rows`` receives every batch of new metric rows as they arrive (Tune reports from it).
     ``placement=(placement_group, first_bundle)`` runs the workers in bundles first_bundle.. of an
-    existing placement group (a Tune trial's) instead of reserving one.
+    existing placement group (a Tune trial's) instead of reserving one. SIGINT or SIGTERM (when
+    called from the main thread) stop the run at the next step boundary after a checkpoint; the
+    Result's ``stopped`` names the signal. A second signal aborts at once.
     """
-    rendezvous = RendezvousStore()
     auto_layout = None
     if cfg.parallel.auto:
         prepare(cfg)  # bad input fails before any probe starts
@@ -151,46 +200,18 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
 
         cfg, auto_layout = choose_layout(cfg, _layer_count(cfg), stream)
     cfg, data_path, num_samples, stages, resume = prepare(cfg)
-    ensure_ray()
     run_dir = os.path.join(os.path.abspath(os.path.expanduser(cfg.run.dir)), cfg.run.name)
-    reporter = RunReporter(run_dir, cfg.train.steps, cfg.layout(), stream)
-    stream.write(f"[raytrain] {cfg.layout()}, {len(stages)} stage(s) {[f'{s[0]}-{s[-1]}' for s in stages]}, "
-                 f"global batch {cfg.train.global_batch}, {num_samples} samples; run dir {run_dir}\n")
-    pg, first_bundle = placement if placement is not None else (reserve(cfg), 0)
-    extra = (cfg.elastic.max_dp or cfg.parallel.dp) - cfg.parallel.dp if placement is None else 0
-    growth = [request(cfg, 1) for _ in range(extra)]  # granted whenever capacity appears
-
-    # The driver built the built-in corpus in its own cache; workers on other machines get its bytes.
-    corpus = [ray.put(Path(data_path).read_bytes())] if cfg.data.path is None else None
-    restarts = 0
-    here = ray.get_runtime_context().get_node_id()
-    host = ray.util.get_node_ip_address()
+    held = Lease(cfg.checkpoint.dir, run_dir).acquire()  # a busy directory is a ValueError: exit 2
     try:
-        while True:
-            # On the driver's node: losing a worker node never takes the coordinator (or its store) with it.
-            coordinator = ray.remote(Coordinator).options(
-                num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-            ).remote(
-                cfg.to_dict(), data_path, num_samples, stages, pg, first_bundle, resume, extra_placements=tuple(growth),
-                corpus=corpus)
-            try:
-                store = rendezvous.address(host, namespace=f"coordinator{restarts}")
-                summary = _drive(coordinator, store, reporter, on_rows)
-                break
-            except ray.exceptions.RayActorError as e:  # the coordinator itself was lost
-                if restarts >= cfg.elastic.coordinator_restarts:
-                    raise
-                restarts += 1
-                resume = checkpoint.latest(cfg.checkpoint.dir) or resume
-                reporter.add([{"event": "coordinator_restarted", "resume_from": resume, "restarts": restarts,
-                               "reason": f"coordinator lost: {str(e).splitlines()[0][:200]}"}])
-            finally:
-                _stop(coordinator)
+        ensure_ray()
+        reporter = RunReporter(run_dir, cfg.train.steps, cfg.layout(), stream)
+        stream.write(f"[raytrain] {cfg.layout()}, {len(stages)} stage(s) {[f'{s[0]}-{s[-1]}' for s in stages]}, "
+                     f"global batch {cfg.train.global_batch}, {num_samples} samples; run dir {run_dir}\n")
+        with StopOnSignal(stream) as stop:
+            summary, restarts = _run_coordinators(cfg, (data_path, num_samples, stages, resume), placement,
+                                                  reporter, on_rows, stop)
     finally:
-        for group in growth + ([pg] if placement is None else []):
-            remove_placement_group(group)
-        rendezvous.close()
-        reporter.finish()
+        held.release()
     steps = list({r["step"]: r for r in reporter.steps}.values())  # a restart re-runs steps after its checkpoint
     timed = [r for r in steps[1:] if "step_s" in r]  # the first step pays for warm-up
     samples_per_s = len(timed) * cfg.train.global_batch / sum(r["step_s"] for r in timed) if timed else 0.0
@@ -199,24 +220,85 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
         samples_per_s=samples_per_s, checkpoint=summary["checkpoint"], run_dir=run_dir, layout=cfg.layout(),
         metrics=steps, events=reporter.events, worker_pids=summary["worker_pids"], final_pids=summary["final_pids"],
         committed_steps=summary["committed_steps"], failures=summary["failures"], recovery_s=summary["recovery_s"],
-        coordinator_restarts=restarts, auto_layout=auto_layout,
+        coordinator_restarts=restarts, auto_layout=auto_layout, stopped=summary["stopped"],
+        skipped_steps=[s + 1 for s in summary["skipped_steps"]],
     )
 
 
-def _drive(coordinator, store, reporter: RunReporter, on_rows) -> dict:
-    """Run the coordinator to completion, forwarding its metric rows as they come."""
+def _run_coordinators(cfg: Config, plan: tuple, placement, reporter: RunReporter, on_rows, stop) -> tuple[dict, int]:
+    """Start a coordinator and drive it to the end, restarting it from the last checkpoint when it
+    is lost; returns its summary and the number of restarts. Placement groups it reserved are
+    removed, and every row received is written, however it ends."""
+    data_path, num_samples, stages, resume = plan
+    rendezvous, groups = RendezvousStore(), []
+    try:
+        pg, first_bundle = placement if placement is not None else (reserve(cfg), 0)
+        groups += [pg] if placement is None else []
+        extra = (cfg.elastic.max_dp or cfg.parallel.dp) - cfg.parallel.dp if placement is None else 0
+        growth = [request(cfg, 1) for _ in range(extra)]  # granted whenever capacity appears
+        groups += growth
+        # The driver built the built-in corpus in its own cache; workers on other machines get its bytes.
+        corpus = [ray.put(Path(data_path).read_bytes())] if cfg.data.path is None else None
+        here = ray.get_runtime_context().get_node_id()
+        host = ray.util.get_node_ip_address()
+        for restarts in range(cfg.elastic.coordinator_restarts + 1):
+            # On the driver's node: losing a worker node never takes the coordinator (or its store) with it.
+            coordinator = ray.remote(Coordinator).options(
+                num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+            ).remote(
+                cfg.to_dict(), data_path, num_samples, stages, pg, first_bundle, resume, extra_placements=tuple(growth),
+                corpus=corpus)
+            try:
+                store = rendezvous.address(host, namespace=f"coordinator{restarts}")
+                return _drive(coordinator, store, reporter, on_rows, stop), restarts
+            except ray.exceptions.RayError as e:
+                if not _coordinator_lost(e) or restarts == cfg.elastic.coordinator_restarts:
+                    reporter.add([{"event": "failed", "error": str(getattr(e, "cause", e)).splitlines()[0][:500]}])
+                    raise getattr(e, "cause", e) if isinstance(e, ray.exceptions.RayTaskError) else e from None
+                resume = checkpoint.latest(cfg.checkpoint.dir) or resume
+                reporter.add([{"event": "coordinator_restarted", "resume_from": resume, "restarts": restarts + 1,
+                               "reason": f"coordinator lost: {str(e).splitlines()[0][:200]}"}])
+            finally:
+                _stop(coordinator)
+    finally:
+        for group in groups:
+            remove_placement_group(group)
+        rendezvous.close()
+        reporter.finish()
 
-    def collect():
-        rows = ray.get(coordinator.poll.remote())
+
+def _coordinator_lost(error: Exception) -> bool:
+    """Whether the coordinator actor (or a worker in a place it does not repair) was lost, which a
+    restart from the last checkpoint fixes, rather than an error the coordinator raised on purpose."""
+    if isinstance(error, ray.exceptions.RayTaskError):
+        return isinstance(getattr(error, "cause", None), ray.exceptions.RayActorError)
+    return isinstance(error, ray.exceptions.RayActorError)
+
+
+def _drive(coordinator, store, reporter: RunReporter, on_rows, stop) -> dict:
+    """Run the coordinator to completion, forwarding its metric rows as they come (also the rows
+    it produced before it failed) and a stop request when a signal arrived."""
+
+    def collect(timeout=None):
+        rows = ray.get(coordinator.poll.remote(), timeout=timeout)
         reporter.add(rows)
         if on_rows is not None and rows:
             on_rows(rows)
 
     run_ref = coordinator.run.remote(store)
-    while not ray.wait([run_ref], timeout=POLL_INTERVAL_S)[0]:
-        collect()
-    summary = ray.get(run_ref)
-    collect()
+    asked_to_stop = False
+    try:
+        while not ray.wait([run_ref], timeout=POLL_INTERVAL_S)[0]:
+            if stop.reason is not None and not asked_to_stop:
+                coordinator.request_stop.remote(stop.reason)
+                asked_to_stop = True
+            collect()
+        summary = ray.get(run_ref)
+    finally:
+        try:
+            collect(timeout=POLL_TIMEOUT_S)
+        except ray.exceptions.RayError:
+            pass  # the coordinator is gone: its last rows went with it
     return summary
 
 

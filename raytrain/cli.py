@@ -10,7 +10,7 @@ from raytrain.config import load_config
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m raytrain", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m raytrain", description=__doc__, epilog=EXIT_CODES)
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model (connects to RAY_ADDRESS, else starts a local Ray)")
     t.add_argument("--config", help="YAML config file (see experiments/configs/)")
@@ -24,27 +24,40 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_CODES = """exit codes: 0 done; 1 a step failed (the worker's error is printed); 2 bad configuration or
+input (nothing started); 3 the cluster cannot be reached or cannot grant the resources; 4 capacity lost
+during the run; 5 a non-finite loss or gradient (nothing of that step applied); 130 / 143 stopped by
+SIGINT / SIGTERM at a step boundary, after a checkpoint"""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "sweep":
         return _sweep(args)
     from raytrain.api import ResourcesUnavailable, train
-    from raytrain.coordinator import CapacityLost
+    from raytrain.coordinator import CapacityLost, NonFiniteLoss, StepFailed
+    from raytrain.signals import exit_code
 
     try:
         # train() validates data, resume and layout (raytrain.api.prepare) before any actor starts.
         result = train(load_config(args.config, args.overrides))
     except ValueError as e:
-        print(f"raytrain: config error: {e}", file=sys.stderr)
-        return 2
+        return _fail(f"config error: {e}", 2)
     except ResourcesUnavailable as e:
-        print(f"raytrain: {e}", file=sys.stderr)
-        return 3
-    except CapacityLost as e:  # raised in the coordinator actor; its cause holds the plain message
-        print(f"raytrain: capacity lost: {getattr(e, 'cause', e)}", file=sys.stderr)
-        return 4
+        return _fail(str(e), 3)
+    except CapacityLost as e:
+        return _fail(f"capacity lost: {e}", 4)
+    except NonFiniteLoss as e:
+        return _fail(f"non-finite loss: {e}", 5)
+    except StepFailed as e:
+        return _fail(f"step failed: {e}", 1)
     print(json.dumps(result.summary()))
-    return 0
+    return exit_code(result.stopped) if result.stopped else 0
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"raytrain: {message}", file=sys.stderr)
+    return code
 
 
 def _sweep(args) -> int:

@@ -65,6 +65,9 @@ class TrainConfig:
     """Seeds the model initialisation and the sample order."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off."""
+    skip_nonfinite: int = 0
+    """Steps whose loss or gradient norm is not finite that the run may skip (not apply) before it
+    stops; 0 stops at the first, naming the step and the last good checkpoint."""
 
     def __post_init__(self):
         if self.steps < 1:
@@ -75,6 +78,9 @@ class TrainConfig:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
         if self.grad_clip < 0:
             raise ValueError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
+        if self.skip_nonfinite < 0:
+            raise ValueError(f"train.skip_nonfinite must be >= 0 (0 stops at the first non-finite step), "
+                             f"got {self.skip_nonfinite}")
 
 
 @dataclass

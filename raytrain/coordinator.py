@@ -51,8 +51,20 @@ class StepFailed(RuntimeError):
     """A step failed for a reason other than a lost worker (a bug, bad data): not repairable."""
 
 
+class NonFiniteLoss(StepFailed):
+    """A step's loss or gradient norm was not finite (and train.skip_nonfinite was used up)."""
+
+
 class CapacityLost(RuntimeError):
     """Fewer than elastic.min_dp replicas could be formed within elastic.wait_s."""
+
+
+class NonFiniteStep(Exception):
+    """Internal: every worker voted against applying ``step`` (a loss or gradient was not finite)."""
+
+    def __init__(self, step: int, results: list[dict]):
+        super().__init__(f"step {step} was not finite")
+        self.step, self.results = step, results
 
 
 class WorkersLost(Exception):
@@ -120,6 +132,9 @@ class Coordinator:
         self.recovery_s: list[float] = []
         self.original_pids: list[int] = []
         self._failed_results: list = []  # survivors' reports of the step that just lost a worker
+        self.skipped_steps: list[int] = []  # steps not applied because a value was not finite
+        self._stop_reason: Optional[str] = None
+        self.first_step = 0  # where this coordinator's run started (a resume's step)
         self._starting = self._spawn_first_workers()  # they start while the driver finishes its own set-up
 
     # --- driver-facing ----------------------------------------------------------------------------
@@ -132,13 +147,15 @@ class Coordinator:
         return rows
 
     def run(self, store: StoreAddress) -> dict:
-        """Train to ``train.steps``, forming groups at ``store``; returns the summary. Raises on an
-        unrecoverable failure."""
+        """Train to ``train.steps`` (or, after ``request_stop``, to the next step boundary), forming
+        groups at ``store``; returns the summary. Raises on an unrecoverable failure."""
         self.store = store
-        step = self._start()
+        step = self.first_step = self._start()
         call = None
         while step < self.cfg.train.steps:
             if call is None:
+                if self._stop_reason is not None:
+                    break
                 self._maybe_grow(step)
                 call = self._send_step(step, time.perf_counter())
             ahead = self._send_step(step + 1, None) if self._may_send_ahead(step + 1) else None
@@ -148,18 +165,36 @@ class Coordinator:
                 dead = lost.dead + [m for m in self._drain(ahead) if m not in lost.dead]
                 next_step = self._repair(step, dead)
                 if next_step > step:  # rolled forward: the step is committed, its checkpoint may be due
-                    self._maybe_checkpoint(next_step)
+                    next_step = self._maybe_checkpoint(next_step)[1]
                 step, call = next_step, None
+                continue
+            except NonFiniteStep as bad:
+                self._drain(ahead)
+                step, call = self._maybe_checkpoint(self._skip_nonfinite(bad))[1], None
                 continue
             step += 1
             if ahead is not None:
                 ahead.started = time.perf_counter()
             call = ahead
-            row["checkpoint"] = self._maybe_checkpoint(step)
+            row["checkpoint"], resumed = self._maybe_checkpoint(step)
             self._emit(row)
-        return {"steps": self.cfg.train.steps, "checkpoint": self.last_checkpoint,
+            if resumed != step:  # the checkpoint's repair had to reload an older checkpoint
+                step, call = resumed, None
+        if self._stop_reason is not None and step < self.cfg.train.steps:
+            self._stop_with_checkpoint(step)
+        return {"steps": step, "checkpoint": self.last_checkpoint, "stopped": self._stop_reason,
                 "worker_pids": self.original_pids, "final_pids": self.pids(), "committed_steps": self.committed_steps,
-                "failures": self.failures, "recovery_s": self.recovery_s}
+                "failures": self.failures, "recovery_s": self.recovery_s, "skipped_steps": self.skipped_steps}
+
+    @ray.method(enable_task_events=False)
+    def request_stop(self, reason: str) -> None:
+        """Stop at the next step boundary, after a checkpoint (a signal reached the driver)."""
+        self._stop_reason = reason
+
+    def _stop_with_checkpoint(self, step: int) -> None:
+        if self.last_checkpoint is None or checkpoint.read_manifest(self.last_checkpoint)["step"] != step:
+            self._checkpoint_with_repair(step)
+        self._emit({"event": "stopped", "step": step, "reason": self._stop_reason, "checkpoint": self.last_checkpoint})
 
     def pids(self) -> list[int]:
         return [m.pid for rep in self.replicas for m in rep]
@@ -197,7 +232,7 @@ class Coordinator:
 
     def _start(self) -> int:
         members, self._starting = self._starting, []
-        pids = ray.get([m.ready for m in members], timeout=SETUP_TIMEOUT_S)
+        pids = [self._started_pid(m) for m in members]
         for m, pid in zip(members, pids):
             m.pid = pid
         self.original_pids = pids
@@ -214,6 +249,15 @@ class Coordinator:
                     "generation": self.generation,
                     "pids": self.original_pids, "coordinator_pid": os.getpid()})
         return start
+
+    def _started_pid(self, member: Member) -> int:
+        """The pid of a started worker; a worker whose constructor raised is a StepFailed with its message."""
+        try:
+            return ray.get(member.ready, timeout=SETUP_TIMEOUT_S)
+        except ray.exceptions.RayActorError as e:
+            if e.actor_init_failed:
+                raise StepFailed(f"a worker of stage {member.stage} failed to start: {worker_error(e)}") from None
+            raise
 
     # --- generations ------------------------------------------------------------------------------
 
@@ -255,18 +299,18 @@ class Coordinator:
         if dead:
             raise WorkersLost(dead)
         if errors:
-            raise errors[0]
+            raise StepFailed(f"a worker failed (layout {self.layout()}): {worker_error(errors[0])}") from None
         return results
 
     # --- one step ---------------------------------------------------------------------------------
 
     def _send_step(self, step: int, started: Optional[float]) -> StepCall:
         members = self._members()
-        trace = step < self.cfg.run.trace_steps
+        trace = step - self.first_step < self.cfg.run.trace_steps  # a resumed run traces its own first steps
         return StepCall(step, members, [m.handle.run_step.remote(step, trace) for m in members], started)
 
     def _may_send_ahead(self, step: int) -> bool:
-        changing = bool(self.unused_placements or self.pending or self.spares)
+        changing = bool(self.unused_placements or self.pending or self.spares) or self._stop_reason is not None
         return may_send_ahead(step, self.cfg.train.steps, self.cfg.checkpoint.every, changing)
 
     def _collect_step(self, call: StepCall) -> dict:
@@ -284,12 +328,15 @@ class Coordinator:
             except ray.exceptions.RayActorError:
                 dead.append(m)
             except ray.exceptions.RayTaskError as e:
-                raise StepFailed(f"step {step} raised on a worker of stage {m.stage} (layout {self.layout()}): {e}") from e
+                raise StepFailed(f"step {step + 1} raised on a worker of stage {m.stage} (layout {self.layout()}): "
+                                 f"{worker_error(e)}") from None
         for m, r in results:
             m.committed = r["committed"]
         if dead:
             self._failed_results = results
             raise WorkersLost(dead)
+        if any(r.get("nonfinite") for _, r in results):
+            raise NonFiniteStep(step, [r for _, r in results])
         failed = [r for _, r in results if not r["ok"]]
         if failed:
             raise StepFailed(f"step {step} failed with every worker alive (layout {self.layout()}): {failed[0]['error']}")
@@ -399,7 +446,10 @@ class Coordinator:
                 self.pending.remove(m)
                 try:
                     m.pid = ray.get(m.ready)
-                except ray.exceptions.RayActorError:
+                except ray.exceptions.RayActorError as e:
+                    if e.actor_init_failed:
+                        raise StepFailed(f"a replacement worker of stage {m.stage} failed to start: "
+                                         f"{worker_error(e)}") from None
                     self.pending.append(self._spawn(m.stage, m.placement, m.bundle))
                     continue
                 self.spares.append(m)
@@ -468,33 +518,38 @@ class Coordinator:
 
     # --- checkpoints ------------------------------------------------------------------------------
 
-    def _maybe_checkpoint(self, step: int) -> Optional[str]:
-        """Checkpoint after ``step`` committed steps when checkpoint.every (or the end) says so."""
+    def _maybe_checkpoint(self, step: int) -> tuple[Optional[str], int]:
+        """Checkpoint after ``step`` committed steps when checkpoint.every (or the end) says so.
+
+        Returns the checkpoint written (or None) and the step to continue from: ``step``, or an
+        older one when a worker lost during the save took a stage's last copy (it was reloaded).
+        """
         if checkpoint_due(step, self.cfg.train.steps, self.cfg.checkpoint.every):
             return self._checkpoint_with_repair(step)
-        return None
+        return None, step
 
-    def _checkpoint_with_repair(self, step: int) -> str:
-        for _ in range(self.cfg.elastic.max_failures):
+    def _checkpoint_with_repair(self, step: int) -> tuple[Optional[str], int]:
+        """Save, repairing and retrying while workers die; every repair counts against
+        elastic.max_failures (``_repair`` raises when they are used up)."""
+        while True:
             try:
-                return self._checkpoint(step)
+                return self._checkpoint(step), step
             except WorkersLost as lost:
                 resumed = self._repair(step, lost.dead, during="checkpoint")
-                assert resumed == step, "a checkpoint repair that reloads an older checkpoint is not handled"
-        raise CapacityLost(f"could not write the checkpoint of step {step} in {self.cfg.elastic.max_failures} tries "
-                           f"(workers kept dying while saving); check checkpoint.dir={self.cfg.checkpoint.dir} is "
-                           f"writable from every node; the previous checkpoint ({self.last_checkpoint}) is intact")
+                if resumed != step:
+                    return None, resumed
 
     def _checkpoint(self, step: int) -> str:
-        """Save every stage's shard, publish the manifest; returns the checkpoint's path."""
+        """Save every stage's shard into a new directory, publish the manifest; returns its path."""
         base = self.cfg.checkpoint.dir
-        ckpt_dir = checkpoint.step_dir(base, step)
+        ckpt_dir = checkpoint.new_step_dir(base, step)
         t0 = time.perf_counter()
         savers = self.replicas[0]
         shards = self._call_all([(m, m.handle.save.remote(ckpt_dir)) for m in savers])
         checkpoint.publish(ckpt_dir, {
             "step": step,
             "samples_seen": step * self.cfg.train.global_batch,
+            "finite": all(s["finite"] for s in shards),
             "layout": {"dp": self.mesh.dp, "pp": self.mesh.pp, "stage_layers": self.stage_layers},
             "shards": shards,
             "config": self.config_dict,
@@ -503,6 +558,49 @@ class Coordinator:
         self.last_checkpoint = ckpt_dir
         self._emit({"event": "checkpoint", "step": step, "path": ckpt_dir, "seconds": round(time.perf_counter() - t0, 3)})
         return ckpt_dir
+
+    # --- non-finite steps -------------------------------------------------------------------------
+
+    def _skip_nonfinite(self, bad: NonFiniteStep) -> int:
+        """Skip a step whose vote found a non-finite value (nothing of it was applied anywhere), or
+        stop when train.skip_nonfinite steps were skipped already. Returns the next step."""
+        step, loss, norm = bad.step, self._loss_of(bad.results), bad.results[0].get("grad_norm")
+        if len(self.skipped_steps) >= self.cfg.train.skip_nonfinite:
+            last = (f"the last good checkpoint is {self.last_checkpoint}: resume from it"
+                    if self.last_checkpoint else "there is no checkpoint yet (checkpoint.every keeps some): start again")
+            raise NonFiniteLoss(
+                f"step {step + 1}: the loss ({loss}) or the gradient norm ({norm}) is not finite, so the step was "
+                f"applied on no worker ({len(self.skipped_steps)} such step(s) skipped before, "
+                f"train.skip_nonfinite={self.cfg.train.skip_nonfinite}); {last} with a lower train.lr or "
+                f"train.grad_clip, or set train.skip_nonfinite to skip such steps")
+        members = self._members()
+        for m, committed in zip(members, self._call_all([(m, m.handle.skip_step.remote(step)) for m in members])):
+            m.committed = committed
+        self.skipped_steps.append(step)
+        self.committed_steps.append(step)
+        row = {"step": step + 1, "loss": loss, "grad_norm": norm, "skipped": True, "time": time.time(),
+               "layout": self.layout()}
+        if self.cfg.run.record_samples:
+            row["sample_ids"] = data.sample_ids(self.cfg.train.seed, self.num_samples,
+                                                step * self.cfg.train.global_batch, (step + 1) * self.cfg.train.global_batch)
+        self._emit(row)
+        self._emit({"event": "skipped_step", "step": step + 1, "loss": loss, "grad_norm": norm,
+                    "skipped_so_far": len(self.skipped_steps),
+                    "reason": "non-finite loss or gradient norm: not applied (train.skip_nonfinite)"})
+        return step + 1
+
+    def _loss_of(self, results: list[dict]) -> Optional[float]:
+        last = [r["loss_sum"] for r in results if "loss_sum" in r]
+        return sum(last) / self.cfg.train.global_batch if len(last) == self.mesh.dp else None
+
+
+def worker_error(error: Exception) -> str:
+    """The worker's own exception line (``ValueError: ...``) out of Ray's wrapped traceback."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
+        return f"{type(cause).__name__}: {cause}"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line for line in reversed(lines) if ":" in line and not line.startswith("File ")), lines[-1] if lines else "")
 
 
 def may_send_ahead(step: int, steps: int, checkpoint_every: int, membership_changing: bool) -> bool:

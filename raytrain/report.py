@@ -38,7 +38,7 @@ class RunReporter:
             self._metrics.write(json.dumps(row) + "\n")
             if "event" in row:
                 self.events.append(row)
-                if row["event"] != "started":
+                if row["event"] not in ("started", "failed"):  # a failure is reported once, by the caller
                     self._print(f"[raytrain] {row['event']}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k != "event"))
             else:
                 self.steps.append(row)

@@ -19,6 +19,7 @@ live peer to new members.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import resource
 import time
@@ -192,18 +193,26 @@ class Stage:
     def run_step(self, step: int, trace: bool = False) -> dict[str, Any]:
         """Run ``step``; returns its metrics with ``ok``. A failed collective returns ``ok=False``.
 
-        A step the coordinator sent ahead of one that failed here finds no groups: it is skipped.
+        A step the coordinator sent ahead of one that failed here finds no groups, or finds the
+        step before it still uncommitted (its vote found a non-finite value): it is skipped.
         """
-        if self.groups is None:
+        if self.groups is None or step != self.committed:
+            assert self.groups is None or step == self.committed + 1, (step, self.committed)
             return {"rank": self.rank, "step": step, "ok": False, "committed": self.committed,
-                    "prepared": self.prepared, "error": "skipped: this worker left its groups after a failed step"}
-        assert step == self.committed, f"asked for step {step} but {self.committed} steps are committed"
+                    "prepared": self.prepared, "error": "skipped: the step before it was not committed here"}
         result = {"rank": self.rank, "step": step}
         try:
             result.update(self._prepare(step, trace))
             self.prepared = step
-            vote = torch.ones(1, device=self.device)
-            dist.all_reduce(vote)  # world-wide: everyone reduced and clipped, so everyone may step
+            # World-wide vote: everyone reduced and clipped, so everyone may step; and the sum of
+            # non-finite flags, so a NaN or inf loss or gradient anywhere stops the step everywhere.
+            vote = torch.tensor([1.0, 0.0 if self._finite(result) else 1.0], device=self.device)
+            dist.all_reduce(vote)
+            if vote[1] > 0:
+                self.prepared = None
+                result.update(ok=False, nonfinite=True, committed=self.committed, prepared=None,
+                              error="a loss or gradient norm was not finite")
+                return result
             self.faults.maybe_fire(self.replica, self.stage, step, "optimizer")
             t0 = time.perf_counter()
             self.optimizer.step()
@@ -217,6 +226,21 @@ class Stage:
             self.leave()
         result.update(committed=self.committed, prepared=self.prepared)
         return result
+
+    def _finite(self, result: dict[str, Any]) -> bool:
+        """Whether this worker's share of the step (its loss, its gradients) is finite."""
+        if "loss_sum" in result and not math.isfinite(result["loss_sum"]):
+            return False
+        if result["grad_norm"] is not None:  # the global norm: every worker sees the same value
+            return math.isfinite(result["grad_norm"])
+        return bool(torch.isfinite(self.grads.squared_norm()))
+
+    def skip_step(self, step: int) -> int:
+        """Count ``step`` as done without applying it (its vote found a non-finite value)."""
+        assert self.committed == step and self.prepared is None, (step, self.committed, self.prepared)
+        self.grads.zero()
+        self.committed = step + 1
+        return self.committed
 
     def _prepare(self, step: int, trace: bool) -> dict[str, Any]:
         """Forward and backward every micro-batch by the plan, all-reduce and clip: all but the update."""
@@ -352,7 +376,9 @@ class Stage:
             checkpoint.write_bytes(f"{ckpt_dir}/{checkpoint.shard_name(self.stage)}", b"half a shard")
             self.faults.maybe_fire(self.replica, self.stage, self.committed, "checkpoint")
         size = checkpoint.save_shard(ckpt_dir, self.stage, shard)
-        return {"file": checkpoint.shard_name(self.stage), "bytes": size}
+        finite = all(bool(torch.isfinite(t).all()) for t in shard["model"].values()) and all(
+            bool(torch.isfinite(t).all()) for state in shard["optim"].values() for t in state.values())
+        return {"file": checkpoint.shard_name(self.stage), "bytes": size, "finite": finite}
 
     def load(self, ckpt_dir: str) -> None:
         """Take this stage's parameters and optimizer state from any layout's checkpoint."""

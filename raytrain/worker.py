@@ -33,6 +33,9 @@ class StageWorker:
     def commit_prepared(self, step: int) -> int:
         return self.stage.commit_prepared(step)
 
+    def skip_step(self, step: int) -> int:
+        return self.stage.skip_step(step)
+
     def sync_state(self, src_rank: int) -> int:
         return self.stage.sync_state(src_rank)
 

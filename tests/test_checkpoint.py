@@ -31,6 +31,16 @@ def test_resume_continues_the_same_trajectory(ray_session, make_config, tmp_path
     assert all(float(st["step"]) == 10 for st in optim.values())
 
 
+def test_resume_latest_finds_the_last_run_and_traces_its_own_first_steps(ray_session, make_config):
+    first = train(make_config("train.steps=3"))  # default checkpoint.dir: <run dir>/checkpoints
+    resumed = train(make_config("train.steps=5", "checkpoint.resume=latest", "run.trace_steps=2"))
+    assert resumed.run_dir != first.run_dir
+    assert next(e for e in resumed.events if e["event"] == "resumed")["from"] == first.checkpoint
+    assert [r["step"] for r in resumed.metrics] == [4, 5]
+    for picture in ("trace.json", "timeline.png", "loss.png"):
+        assert os.path.getsize(os.path.join(resumed.run_dir, picture)) > 0, picture
+
+
 def test_dp2_checkpoint_loads_into_a_single_process(dp2_run):
     cfg, result = dp2_run
     model = full_model(cfg.model, cfg.train.seed)

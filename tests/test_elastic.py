@@ -56,8 +56,10 @@ def test_dp3_survives_a_kill_in_each_phase(ray_session, make_config, phase):
     # every checkpoint due was published, including one due right after a rolled-forward step
     assert [s for s, _ in checkpoint.list_checkpoints(cfg_dir(result))] == [3, 6]
     if phase == "checkpoint":
-        # the torn save of step 3 was retried after the repair and published whole
-        assert checkpoint.read_manifest(checkpoint.step_dir(cfg_dir(result), 3))["step"] == 3
+        # the torn save of step 3 was retried after the repair into a new directory and published whole
+        step3 = dict(checkpoint.list_checkpoints(cfg_dir(result)))[3]
+        assert step3.endswith("step_00000003.1") and checkpoint.read_manifest(step3)["step"] == 3
+        checkpoint.load_shards(step3)
 
 
 def test_starts_at_max_dp_when_the_cluster_has_room(ray_session, make_config):

@@ -1,0 +1,77 @@
+"""SIGTERM / Ctrl-C stop a run at a step boundary after a checkpoint; a killed driver leaves nothing behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raytrain import checkpoint
+from tests.conftest import pid_alive
+
+REPO = Path(__file__).resolve().parents[1]
+WAIT_S = 120
+
+
+def _start_cli(ray_cluster, tmp_path, data_cache, *extra):
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster.address, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "raytrain", "train", "--config", "experiments/configs/tiny.yaml",
+           "--set", "train.steps=100000", "--set", f"run.dir={tmp_path / 'runs'}", "--set", "run.trace_steps=0",
+           "--set", f"data.cache_dir={data_cache}", "--set", "data.max_bytes=200000", *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _wait_for_training(tmp_path, proc) -> list[int]:
+    """Block until the run has trained a few steps; returns its workers' pids."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        for metrics in (tmp_path / "runs").glob("*/metrics.jsonl"):
+            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            started = [r for r in rows if r.get("event") == "started"]
+            if started and sum("loss" in r and "event" not in r for r in rows) >= 3:
+                return started[0]["pids"]
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"the run did not start training: {proc.communicate()[1][-3000:]}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_stops_at_a_step_boundary_with_a_checkpoint(ray_cluster, tmp_path, data_cache, sig):
+    proc = _start_cli(ray_cluster, tmp_path, data_cache)
+    try:
+        workers = _wait_for_training(tmp_path, proc)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.monotonic() - sent < 30
+    assert proc.returncode == 128 + sig, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["stopped"] == sig.name and 3 <= summary["steps"] < 100000
+    assert checkpoint.read_manifest(summary["checkpoint"])["step"] == summary["steps"]
+    checkpoint.load_shards(summary["checkpoint"])
+    assert f"{sig.name}: stopping at the next step boundary" in err and "Traceback" not in err
+    deadline = time.monotonic() + 30
+    while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_alive(p) for p in workers), "a worker outlived the stopped run"
+
+
+def test_a_killed_driver_takes_its_workers_along(ray_cluster, tmp_path, data_cache):
+    proc = _start_cli(ray_cluster, tmp_path, data_cache)
+    try:
+        workers = _wait_for_training(tmp_path, proc)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 30
+    while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_alive(p) for p in workers), "a worker outlived its killed driver by 30 s"
