@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
+
+from raytrain.rendezvous import import_user_module
 
 SCHEDULES = ("gpipe", "1f1b")
 BALANCE_MODES = ("params", "time")
@@ -425,7 +426,7 @@ def check_factory(cfg: Config) -> None:
         return
     module_name, _, fn_name = cfg.model.factory.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = import_user_module(module_name)
     except ImportError as e:
         raise ValueError(f"model.factory={cfg.model.factory!r}: cannot import module {module_name!r} ({e})") from e
     if not callable(getattr(module, fn_name, None)):

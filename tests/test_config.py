@@ -1,5 +1,6 @@
 """Bad input fails before any actor starts, with a message that names the key or file and the fix."""
 
+import os
 import subprocess
 from pathlib import Path
 import sys
@@ -75,4 +76,32 @@ def test_cli_rejects_bad_input_before_starting_ray(tmp_path):
     )
     assert proc.returncode == 2
     assert "train.global_batch=15" in proc.stderr and "parallel.dp=2" in proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout
+
+
+FACTORY_IMPORTING_TORCH = '''
+import torch.nn as nn  # a torch submodule first: the import order that raced the driver's torch preload
+import torch
+
+
+def build(model_cfg):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(model_cfg.vocab_size, 8), nn.Linear(8, model_cfg.vocab_size))
+'''
+
+
+def test_cli_imports_a_factory_that_imports_torch_at_its_top(tmp_path):
+    # The driver imports torch.distributed in a background thread; importing the user's module at the
+    # same time used to crash every time with 'cannot initialize type "RpcBackendOptions"'.
+    (tmp_path / "torch_at_top.py").write_text(FACTORY_IMPORTING_TORCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrain", "train", "--config", str(Path(__file__).parents[1] / "experiments/configs/tiny.yaml"),
+         "--set", "model.factory=torch_at_top:build", "--set", "checkpoint.resume=/nonexistent/dir"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    # The factory was imported and built; the run then stops at the (later) resume check, before Ray starts.
+    assert proc.returncode == 2, proc.stderr
+    assert "config error: checkpoint.resume='/nonexistent/dir'" in proc.stderr
+    assert "RpcBackendOptions" not in proc.stderr and "Traceback" not in proc.stderr
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
