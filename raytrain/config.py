@@ -279,6 +279,9 @@ class Config:
                 raise ValueError(
                     f"parallel.split_points={p.split_points} out of range: cuts must lie in 1..{n_layers - 1}"
                 )
+        if self.data.path is None and self.model.vocab_size < 256:
+            raise ValueError(f"model.vocab_size={self.model.vocab_size}: the built-in corpus (data.path unset) is "
+                             "bytes, token ids 0..255; set model.vocab_size >= 256, or point data.path at your tokens")
         e = self.elastic
         if p.auto and (e.min_dp is not None or e.max_dp is not None):
             raise ValueError("parallel.auto=true chooses parallel.dp, so elastic.min_dp / elastic.max_dp cannot be "

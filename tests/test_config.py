@@ -31,6 +31,7 @@ from raytrain.config import all_keys, load_config, parse_override
         (["resources.placement_strategy=spread"], ["resources.placement_strategy", "STRICT_SPREAD"]),
         (["elastic.faults=['1:0@3:sideways']"], ["elastic.faults", "phase must be one of"]),
         (["resources.bf16=true"], ["resources.bf16", "use_gpu"]),
+        (["model.vocab_size=128"], ["model.vocab_size=128", "built-in corpus", "bytes", ">= 256", "data.path"]),
     ],
 )
 def test_bad_input_names_key_and_fix(overrides, must_mention):
