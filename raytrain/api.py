@@ -63,7 +63,7 @@ def prepare(cfg: Config) -> tuple[Config, str, int, list[list[int]], Optional[st
     """
     check_factory(cfg)
     data_path = data.resolve_data_path(cfg)
-    num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch)
+    num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch, cfg.model.vocab_size)
     stages = [list(r) for r in _stage_ranges(cfg)]
     run_name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S-") + cfg.layout().replace(" ", "_").replace("=", "")
     run_dir = os.path.abspath(os.path.join(os.path.expanduser(cfg.run.dir), run_name))
