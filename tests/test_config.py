@@ -98,8 +98,9 @@ def test_cli_imports_a_factory_that_imports_torch_at_its_top(tmp_path):
     # same time used to crash every time with 'cannot initialize type "RpcBackendOptions"'.
     (tmp_path / "torch_at_top.py").write_text(FACTORY_IMPORTING_TORCH)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    tiny = str(Path(__file__).parents[1] / "experiments/configs/tiny.yaml")
     proc = subprocess.run(
-        [sys.executable, "-m", "raytrain", "train", "--config", str(Path(__file__).parents[1] / "experiments/configs/tiny.yaml"),
+        [sys.executable, "-m", "raytrain", "train", "--config", tiny,
          "--set", "model.factory=torch_at_top:build", "--set", "checkpoint.resume=/nonexistent/dir"],
         capture_output=True, text=True, timeout=120, env=env,
     )

@@ -168,7 +168,8 @@ def _write_tokens(path, array, **kwargs) -> str:
         ("negative", _with(7, [3, -2] + [1] * 7), 256,
          ["column 'tokens'", "token ids from -2 to 17", "model.vocab_size=256", "must be >= 0", "fix the data"]),
         ("too_large_for_a_small_vocab", GOOD_ROWS, 17, ["token ids from 0 to 17", "raise model.vocab_size to 18"]),
-        ("ragged", _with(3, [1, 2, 3, 4, 5]), 256, ["model.seq_len + 1 = 9 tokens, row 3 has 5", "lower model.seq_len"]),
+        ("ragged", _with(3, [1, 2, 3, 4, 5]), 256,
+         ["model.seq_len + 1 = 9 tokens, row 3 has 5", "lower model.seq_len"]),
         ("empty_row", _with(9, []), 256, ["row 9 has 0"]),
         ("null_row", _with(2, None), 256, ["row 2 of column 'tokens' is null", "drop or fill"]),
         ("null_value", _with(4, [1, 2, None] + [3] * 6), 256, ["row 4 of column 'tokens' holds a null token id"]),
@@ -193,7 +194,8 @@ def test_bad_token_rows_name_the_file_the_row_and_the_fix(tmp_path, case, rows, 
          ["column 'tokens' is string; it needs a list of integer token ids", "data.column"]),
         ("list_of_string", lambda pa: pa.array([["a"] * 9] * 10), 256,
          ["column 'tokens' is list<", "string>; it needs a list of integer token ids", "data.column"]),
-        ("list_of_float", lambda pa: pa.array([[0.5] * 9] * 10), 256, ["double>; it needs a list of integer token ids"]),
+        ("list_of_float", lambda pa: pa.array([[0.5] * 9] * 10), 256,
+         ["double>; it needs a list of integer token ids"]),
         ("bytes_small_vocab", lambda pa: pa.array([bytes(range(9))] * 10), 128,
          ["column 'tokens' is binary", "ids 0..255", "model.vocab_size=128", "raise model.vocab_size to 256"]),
         ("fixed_bytes_small_vocab", lambda pa: pa.array([bytes(range(9))] * 10, type=pa.binary(9)), 255,
@@ -253,7 +255,8 @@ def test_token_check_streams_a_file_of_many_row_groups(tmp_path, monkeypatch):
     short[n - 7 + 1:] -= lengths[n - 7] - 4  # row n-7 keeps only 4 ids
     too_large = values.copy()
     too_large[-3] = 5000
-    short_path, large_path = write("short.parquet", values[: short[-1]], short), write("large.parquet", too_large, offsets)
+    short_path = write("short.parquet", values[: short[-1]], short)
+    large_path = write("large.parquet", too_large, offsets)
     assert pq.ParquetFile(good).num_row_groups == 4
 
     def whole_file(*args, **kwargs):
