@@ -72,7 +72,7 @@ def prepare(cfg: Config) -> tuple[Config, str, int, list[list[int]], Optional[st
     """
     check_factory(cfg)
     data_path = data.resolve_data_path(cfg)
-    num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch)
+    num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch, cfg.model.vocab_size)
     stages = [list(r) for r in _stage_ranges(cfg)]
     run_root = os.path.abspath(os.path.expanduser(cfg.run.dir))
     run_name = cfg.run.name or _new_run_name(run_root, cfg.layout())

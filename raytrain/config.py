@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -16,8 +16,27 @@ from typing import Any, Optional
 
 import yaml
 
+from raytrain.rendezvous import import_user_module
+
 SCHEDULES = ("gpipe", "1f1b")
 BALANCE_MODES = ("params", "time")
+MAX_SEED = 2**32 - 1
+"""Largest train.seed: layer seeds are seed * 100_003 + layer, and torch.manual_seed takes at most 64 bits."""
+
+
+def _require(ok: bool, key: str, value: Any, fix: str) -> None:
+    """Raise the one form of a config error: ``key=value: fix``."""
+    if not ok:
+        raise ValueError(f"{key}={value!r}: {fix}")
+
+
+def _blank(text: Optional[str]) -> bool:
+    """An empty or all-space string: a path or name given as '' (None, unset, is not blank)."""
+    return text is not None and not text.strip()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -44,8 +63,10 @@ class ModelConfig:
                 f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
                 "pick n_head that divides d_model"
             )
-        if self.factory is not None and ":" not in self.factory:
-            raise ValueError(f"model.factory must look like 'package.module:function', got {self.factory!r}")
+        if self.factory is not None:
+            module, _, function = self.factory.partition(":")
+            _require(all(p.isidentifier() for p in module.split(".")) and function.isidentifier(), "model.factory",
+                     self.factory, "write it as 'package.module:function', with importable names")
 
 
 @dataclass
@@ -78,9 +99,10 @@ class TrainConfig:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
         if self.grad_clip < 0:
             raise ValueError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
-        if self.skip_nonfinite < 0:
-            raise ValueError(f"train.skip_nonfinite must be >= 0 (0 stops at the first non-finite step), "
-                             f"got {self.skip_nonfinite}")
+        _require(self.skip_nonfinite >= 0, "train.skip_nonfinite", self.skip_nonfinite,
+                 "use >= 0 (0 stops at the first non-finite step)")
+        _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "AdamW needs >= 0 (0: no decay)")
+        _require(0 <= self.seed <= MAX_SEED, "train.seed", self.seed, "use an integer in 0..2**32-1")
 
 
 @dataclass
@@ -120,6 +142,8 @@ class ParallelConfig:
         if self.balance not in BALANCE_MODES:
             raise ValueError(f"parallel.balance={self.balance!r} is unknown; use one of {', '.join(BALANCE_MODES)}")
         if self.split_points is not None:
+            _require(all(_is_int(c) for c in self.split_points), "parallel.split_points", self.split_points,
+                     "cuts are layer indices: use a list of integers like [2, 4]")
             if len(self.split_points) != self.pp - 1:
                 raise ValueError(
                     f"parallel.split_points has {len(self.split_points)} cuts but parallel.pp={self.pp} "
@@ -127,17 +151,22 @@ class ParallelConfig:
                 )
             if list(self.split_points) != sorted(set(self.split_points)):
                 raise ValueError(f"parallel.split_points must be strictly increasing, got {self.split_points}")
-        if self.auto:
-            if self.split_points is not None:
-                raise ValueError("parallel.auto=true chooses pp, so parallel.split_points cannot be set; drop one")
-            if self.auto_steps < 2:
-                raise ValueError(f"parallel.auto_steps={self.auto_steps}: a probe needs >= 2 steps (the first is warm-up)")
-            bad = [s for s in self.auto_schedules if s not in SCHEDULES]
-            if bad or not self.auto_schedules:
-                raise ValueError(f"parallel.auto_schedules={self.auto_schedules}: use a non-empty list of "
-                                 f"{', '.join(SCHEDULES)}")
-            if not self.auto_microbatches or any(not isinstance(m, int) or m < 1 for m in self.auto_microbatches):
-                raise ValueError(f"parallel.auto_microbatches={self.auto_microbatches}: use a list of integers >= 1")
+        if self.auto and self.split_points is not None:
+            raise ValueError("parallel.auto=true chooses pp, so parallel.split_points cannot be set; drop one")
+        self._check_auto()
+
+    def _check_auto(self):
+        """The probe settings, checked whether or not parallel.auto is on: a bad value is bad either way."""
+        if self.auto_steps < 2:
+            raise ValueError(f"parallel.auto_steps={self.auto_steps}: a probe needs >= 2 steps (the first is warm-up)")
+        bad = [s for s in self.auto_schedules if s not in SCHEDULES]
+        if bad or not self.auto_schedules:
+            raise ValueError(f"parallel.auto_schedules={self.auto_schedules}: use a non-empty list of "
+                             f"{', '.join(SCHEDULES)}")
+        if not self.auto_microbatches or any(not _is_int(m) or m < 1 for m in self.auto_microbatches):
+            raise ValueError(f"parallel.auto_microbatches={self.auto_microbatches}: use a list of integers >= 1")
+        _require(self.auto_max_workers is None or self.auto_max_workers >= 1, "parallel.auto_max_workers",
+                 self.auto_max_workers, "a probed layout needs >= 1 worker; unset it to use the whole cluster")
 
 
 @dataclass
@@ -152,6 +181,10 @@ class DataConfig:
     """Cap on the source bytes read into the built-in corpus."""
 
     def __post_init__(self):
+        _require(not _blank(self.column), "data.column", self.column, "name the token column of data.path")
+        _require(not _blank(self.cache_dir), "data.cache_dir", self.cache_dir,
+                 "give a directory (default ~/.cache/raytrain)")
+        _require(self.max_bytes >= 1, "data.max_bytes", self.max_bytes, "the built-in corpus needs >= 1 byte")
         if self.path is not None and "://" not in self.path and not os.path.exists(os.path.expanduser(self.path)):
             raise ValueError(
                 f"data.path={self.path!r}: no such file; point it at a Parquet file with a "
@@ -175,6 +208,10 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.every must be >= 0, got {self.every}")
         if self.keep < 1:
             raise ValueError(f"checkpoint.keep must be >= 1, got {self.keep}")
+        _require(not _blank(self.dir), "checkpoint.dir", self.dir,
+                 "give a directory or URI, or unset it (<run_dir>/checkpoints)")
+        _require(not _blank(self.resume), "checkpoint.resume", self.resume,
+                 "give a step directory, a checkpoint.dir, or 'latest'; or unset it")
 
 
 @dataclass
@@ -201,8 +238,16 @@ class ElasticConfig:
 
         for text in self.faults:
             Fault.parse(str(text))
-        if self.detect_timeout_s <= 0 or self.wait_s <= 0 or self.grow_poll_s <= 0:
-            raise ValueError("elastic.detect_timeout_s, elastic.wait_s and elastic.grow_poll_s must be > 0")
+        for name in ("detect_timeout_s", "wait_s", "grow_poll_s"):
+            value = getattr(self, name)
+            _require(value > 0, f"elastic.{name}", value, "a duration must be > 0 seconds")
+        for name in ("min_dp", "max_dp"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"elastic.{name}", value,
+                     "a run needs >= 1 replica; unset it to follow parallel.dp")
+        for name in ("max_failures", "coordinator_restarts"):
+            value = getattr(self, name)
+            _require(value >= 0, f"elastic.{name}", value, "use a count >= 0")
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -230,8 +275,9 @@ class ResourcesConfig:
                              f"{', '.join(PLACEMENT_STRATEGIES)}")
         if self.cpus_per_worker < 1:
             raise ValueError(f"resources.cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
-        if self.wait_s <= 0 or self.step_timeout_s <= 0:
-            raise ValueError("resources.wait_s and resources.step_timeout_s must be > 0")
+        for name in ("wait_s", "step_timeout_s"):
+            value = getattr(self, name)
+            _require(value > 0, f"resources.{name}", value, "a duration must be > 0 seconds")
         if self.bf16 and not self.use_gpu:
             raise ValueError("resources.bf16=true needs resources.use_gpu=true")
 
@@ -246,6 +292,13 @@ class RunConfig:
     """Steps whose per-action timeline goes into trace.json (Chrome trace)."""
     record_samples: bool = False
     """Record the sample ids each step consumed (for exactly-once checks); costs a little."""
+
+    def __post_init__(self):
+        _require(not _blank(self.dir), "run.dir", self.dir, "give a directory for the run directories (default runs)")
+        _require(self.name is None or (not _blank(self.name) and self.name not in (".", "..")
+                                       and "/" not in self.name and os.sep not in self.name),
+                 "run.name", self.name, "a run directory name without '/' (it goes under run.dir); or unset it")
+        _require(self.trace_steps >= 0, "run.trace_steps", self.trace_steps, "use a count of steps >= 0 (0: no trace)")
 
 
 @dataclass
@@ -284,6 +337,8 @@ class Config:
                 raise ValueError(
                     f"parallel.split_points={p.split_points} out of range: cuts must lie in 1..{n_layers - 1}"
                 )
+        if self.data.path is None:
+            self._check_builtin_corpus()
         e = self.elastic
         if p.auto and (e.min_dp is not None or e.max_dp is not None):
             raise ValueError("parallel.auto=true chooses parallel.dp, so elastic.min_dp / elastic.max_dp cannot be "
@@ -296,6 +351,18 @@ class Config:
         if e.max_dp is not None and e.max_dp * p.microbatches > t.global_batch:
             raise ValueError(f"elastic.max_dp={e.max_dp} replicas x parallel.microbatches={p.microbatches} exceed "
                              f"train.global_batch={t.global_batch}: some micro-batch would be empty; lower elastic.max_dp")
+
+    def _check_builtin_corpus(self):
+        """With data.path unset the data are bytes (ids 0..255), cut into rows of model.seq_len + 1."""
+        m, t = self.model, self.train
+        if m.vocab_size < 256:
+            raise ValueError(f"model.vocab_size={m.vocab_size}: the built-in corpus (data.path unset) is "
+                             "bytes, token ids 0..255; set model.vocab_size >= 256, or point data.path at your tokens")
+        corpus_bytes = t.global_batch * (m.seq_len + 1)
+        if self.data.max_bytes < corpus_bytes:
+            raise ValueError(f"data.max_bytes={self.data.max_bytes}: the built-in corpus needs train.global_batch="
+                             f"{t.global_batch} rows of model.seq_len + 1 = {m.seq_len + 1} bytes; "
+                             f"set data.max_bytes >= {corpus_bytes}")
 
     # --- public helpers -------------------------------------------------------------------------
 
@@ -346,7 +413,13 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         raise ValueError(f"config key '{key}' expects an integer, got {value!r}")
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an integer beyond any float
+                number = math.inf
+            if not math.isfinite(number):  # a YAML .nan or .inf passes every '<= 0' check
+                raise ValueError(f"{key}={value!r}: not a finite number; give a finite value")
+            return number
         raise ValueError(f"config key '{key}' expects a number, got {value!r}")
     if annotation is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -431,7 +504,7 @@ def check_factory(cfg: Config) -> None:
         return
     module_name, _, fn_name = cfg.model.factory.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = import_user_module(module_name)
     except ImportError as e:
         raise ValueError(f"model.factory={cfg.model.factory!r}: cannot import module {module_name!r} ({e})") from e
     if not callable(getattr(module, fn_name, None)):

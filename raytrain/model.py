@@ -10,7 +10,6 @@ returns an ``nn.Sequential`` (or list of modules), or a pair ``(layers, loss_fn)
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain.config import ModelConfig
+from raytrain.rendezvous import import_user_module
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -119,7 +119,7 @@ def build_model(cfg: ModelConfig, seed: int, layer_ids: Optional[Sequence[int]] 
 def load_factory_model(cfg: ModelConfig, seed: int) -> tuple[list[nn.Module], LossFn]:
     module_name, _, fn_name = cfg.factory.partition(":")
     torch.manual_seed(seed)
-    built = getattr(importlib.import_module(module_name), fn_name)(cfg)
+    built = getattr(import_user_module(module_name), fn_name)(cfg)
     layers, loss_fn = built if isinstance(built, tuple) else (built, cross_entropy_loss)
     layers = list(layers)
     if not layers or not all(isinstance(m, nn.Module) for m in layers):

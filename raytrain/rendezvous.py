@@ -31,6 +31,19 @@ def preload_torch_distributed() -> None:
         _preload.start()
 
 
+def import_user_module(name: str):
+    """Import user code (model.factory's module) only once the preload is done, never beside it.
+
+    A module whose first line is ``import torch.nn as nn`` holds torch.nn's import lock while it waits for
+    torch, which the preload holds while it imports torch.nn: Python breaks that deadlock by handing one
+    thread a half-initialised torch, and the import fails ('cannot initialize type "RpcBackendOptions"').
+    The wait costs the user's module nothing: it imports torch anyway.
+    """
+    if _preload is not None:
+        _preload.join()
+    return importlib.import_module(name)
+
+
 class RendezvousStore:
     def __init__(self):
         preload_torch_distributed()

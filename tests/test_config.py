@@ -1,5 +1,6 @@
 """Bad input fails before any actor starts, with a message that names the key or file and the fix."""
 
+import os
 import subprocess
 from pathlib import Path
 import sys
@@ -30,6 +31,9 @@ from raytrain.config import all_keys, load_config, parse_override
         (["resources.placement_strategy=spread"], ["resources.placement_strategy", "STRICT_SPREAD"]),
         (["elastic.faults=['1:0@3:sideways']"], ["elastic.faults", "phase must be one of"]),
         (["resources.bf16=true"], ["resources.bf16", "use_gpu"]),
+        (["model.vocab_size=128"], ["model.vocab_size=128", "built-in corpus", "bytes", ">= 256", "data.path"]),
+        (["data.max_bytes=100", "model.seq_len=64", "train.global_batch=8"],
+         ["data.max_bytes=100", "train.global_batch=8", "model.seq_len + 1", ">= 520"]),
     ],
 )
 def test_bad_input_names_key_and_fix(overrides, must_mention):
@@ -76,3 +80,132 @@ def test_cli_rejects_bad_input_before_starting_ray(tmp_path):
     assert proc.returncode == 2
     assert "train.global_batch=15" in proc.stderr and "parallel.dp=2" in proc.stderr
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
+
+
+FACTORY_IMPORTING_TORCH = '''
+import torch.nn as nn  # a torch submodule first: the import order that raced the driver's torch preload
+import torch
+
+
+def build(model_cfg):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(model_cfg.vocab_size, 8), nn.Linear(8, model_cfg.vocab_size))
+'''
+
+
+def test_cli_imports_a_factory_that_imports_torch_at_its_top(tmp_path):
+    # The driver imports torch.distributed in a background thread; importing the user's module at the
+    # same time used to crash every time with 'cannot initialize type "RpcBackendOptions"'.
+    (tmp_path / "torch_at_top.py").write_text(FACTORY_IMPORTING_TORCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    tiny = str(Path(__file__).parents[1] / "experiments/configs/tiny.yaml")
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrain", "train", "--config", tiny,
+         "--set", "model.factory=torch_at_top:build", "--set", "checkpoint.resume=/nonexistent/dir"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    # The factory was imported and built; the run then stops at the (later) resume check, before Ray starts.
+    assert proc.returncode == 2, proc.stderr
+    assert "config error: checkpoint.resume='/nonexistent/dir'" in proc.stderr
+    assert "RpcBackendOptions" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout
+
+
+# --- every key has a checked type and range: one bad value per key ---------------------------------
+
+BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give besides the key)
+    ("model.n_layer=0", ">= 1"),
+    ("model.d_model=0", ">= 1"),
+    ("model.n_head=0", ">= 1"),
+    ("model.seq_len=0", ">= 1"),
+    ("model.vocab_size=0", ">= 1"),
+    ("model.factory=my_models.build", "package.module:function"),
+    ("train.steps=0", ">= 1"),
+    ("train.global_batch=0", ">= 1"),
+    ("train.lr=0", "> 0"),
+    ("train.weight_decay=-0.1", ">= 0"),
+    ("train.fused_optimizer=maybe", "true or false"),
+    ("train.seed=-1", "0..2**32-1"),
+    ("train.grad_clip=-1", ">= 0"),
+    ("train.skip_nonfinite=-1", ">= 0"),
+    ("parallel.dp=0", ">= 1"),
+    ("parallel.pp=0", ">= 1"),
+    ("parallel.microbatches=0", ">= 1"),
+    ("parallel.schedule=zigzag", "gpipe"),
+    ("parallel.split_backward=maybe", "true or false"),
+    ("parallel.split_points=[a]", "list of integers"),
+    ("parallel.balance=weights", "params"),
+    ("parallel.auto=maybe", "true or false"),
+    ("parallel.auto_steps=1", ">= 2"),
+    ("parallel.auto_max_workers=0", ">= 1"),
+    ("parallel.auto_microbatches=[0, 2]", "integers >= 1"),
+    ("parallel.auto_schedules=[zigzag]", "1f1b"),
+    ("data.path=/nonexistent/tokens.parquet", "no such file"),
+    ("data.column=''", "name the token column"),
+    ("data.cache_dir=''", "a directory"),
+    ("data.max_bytes=0", ">= 1"),
+    ("checkpoint.dir=''", "a directory or URI"),
+    ("checkpoint.every=-1", ">= 0"),
+    ("checkpoint.resume=''", "latest"),
+    ("checkpoint.keep=0", ">= 1"),
+    ("elastic.min_dp=0", ">= 1"),
+    ("elastic.max_dp=0", ">= 1"),
+    ("elastic.grow_poll_s=0", "> 0"),
+    ("elastic.detect_timeout_s=-5", "> 0"),
+    ("elastic.wait_s=0", "> 0"),
+    ("elastic.max_failures=-1", ">= 0"),
+    ("elastic.coordinator_restarts=-1", ">= 0"),
+    ("elastic.faults=['1:0@3:sideways']", "phase must be one of"),
+    ("resources.use_gpu=maybe", "true or false"),
+    ("resources.cpus_per_worker=0", ">= 1"),
+    ("resources.bf16=true", "use_gpu"),  # a bool's only other check: bf16 needs a GPU
+    ("resources.wait_s=0", "> 0"),
+    ("resources.step_timeout_s=0", "> 0"),
+    ("resources.placement_strategy=spread", "STRICT_SPREAD"),
+    ("run.dir=''", "a directory"),
+    ("run.name=exp/1", "without '/'"),
+    ("run.trace_steps=-1", ">= 0"),
+    ("run.record_samples=maybe", "true or false"),
+]
+
+NO_BAD_VALUE = {}  # key -> why no value of the right type is wrong (none so far: keep it that way)
+
+
+@pytest.mark.parametrize("override, fix", BAD_VALUE_PER_KEY, ids=[o.partition("=")[0] for o, _ in BAD_VALUE_PER_KEY])
+def test_every_key_rejects_a_bad_value_by_name(override, fix):
+    key = override.partition("=")[0]
+    with pytest.raises(ValueError) as err:
+        load_config(None, [override])
+    assert key in str(err.value) and fix in str(err.value), str(err.value)
+
+
+def test_every_key_has_a_bad_value_in_the_table():
+    # A new config key must come with its validation and a row above (or a reason in NO_BAD_VALUE).
+    covered = [o.partition("=")[0] for o, _ in BAD_VALUE_PER_KEY]
+    assert len(covered) == len(set(covered)), "one row per key"
+    missing = set(all_keys()) - set(covered) - set(NO_BAD_VALUE)
+    assert not missing, f"keys without a bad-value row in BAD_VALUE_PER_KEY: {sorted(missing)}"
+    assert not (set(covered) | set(NO_BAD_VALUE)) - set(all_keys()), "rows for keys that no longer exist"
+    assert all(NO_BAD_VALUE.values()), "each exception needs its reason"
+
+
+def _float_keys() -> list[str]:
+    import dataclasses
+    import typing
+
+    from raytrain.config import Config
+
+    sections = typing.get_type_hints(Config)
+    return [f"{s}.{name}" for s, cls in sections.items()
+            for name, hint in typing.get_type_hints(cls).items() if hint in (float, typing.Optional[float])
+            and name in {f.name for f in dataclasses.fields(cls)}]
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "nan", "1e999", "1" + "0" * 400])
+def test_float_keys_must_be_finite(value):
+    # A YAML .nan or .inf passed every '<= 0' check and reached AdamW or a timer inside the workers.
+    keys = _float_keys()
+    assert "train.lr" in keys and "elastic.wait_s" in keys
+    for key in keys:
+        with pytest.raises(ValueError, match=f"{key}.*finite"):
+            load_config(None, [f"{key}={value}"])
