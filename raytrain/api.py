@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raytrain import checkpoint, data
 from raytrain.config import Config, check_factory
 from raytrain.coordinator import Coordinator
+from raytrain.workergroup import WorkersLost
 from raytrain.placement import ResourcesUnavailable, request, reserve  # noqa: F401 (ResourcesUnavailable is public here)
 from raytrain.rendezvous import RendezvousStore, preload_torch_distributed
 from raytrain.lease import Lease
@@ -270,8 +271,8 @@ def _run_coordinators(cfg: Config, plan: tuple, placement, reporter: RunReporter
 def _coordinator_lost(error: Exception) -> bool:
     """Whether the coordinator actor (or a worker in a place it does not repair) was lost, which a
     restart from the last checkpoint fixes, rather than an error the coordinator raised on purpose."""
-    if isinstance(error, ray.exceptions.RayTaskError):
-        return isinstance(getattr(error, "cause", None), ray.exceptions.RayActorError)
+    if isinstance(error, ray.exceptions.RayTaskError):  # raised in the coordinator: restart only for a lost worker
+        return isinstance(getattr(error, "cause", None), (ray.exceptions.RayActorError, WorkersLost))
     return isinstance(error, ray.exceptions.RayActorError)
 
 

@@ -1,0 +1,109 @@
+"""Who is in the run: one object for the replicas of the current generation, the live workers
+outside it (spares), the replacements still starting, and the placement groups not yet used.
+
+Every membership change (a loss, a replacement that started, a replica granted by the cluster)
+goes through these verbs, so the coordinator has one way to count and report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from raytrain.mesh import Mesh
+
+
+@dataclass(eq=False)
+class Member:
+    """A worker actor, the stage it hosts for life, the bundle it occupies and its progress."""
+
+    handle: Any
+    stage: int
+    placement: Any
+    bundle: int
+    ready: Any = None  # resolves to the worker's pid once it is up
+    pid: Optional[int] = None
+    committed: int = 0
+
+
+@dataclass
+class Membership:
+    pp: int
+    replicas: list[list[Member]] = field(default_factory=list)
+    """The current generation: ``replicas[r][stage]``."""
+    spares: list[Member] = field(default_factory=list)
+    """Live, started workers outside the generation (the rest of a broken replica, a replacement)."""
+    pending: list[Member] = field(default_factory=list)
+    """Workers still starting."""
+
+    @property
+    def dp(self) -> int:
+        return len(self.replicas)
+
+    def mesh(self) -> Mesh:
+        return Mesh(self.dp, self.pp)
+
+    def members(self) -> list[Member]:
+        """The generation's workers in rank order."""
+        return [m for rep in self.replicas for m in rep]
+
+    def ranked(self) -> list[tuple[int, Member]]:
+        mesh = self.mesh()
+        return [(mesh.rank(r, m.stage), m) for r, rep in enumerate(self.replicas) for m in rep]
+
+    def everyone(self) -> list[Member]:
+        return self.members() + self.spares + self.pending
+
+    def drop_dead(self, dead: list[Member]) -> list[tuple[int, int]]:
+        """Remove the dead; a replica that lost a worker leaves the generation and its live workers
+        become spares. Returns the (replica, stage) slots that were lost."""
+        gone = set(map(id, dead))
+        lost = [(r, m.stage) for r, rep in enumerate(self.replicas) for m in rep if id(m) in gone]
+        broken = [rep for rep in self.replicas if any(id(m) in gone for m in rep)]
+        self.replicas = [rep for rep in self.replicas if rep not in broken]
+        self.spares = [m for m in self.spares if id(m) not in gone]
+        self.spares += [m for rep in broken for m in rep if id(m) not in gone]
+        self.pending = [m for m in self.pending if id(m) not in gone]
+        return lost
+
+    def admit(self, started: list[Member]) -> None:
+        """Started workers leave ``pending`` and wait as spares."""
+        for m in started:
+            self.pending.remove(m)
+            self.spares.append(m)
+
+    def formable(self) -> int:
+        """Replicas the spares could form: one worker of every stage each."""
+        return min(sum(1 for m in self.spares if m.stage == s) for s in range(self.pp))
+
+    def fill_to(self, target_dp: int) -> int:
+        """Form replicas from spares up to ``target_dp``, most up-to-date spares first (they can be
+        a stage's state source); returns how many were formed."""
+        formed = 0
+        while self.dp < target_dp and self.formable() > 0:
+            replica = [max((m for m in self.spares if m.stage == s), key=lambda m: m.committed) for s in range(self.pp)]
+            for m in replica:
+                self.spares.remove(m)
+            self.replicas.append(replica)
+            formed += 1
+        return formed
+
+    def stale_stages(self, step: int) -> list[int]:
+        """Stages with no member of the generation at ``step``."""
+        current = {m.stage for m in self.members() if m.committed == step}
+        return [s for s in range(self.pp) if s not in current]
+
+    def sources(self, step: int) -> dict[int, int]:
+        """For each stage, the rank of a member at ``step`` (the state every other member takes)."""
+        sources: dict[int, int] = {}
+        for rank, m in self.ranked():
+            if m.committed == step:
+                sources.setdefault(m.stage, rank)
+        return sources
+
+    def set_committed(self, step: int) -> None:
+        for m in self.members():
+            m.committed = step
+
+    def pids(self) -> list[Optional[int]]:
+        return [m.pid for m in self.members()]

@@ -1,0 +1,121 @@
+"""The coordinator's only contact with Ray: start worker actors in placement-group bundles, call
+them, learn who died. Tests put a fake with the same methods in its place (tests/helpers.py), so
+the coordinator's decisions are tested in milliseconds without processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raytrain.membership import Member
+
+
+class StepFailed(RuntimeError):
+    """A step failed for a reason other than a lost worker (a bug, bad data): not repairable."""
+
+
+class WorkersLost(Exception):
+    """Internal: these members died during an operation."""
+
+    def __init__(self, dead: list[Member]):
+        super().__init__(f"{len(dead)} worker(s) lost")
+        self.dead = dead
+
+
+@dataclass
+class Outcome:
+    """One member's answer to a call: its value, or that it died, raised or stayed silent."""
+
+    member: Member
+    value: Any = None
+    dead: bool = False
+    error: Optional[Exception] = None
+    silent: bool = False
+
+
+class RayWorkerGroup:
+    """Worker actors of one class, each on one placement-group bundle."""
+
+    def __init__(self, worker_cls, options: dict, args_for_stage: Callable[[int], tuple]):
+        self.worker_cls = ray.remote(worker_cls) if not hasattr(worker_cls, "remote") else worker_cls
+        self.options, self.args_for_stage = options, args_for_stage
+
+    def spawn(self, stage: int, placement, bundle: int) -> Member:
+        handle = self.worker_cls.options(
+            **self.options,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle),
+        ).remote(*self.args_for_stage(stage))
+        return Member(handle, stage, placement, bundle, ready=handle.pid.remote())
+
+    def started(self, members: list[Member], timeout: float) -> list[Member]:
+        """The members whose actor is up (or failed to start) within ``timeout``."""
+        if not members:
+            return []
+        ready, _ = ray.wait([m.ready for m in members], num_returns=len(members), timeout=timeout)
+        return [m for m in members if m.ready in ready]
+
+    def pid(self, member: Member, timeout: float) -> Optional[int]:
+        """A started member's pid; None if its actor died; StepFailed if its constructor raised."""
+        try:
+            return ray.get(member.ready, timeout=timeout)
+        except ray.exceptions.RayActorError as e:
+            if e.actor_init_failed:
+                raise StepFailed(f"a worker of stage {member.stage} failed to start: {worker_error(e)}") from None
+            return None
+
+    def submit(self, members: list[Member], method: str, *args) -> list:
+        return [getattr(m.handle, method).remote(*args) for m in members]
+
+    def collect(self, members: list[Member], refs: list, timeout: float) -> list[Outcome]:
+        """Every member's outcome, waiting up to ``timeout`` in all."""
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        outcomes = []
+        for m, ref in zip(members, refs):
+            if ref not in ready:
+                outcomes.append(Outcome(m, silent=True))
+                continue
+            try:
+                outcomes.append(Outcome(m, ray.get(ref)))
+            except ray.exceptions.RayActorError:
+                outcomes.append(Outcome(m, dead=True))
+            except ray.exceptions.RayTaskError as e:
+                outcomes.append(Outcome(m, error=e))
+        return outcomes
+
+    def call(self, calls: list[tuple[Member, str, tuple]], timeout: float) -> list:
+        """Call every member and wait; WorkersLost names the dead (a live member whose call failed
+        because a peer died is not an error of its own), else StepFailed for an exception."""
+        members = [m for m, _, _ in calls]
+        refs = [getattr(m.handle, method).remote(*args) for m, method, args in calls]
+        outcomes = self.collect(members, refs, timeout)
+        dead = [o.member for o in outcomes if o.dead or o.silent]
+        if dead:
+            raise WorkersLost(dead)
+        errors = [o for o in outcomes if o.error is not None]
+        if errors:
+            raise StepFailed(f"a worker of stage {errors[0].member.stage} failed: {worker_error(errors[0].error)}")
+        return [o.value for o in outcomes]
+
+    def kill(self, member: Member) -> None:
+        ray.kill(member.handle, no_restart=True)
+
+    def granted(self, requests: list[tuple[Any, Any]], timeout: float) -> list[tuple[Any, Any]]:
+        """The (placement group, ready ref) requests Ray has granted within ``timeout``."""
+        if not requests:
+            return []
+        ready, _ = ray.wait([r for _, r in requests], num_returns=len(requests), timeout=timeout)
+        return [(pg, r) for pg, r in requests if r in ready]
+
+
+def worker_error(error: Exception) -> str:
+    """The worker's own exception line (``ValueError: ...``) out of Ray's wrapped traceback."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
+        return f"{type(cause).__name__}: {cause}"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line for line in reversed(lines) if ":" in line and not line.startswith("File ")),
+                lines[-1] if lines else "")

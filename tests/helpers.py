@@ -1,0 +1,224 @@
+"""Test helpers: a fake worker group that runs the coordinator's state machine without processes.
+
+``FakeWorkerGroup`` has the methods of ``raytrain.workergroup.RayWorkerGroup``. Its workers keep a
+stand-in for their state: the chain of the steps they applied (``value``), which only equals the
+fault-free chain if every step was applied exactly once, in order. Faults use the same
+``replica:stage@step:phase`` spec as real workers (``elastic.faults``); a step's fate is decided for
+all of its workers at once, as the real collectives would: a worker lost before the vote fails
+the step everywhere, one lost after it leaves the others committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from raytrain import checkpoint
+from raytrain.faults import Fault
+from raytrain.membership import Member
+from raytrain.workergroup import Outcome, StepFailed, WorkersLost
+
+MODULUS = 1_000_000_007
+
+
+def chain(steps: range, start: int = 0) -> int:
+    """The value a worker holds after applying ``steps`` in order (from ``start``)."""
+    value = start
+    for s in steps:
+        value = (value * 31 + s + 1) % MODULUS
+    return value
+
+
+@dataclass
+class FakeWorker:
+    stage: int
+    pid: int
+    alive: bool = True
+    started: bool = True
+    committed: int = 0
+    prepared: Optional[int] = None
+    value: int = 0
+    rank: Optional[int] = None
+    replica: Optional[int] = None
+    joined: bool = False
+    faults: list = field(default_factory=list)
+
+    def fault(self, step: int, phase: str) -> bool:
+        return any((f.replica, f.stage, f.step, f.phase) == (self.replica, self.stage, step, phase)
+                   for f in map(Fault.parse, self.faults))
+
+
+class FakeRef:
+    def __init__(self, resolve):
+        self._resolve, self._done, self._outcome = resolve, False, None
+
+    def outcome(self, member: Member) -> Outcome:
+        if not self._done:
+            self._outcome, self._done = self._resolve(member), True
+        return self._outcome
+
+
+class FakeWorkerGroup:
+    """In-process workers; ``capacity`` bounds how many replacements can start (None: unbounded),
+    ``nonfinite_steps`` are steps whose loss is NaN, ``init_error`` makes every worker's start fail."""
+
+    def __init__(self, pp: int, initial: int, capacity: Optional[int] = None, nonfinite_steps=(),
+                 init_error: Optional[str] = None):
+        self.pp, self.initial, self.capacity = pp, initial, capacity
+        self.nonfinite_steps, self.init_error = set(nonfinite_steps), init_error
+        self.workers: list[FakeWorker] = []
+        self.granted_tokens: set = set()
+        self.spawned = 0
+
+    # --- the RayWorkerGroup interface -----------------------------------------------------------
+
+    def spawn(self, stage: int, placement, bundle: int) -> Member:
+        self.spawned += 1
+        worker = FakeWorker(stage, pid=10_000 + self.spawned)
+        replacements = sum(1 for w in self.workers[self.initial:] if w.started)
+        worker.started = self.spawned <= self.initial or self.capacity is None or replacements < self.capacity
+        self.workers.append(worker)
+        return Member(worker, stage, placement, bundle, ready=worker)
+
+    def started(self, members: list[Member], timeout: float) -> list[Member]:
+        return [m for m in members if m.handle.started]
+
+    def pid(self, member: Member, timeout: float) -> Optional[int]:
+        if self.init_error:
+            raise StepFailed(f"a worker of stage {member.stage} failed to start: ValueError: {self.init_error}")
+        return member.handle.pid if member.handle.alive else None
+
+    def submit(self, members: list[Member], method: str, *args) -> list:
+        if method == "run_step":
+            batch = {}
+            return [FakeRef(lambda m, b=batch: self._step_outcome(m, members, args[0], b)) for _ in members]
+        return [FakeRef(lambda m: self._call_outcome(m, method, args)) for _ in members]
+
+    def collect(self, members: list[Member], refs: list, timeout: float) -> list[Outcome]:
+        return [ref.outcome(m) for m, ref in zip(members, refs)]
+
+    def call(self, calls: list[tuple[Member, str, tuple]], timeout: float) -> list:
+        outcomes = [self._call_outcome(m, method, args) for m, method, args in calls]
+        dead = [o.member for o in outcomes if o.dead]
+        if dead:
+            raise WorkersLost(dead)
+        return [o.value for o in outcomes]
+
+    def kill(self, member: Member) -> None:
+        member.handle.alive = False
+
+    def granted(self, requests: list, timeout: float) -> list:
+        return [(pg, r) for pg, r in requests if r in self.granted_tokens]
+
+    # --- worker behaviour -----------------------------------------------------------------------
+
+    def _call_outcome(self, member: Member, method: str, args: tuple) -> Outcome:
+        w = member.handle
+        if not w.alive:
+            return Outcome(member, dead=True)
+        if method == "join":
+            rank, mesh, _shares, _store, generation, faults = args
+            w.rank, (w.replica, _), w.faults, w.joined = rank, mesh.coords(rank), list(faults), True
+            if generation > 0 and w.fault(w.committed, "join"):
+                w.alive = False
+                return Outcome(member, dead=True)
+            return Outcome(member, {"rank": rank, "committed": w.committed})
+        try:
+            return Outcome(member, getattr(self, f"_{method}")(w, *args))
+        except _Died:
+            return Outcome(member, dead=True)
+
+    def _leave(self, w: FakeWorker) -> None:
+        w.joined = False
+
+    def _commit_prepared(self, w: FakeWorker, step: int) -> int:
+        if w.prepared == step and w.committed == step:
+            w.value, w.committed, w.prepared = chain(range(step, step + 1), w.value), step + 1, None
+        return w.committed
+
+    def _skip_step(self, w: FakeWorker, step: int) -> int:
+        w.committed, w.prepared = step + 1, None
+        return w.committed
+
+    def _sync_state(self, w: FakeWorker, src_rank: int) -> int:
+        source = next(o for o in self.workers if o.alive and o.joined and o.rank == src_rank)
+        w.value, w.committed, w.prepared = source.value, source.committed, None
+        return w.committed
+
+    def _save(self, w: FakeWorker, ckpt_dir: str) -> dict:
+        if w.fault(w.committed, "checkpoint"):
+            checkpoint.write_bytes(f"{ckpt_dir}/stage-{w.stage}.json", b"half")
+            w.alive = False
+            raise _Died()
+        data = json.dumps({"value": w.value}).encode()
+        checkpoint.write_bytes(f"{ckpt_dir}/stage-{w.stage}.json", data)
+        return {"file": f"stage-{w.stage}.json", "bytes": len(data), "finite": True}
+
+    def _load(self, w: FakeWorker, ckpt_dir: str) -> None:
+        w.value = json.loads(checkpoint.read_bytes(f"{ckpt_dir}/stage-{w.stage}.json"))["value"]
+        w.committed, w.prepared = checkpoint.read_manifest(ckpt_dir)["step"], None
+
+    def _step_outcome(self, member: Member, members: list[Member], step: int, batch: dict) -> Outcome:
+        """One member's outcome of ``step``; the fate of the whole step is decided on first use."""
+        if "fate" not in batch:
+            batch["fate"] = self._step_fate(members, step)
+        return batch["fate"][id(member)]
+
+    def _step_fate(self, members: list[Member], step: int) -> dict:
+        live = [m for m in members if m.handle.alive]
+        runnable = [m for m in live if m.handle.joined and m.handle.committed == step]
+        dying = {id(m): phase for m in runnable for phase in ("forward", "backward", "allreduce", "optimizer")
+                 if m.handle.fault(step, phase)}
+        broken = len(runnable) < len(members)  # a peer was already gone: the collective fails
+        before_vote = broken or any(p != "optimizer" for p in dying.values())
+        fate = {}
+        for m in members:  # noqa: the fate of each member follows from the step's as a whole
+            w = m.handle
+            if not w.alive or id(m) in dying:
+                w.alive = False
+                fate[id(m)] = Outcome(m, dead=True)
+            elif m not in runnable or before_vote:
+                w.joined = w.joined and m not in runnable
+                fate[id(m)] = Outcome(m, self._report(w, step, ok=False))
+            elif step in self.nonfinite_steps:
+                fate[id(m)] = Outcome(m, self._report(w, step, ok=False, nonfinite=True))
+            else:
+                w.prepared = step
+                self._commit_prepared(w, step)
+                fate[id(m)] = Outcome(m, self._report(w, step, ok=True))
+        return fate
+
+    def _report(self, w: FakeWorker, step: int, ok: bool, nonfinite: bool = False) -> dict:
+        report = {"rank": w.rank, "step": step, "ok": ok, "committed": w.committed, "prepared": w.prepared,
+                  "error": "" if ok else "a peer was lost", "busy_s": 0.001, "wall_s": 0.001, "pipeline_s": 0.001,
+                  "peak_live": 1, "grad_norm": float("nan") if nonfinite else 1.0, "peak_mem_mb": 1.0, "samples": 0}
+        if nonfinite:
+            report["nonfinite"] = True
+        if w.stage == self.pp - 1:
+            report["loss_sum"] = float("nan") if nonfinite else 1.0
+        return report
+
+
+class _Died(Exception):
+    """A fake worker died in the middle of a call."""
+
+
+class FakePlacement:
+    """A placement group whose ``ready()`` token the test grants with ``group.granted_tokens.add``."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def ready(self) -> Any:
+        return self.name
+
+
+def fake_config(tmp_path, *overrides: str) -> dict:
+    from raytrain.config import load_config
+
+    cfg = load_config(None, ["train.global_batch=8", "train.steps=6", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                             "elastic.wait_s=0.2", "run.trace_steps=0", *overrides])
+    os.makedirs(cfg.checkpoint.dir, exist_ok=True)
+    return cfg.to_dict()

@@ -1,0 +1,154 @@
+"""The coordinator's state machine and every decision of its elastic policy, with fake workers:
+no Ray, no processes, milliseconds per test. Real processes are killed in test_elastic.py."""
+
+import pytest
+
+from raytrain import checkpoint
+from raytrain.coordinator import CapacityLost, Coordinator, NonFiniteLoss, StepFailed
+from raytrain.policy import Action, ElasticPolicy
+from raytrain.runstate import RunState
+from tests.helpers import FakePlacement, FakeWorkerGroup, chain, fake_config
+
+
+def run(tmp_path, *overrides, dp=2, pp=1, group=None, extra=(), resume=None, on_start=None):
+    cfg = fake_config(tmp_path, f"parallel.dp={dp}", f"parallel.pp={pp}", *overrides)
+    group = group or FakeWorkerGroup(pp, initial=dp * pp)
+    coordinator = Coordinator(cfg, "unused", 1000, [[s] for s in range(pp)], None, 0, resume,
+                              extra_placements=extra, group=group)
+    if on_start:
+        on_start(coordinator, group)
+    summary = coordinator.run(store=None)
+    return coordinator, group, summary, coordinator.poll()
+
+
+def events(rows, kind):
+    return [r for r in rows if r.get("event") == kind]
+
+
+def assert_every_live_worker_applied_each_step_once(coordinator, steps):
+    members = coordinator.team.members()
+    assert members and all(m.handle.committed == steps for m in members)
+    assert {m.handle.value for m in members} == {chain(range(steps))}
+
+
+def test_a_fault_free_run_commits_every_step_once_and_checkpoints(tmp_path):
+    coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=2")
+    assert summary["committed_steps"] == list(range(6)) and summary["failures"] == 0
+    assert [r["step"] for r in rows if "loss" in r and "event" not in r] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "ckpt"))] == [2, 4, 6]
+    assert coordinator.state is RunState.FINISHED
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+def test_a_loss_before_the_vote_retries_the_step_with_a_replacement(tmp_path):
+    coordinator, group, summary, rows = run(tmp_path, "elastic.faults=['1:0@2:backward']")
+    repair = events(rows, "repair")[0]
+    assert repair["retrying_step"] == 2 and not repair["rolled_forward"]
+    assert [d["decision"] for d in repair["decisions"]] == ["retry", "continue"]
+    assert repair["new_layout"] == "dp=2 pp=1" and summary["failures"] == 1
+    assert summary["committed_steps"] == list(range(6)) and group.spawned == 3
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+def test_a_loss_after_the_vote_rolls_the_step_forward(tmp_path):
+    coordinator, _, summary, rows = run(tmp_path, "parallel.dp=3", "train.global_batch=6",
+                                        "elastic.faults=['0:0@3:optimizer']", dp=3)
+    repair = events(rows, "repair")[0]
+    assert repair["rolled_forward"] and repair["decisions"][0]["decision"] == "roll_forward"
+    assert [r["step"] for r in rows if r.get("rolled_forward") is True and "event" not in r] == [4]
+    assert summary["committed_steps"] == list(range(6))
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+def test_without_capacity_the_run_shrinks_to_min_dp(tmp_path):
+    coordinator, _, summary, rows = run(tmp_path, "elastic.min_dp=1", "elastic.faults=['0:0@1:forward']",
+                                        group=FakeWorkerGroup(1, initial=2, capacity=0))
+    repair = events(rows, "repair")[0]
+    assert repair["new_layout"] == "dp=1 pp=1" and "shrinks to dp=1" in repair["decisions"][1]["reason"]
+    assert summary["committed_steps"] == list(range(6))
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+def test_below_min_dp_without_capacity_it_waits_then_gives_up_naming_the_key(tmp_path):
+    with pytest.raises(CapacityLost, match="fewer than elastic.min_dp=2.*elastic.wait_s=0.2s"):
+        run(tmp_path, "elastic.faults=['1:0@1:forward']", group=FakeWorkerGroup(1, initial=2, capacity=0))
+
+
+def test_a_stage_without_a_live_copy_reloads_the_checkpoint(tmp_path):
+    coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=2", "elastic.faults=['0:1@3:forward']", dp=1, pp=2)
+    reload = events(rows, "reload")[0]
+    assert reload["step"] == 2 and reload["steps_lost"] == 1 and reload["decision"] == "reload"
+    assert summary["committed_steps"] == list(range(6))
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+def test_a_stage_lost_before_any_checkpoint_gives_up_naming_checkpoint_every(tmp_path):
+    with pytest.raises(CapacityLost, match="no checkpoint to reload.*checkpoint.every"):
+        run(tmp_path, "elastic.faults=['0:1@1:forward']", dp=1, pp=2)
+
+
+def test_more_losses_than_max_failures_give_up(tmp_path):
+    with pytest.raises(CapacityLost, match="more than elastic.max_failures=1"):
+        run(tmp_path, "elastic.max_failures=1", "elastic.faults=['1:0@1:forward', '1:0@3:forward']")
+
+
+def test_a_loss_while_saving_is_repaired_and_the_save_retried_in_a_new_directory(tmp_path):
+    coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=2", "elastic.faults=['0:0@2:checkpoint']")
+    assert events(rows, "repair")[0]["during"] == "checkpoint" and summary["failures"] == 1
+    published = checkpoint.list_checkpoints(str(tmp_path / "ckpt"))
+    assert [s for s, _ in published] == [2, 4, 6] and published[0][1].endswith("step_00000002.1")
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+def test_a_loss_while_re_forming_is_a_second_failure(tmp_path):
+    _, _, summary, rows = run(tmp_path, "parallel.dp=3", "train.global_batch=6", "elastic.min_dp=1",
+                              "elastic.faults=['1:0@2:forward', '0:0@2:join']", dp=3)
+    assert len(events(rows, "repair_failed")) == 1 and summary["failures"] == 2
+    assert summary["committed_steps"] == list(range(6))
+
+
+def test_a_granted_placement_grows_the_run_at_a_step_boundary(tmp_path):
+    def grant_after_start(coordinator, group):
+        group.granted_tokens.add("extra")
+
+    coordinator, _, summary, rows = run(tmp_path, "elastic.max_dp=3", "train.global_batch=6", "elastic.grow_poll_s=0.001",
+                                        extra=(FakePlacement("extra"),), on_start=grant_after_start)
+    grow = events(rows, "grow")
+    assert events(rows, "capacity") and len(grow) == 1 and grow[0]["decision"] == "grow"
+    assert grow[0]["new_layout"] == "dp=3 pp=1" and len(coordinator.team.members()) == 3
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+def test_non_finite_steps_are_skipped_up_to_the_limit_then_the_run_stops(tmp_path):
+    group = FakeWorkerGroup(1, initial=2, nonfinite_steps={1, 2, 3})
+    with pytest.raises(NonFiniteLoss, match="step 4: .*train.skip_nonfinite=2"):
+        run(tmp_path, "train.skip_nonfinite=2", group=group)
+    assert {w.committed for w in group.workers} == {3}  # steps 2 and 3 counted, not applied
+    assert {w.value for w in group.workers} == {chain(range(1))}
+
+
+def test_a_worker_that_fails_to_start_is_a_step_failure(tmp_path):
+    with pytest.raises(StepFailed, match="failed to start: ValueError: bad model"):
+        run(tmp_path, group=FakeWorkerGroup(1, initial=2, init_error="bad model"))
+
+
+def test_a_stop_request_ends_at_a_step_boundary_after_a_checkpoint(tmp_path):
+    def stop_now(coordinator, group):
+        coordinator.request_stop("SIGTERM")
+
+    coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=4", on_start=stop_now)
+    assert summary["stopped"] == "SIGTERM" and summary["steps"] == 0
+    assert events(rows, "stopped")[0]["checkpoint"].endswith("step_00000000")
+
+
+def test_policy_decisions_are_plain_values():
+    policy = ElasticPolicy(min_dp=2, target_dp=3, max_failures=1, wait_s=5.0, skip_nonfinite=0)
+    assert policy.settle_step(3, [4, 3]).action is Action.ROLL_FORWARD
+    assert policy.settle_step(3, [3, 3]).action is Action.RETRY
+    assert policy.capacity(2, waited_s=0).action is Action.CONTINUE
+    assert policy.capacity(1, waited_s=1).action is Action.WAIT
+    assert policy.capacity(1, waited_s=6).config_key == "elastic.min_dp"
+    assert policy.after_failure(1) is None and policy.after_failure(2).config_key == "elastic.max_failures"
+    assert policy.stale_stages([], None) is None and policy.stale_stages([1], "ckpt").action is Action.RELOAD
+    assert policy.grow(3, 1) is None and policy.grow(2, 1).action is Action.GROW
+    assert policy.nonfinite(0).action is Action.GIVE_UP
