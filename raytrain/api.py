@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain import checkpoint, data
 from raytrain.config import Config, check_factory
+from raytrain.connect import ensure_ray
 from raytrain.coordinator import Coordinator
 from raytrain.placement import ResourcesUnavailable, request, reserve  # noqa: F401 (ResourcesUnavailable is public here)
 from raytrain.rendezvous import RendezvousStore, preload_torch_distributed
@@ -122,16 +123,6 @@ def _stage_ranges(cfg: Config) -> list[range]:
         example = torch.zeros(max(1, cfg.train.global_batch // (p.dp * p.microbatches)), cfg.model.seq_len, dtype=torch.long)
         return plan_stages(layers, p.pp, example_input=example)
     return stage_ranges(balanced_cuts(param_costs(layers), p.pp), len(layers))
-
-
-def ensure_ray(min_cpus: int = 0) -> None:
-    """Connect to RAY_ADDRESS when set; otherwise start an embedded local Ray sized to the machine."""
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-    else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus) if min_cpus else None, include_dashboard=False)
 
 
 def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]], None]] = None,

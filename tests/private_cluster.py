@@ -45,6 +45,40 @@ def _pids_naming(text: str) -> list[int]:
     return pids
 
 
+KILL_TIMEOUT_S = 20.0
+"""How long stopping a private cluster may take: SIGKILL, then wait for the processes to go."""
+
+
+def pids_using(*texts: str) -> list[int]:
+    """Pids of the processes whose command line or environment names one of ``texts``."""
+    needles = [t.encode() for t in texts]
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        for part in ("cmdline", "environ"):
+            try:
+                with open(f"/proc/{entry}/{part}", "rb") as f:
+                    blob = f.read()
+            except OSError:
+                continue
+            if any(n in blob for n in needles):
+                pids.append(int(entry))
+                break
+    return pids
+
+
+def kill_all_using(*texts: str, timeout_s: float = KILL_TIMEOUT_S) -> list[int]:
+    """SIGKILL every process using ``texts`` until none is left; returns the survivors (none, normally)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := pids_using(*texts)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.3)
+    return pids_using(*texts)
+
+
 STOP_GRACE_S = 3
 """`ray start --block` takes ~20 s to wind down on SIGTERM; after this the test's own cluster is SIGKILLed."""
 

@@ -1,0 +1,100 @@
+"""How the CLI finds Ray: an embedded Ray when RAY_ADDRESS is unset (whatever an old cluster left in
+Ray's temp dir).
+
+Each test runs ``python -m raytrain train`` as a user would, in a subprocess with its own
+RAY_TMPDIR (Ray's ``ray_current_cluster`` file lies there), and kills whatever it started by pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.private_cluster import kill_all_using, pids_using
+
+REPO = Path(__file__).resolve().parents[1]
+
+EMBEDDED_RUN_TIMEOUT_S = 150.0
+"""A 2-step dp=1 run on an embedded Ray: about 30 s on a busy 2-core machine."""
+
+
+@pytest.fixture
+def ray_tmpdir():
+    """A private RAY_TMPDIR; afterwards no process that used it is left."""
+    path = tempfile.mkdtemp(prefix="rtconn-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    try:
+        yield path
+    finally:
+        left = kill_all_using(path)
+        shutil.rmtree(path, ignore_errors=True)
+        assert not left, f"processes survived SIGKILL: {left}"
+
+
+def stale_current_cluster(ray_tmpdir: str) -> str:
+    """Write what a killed `ray start` leaves behind: ray_current_cluster naming a port nobody listens on."""
+    port = closed_port()
+    os.makedirs(os.path.join(ray_tmpdir, "ray"), exist_ok=True)
+    Path(ray_tmpdir, "ray", "ray_current_cluster").write_text(f"127.0.0.1:{port}")
+    return f"127.0.0.1:{port}"
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(env: dict, overrides: list[str], timeout_s: float) -> tuple[int, str, str, float]:
+    """``python -m raytrain train`` on tiny.yaml; (exit code, stdout, stderr, seconds). Fails the test,
+    after killing the run's process group, if it takes over ``timeout_s``."""
+    cmd = [sys.executable, "-m", "raytrain", "train", "--config", "experiments/configs/tiny.yaml"]
+    for o in overrides:
+        cmd += ["--set", o]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"`{' '.join(cmd)}` was still running after {timeout_s:g}s; stderr:\n{err[-3000:]}")
+    return proc.returncode, out, err, time.monotonic() - start
+
+
+def cli_env(ray_tmpdir: str, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=ray_tmpdir, **extra)
+    return env
+
+
+def small_run(data_cache: str, run_dir) -> list[str]:
+    return ["train.steps=2", "parallel.dp=1", "data.max_bytes=200000", f"data.cache_dir={data_cache}",
+            f"run.dir={run_dir}", "run.trace_steps=0"]
+
+
+def test_unset_ray_address_starts_an_embedded_ray_despite_a_stale_current_cluster(ray_tmpdir, data_cache, tmp_path):
+    stale_current_cluster(ray_tmpdir)
+    rc, out, err, seconds = run_cli(cli_env(ray_tmpdir), small_run(data_cache, tmp_path / "runs"),
+                                    EMBEDDED_RUN_TIMEOUT_S)
+    assert rc == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["layout"] == "dp=1 pp=1 m=1"
+    # The embedded Ray stops with the CLI: nothing that used this RAY_TMPDIR outlives it.
+    deadline = time.monotonic() + 10
+    while pids_using(ray_tmpdir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not pids_using(ray_tmpdir), "the embedded Ray's processes outlived the CLI"
+
