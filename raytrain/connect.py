@@ -1,4 +1,11 @@
-"""Connecting the driver to Ray, or starting an embedded Ray.
+"""Connecting the driver to Ray, or starting an embedded Ray: every wait bounded, every failure a sentence.
+
+With ``RAY_ADDRESS`` set the driver joins that cluster. Ray itself retries an address that does not
+answer for many minutes, printing only C++ warnings, so the address is probed first (a TCP connect:
+a refused or silent port fails in seconds) and ``ray.init`` runs under a bound of its own for what a
+probe cannot see (a port that accepts but is not Ray's). Either failure is a ``ClusterUnreachable``,
+which names ``RAY_ADDRESS`` and the fix; the CLI exits with 3 as for any resource the cluster cannot
+grant.
 
 With ``RAY_ADDRESS`` unset the driver always starts a fresh embedded Ray (``address="local"``):
 a bare ``ray.init()`` would instead join the cluster named in ``/tmp/ray/ray_current_cluster``, a
@@ -7,18 +14,126 @@ file that outlives a killed cluster, and hang on it.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import socket
+import sys
+import threading
+from typing import Optional
+from urllib.parse import urlsplit
 
 import ray
+
+from raytrain.placement import ResourcesUnavailable
+
+PROBE_TIMEOUT_S = 5.0
+"""How long the TCP probe of RAY_ADDRESS's host:port waits for an answer."""
+
+CONNECT_TIMEOUT_ENV = "RAYTRAIN_CONNECT_TIMEOUT_S"
+CONNECT_TIMEOUT_S = float(os.environ.get(CONNECT_TIMEOUT_ENV, "60"))
+"""How long ``ray.init`` may take to join a cluster whose port answered (overridden by the
+environment variable above: a loaded head can be slow to answer, a test wants a short bound)."""
+
+_FIX = ("start the cluster first (`ray start --head`) and point RAY_ADDRESS at it, "
+        "or unset RAY_ADDRESS to train on an embedded local Ray")
+
+
+class ClusterUnreachable(ResourcesUnavailable):
+    """RAY_ADDRESS names no reachable Ray cluster (nothing answers, or not within CONNECT_TIMEOUT_S)."""
 
 
 def ensure_ray(min_cpus: int = 0) -> None:
     """Connect to RAY_ADDRESS when set; otherwise start an embedded local Ray sized to the machine
-    (at least ``min_cpus`` CPU slots)."""
+    (at least ``min_cpus`` CPU slots). Joining is bounded: ClusterUnreachable when RAY_ADDRESS names no
+    cluster that answers within PROBE_TIMEOUT_S, or that Ray does not join within CONNECT_TIMEOUT_S."""
     if ray.is_initialized():
         return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        _probe(address)
+        _init_bounded(address)
     else:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus) if min_cpus else None,
                  include_dashboard=False)
+
+
+def _probe(address: str) -> None:
+    """Fail in seconds when RAY_ADDRESS's host:port refuses or ignores a TCP connection."""
+    target = _host_port(address)
+    if target is None:
+        return  # a form this probe does not know: the bounded ray.init still catches it
+    host, port = target
+    try:
+        socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        reason = f"no answer within {PROBE_TIMEOUT_S:g}s" if isinstance(e, socket.timeout) else (e.strerror or str(e))
+        where = f"{host}:{port}" + (", the cluster `ray start` last started here" if address == "auto" else "")
+        raise ClusterUnreachable(f"RAY_ADDRESS={address}: no Ray cluster answers at {where} ({reason}); {_FIX}") from None
+
+
+def _host_port(address: str) -> Optional[tuple[str, int]]:
+    """The host and port that RAY_ADDRESS points at: ``host:port``, ``ray://host:port``, or for
+    ``auto`` the cluster Ray would pick (the last ``ray start`` on this machine). None if unknown."""
+    if address == "auto":
+        from ray._private.services import canonicalize_bootstrap_address
+
+        try:
+            address = canonicalize_bootstrap_address("auto")
+        except ConnectionError:
+            raise ClusterUnreachable(f"RAY_ADDRESS=auto: no running Ray cluster found on this machine; {_FIX}") from None
+        if address is None:
+            return None
+    parts = urlsplit(address if "://" in address else f"//{address}")
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    return (parts.hostname, port) if parts.hostname and port else None
+
+
+def _init_bounded(address: str) -> None:
+    """``ray.init()`` (which reads RAY_ADDRESS) in a helper thread, given up after CONNECT_TIMEOUT_S.
+
+    A thread that never returns is left behind (daemon: it does not hold the process at exit).
+    ray.init installs its SIGTERM handler only from the main thread, so this installs the same one.
+    """
+    outcome: dict = {}
+
+    def init():
+        try:
+            ray.init()
+        except BaseException as e:  # handed to the caller's thread
+            outcome["error"] = e
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init would set
+    quiet = _DropMessage("SIGTERM handler is not set")
+    logging.getLogger("ray._private.worker").addFilter(quiet)
+    try:
+        thread = threading.Thread(target=init, name="raytrain-ray-init", daemon=True)
+        thread.start()
+        thread.join(CONNECT_TIMEOUT_S)
+    finally:
+        logging.getLogger("ray._private.worker").removeFilter(quiet)
+    if thread.is_alive():
+        raise ClusterUnreachable(
+            f"RAY_ADDRESS={address}: Ray did not join a cluster there within {CONNECT_TIMEOUT_S:g}s "
+            f"({CONNECT_TIMEOUT_ENV}); is it the cluster's GCS address (the one in the `ray start "
+            f"--address=...` line that `ray start --head` prints)? Otherwise {_FIX}")
+    error = outcome.get("error")
+    if isinstance(error, ConnectionError):
+        raise ClusterUnreachable(f"RAY_ADDRESS={address}: {error}; {_FIX}") from error
+    if error is not None:
+        raise error
+
+
+class _DropMessage(logging.Filter):
+    """Drops log records that start with one message."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)

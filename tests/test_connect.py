@@ -1,5 +1,5 @@
 """How the CLI finds Ray: an embedded Ray when RAY_ADDRESS is unset (whatever an old cluster left in
-Ray's temp dir).
+Ray's temp dir), and a clear, bounded failure when RAY_ADDRESS names no reachable cluster.
 
 Each test runs ``python -m raytrain train`` as a user would, in a subprocess with its own
 RAY_TMPDIR (Ray's ``ray_current_cluster`` file lies there), and kills whatever it started by pid.
@@ -25,8 +25,14 @@ from tests.private_cluster import kill_all_using, pids_using
 
 REPO = Path(__file__).resolve().parents[1]
 
+UNREACHABLE_EXIT_S = 30.0
+"""The issue's bound: an unreachable RAY_ADDRESS fails within this, Python's start-up included."""
+
 EMBEDDED_RUN_TIMEOUT_S = 150.0
 """A 2-step dp=1 run on an embedded Ray: about 30 s on a busy 2-core machine."""
+
+SHORT_CONNECT_TIMEOUT_S = "3"
+"""raytrain's bound on ray.init for a port that accepts but never answers as Ray (default 60 s)."""
 
 
 @pytest.fixture
@@ -55,10 +61,11 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cli(env: dict, overrides: list[str], timeout_s: float) -> tuple[int, str, str, float]:
-    """``python -m raytrain train`` on tiny.yaml; (exit code, stdout, stderr, seconds). Fails the test,
-    after killing the run's process group, if it takes over ``timeout_s``."""
-    cmd = [sys.executable, "-m", "raytrain", "train", "--config", "experiments/configs/tiny.yaml"]
+def run_cli(env: dict, overrides: list[str], timeout_s: float, command: str = "train",
+            config: str = "experiments/configs/tiny.yaml") -> tuple[int, str, str, float]:
+    """``python -m raytrain <command> --config <config> --set ...``; (exit code, stdout, stderr, seconds).
+    Fails the test, after killing the run's process group, if it takes over ``timeout_s``."""
+    cmd = [sys.executable, "-m", "raytrain", command, "--config", config]
     for o in overrides:
         cmd += ["--set", o]
     start = time.monotonic()
@@ -98,3 +105,39 @@ def test_unset_ray_address_starts_an_embedded_ray_despite_a_stale_current_cluste
         time.sleep(0.5)
     assert not pids_using(ray_tmpdir), "the embedded Ray's processes outlived the CLI"
 
+
+@pytest.mark.parametrize("case", ["nothing_listens", "not_ray", "auto_finds_a_stale_cluster"])
+def test_an_unreachable_ray_address_fails_fast_with_exit_3_naming_the_fix(case, ray_tmpdir, data_cache, tmp_path):
+    """Ray itself retries such an address for minutes, printing only C++ warnings."""
+    extra, listener = {}, None
+    if case == "nothing_listens":
+        address = f"127.0.0.1:{closed_port()}"
+    elif case == "not_ray":  # the port accepts (the kernel queues the connection) but never speaks Ray
+        listener = socket.socket()  # on every address: Ray dials the machine's IP for 127.0.0.1
+        listener.bind(("0.0.0.0", 0))
+        listener.listen(16)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        extra["RAYTRAIN_CONNECT_TIMEOUT_S"] = SHORT_CONNECT_TIMEOUT_S
+    else:  # auto follows ray_current_cluster, here left by a killed cluster
+        stale_current_cluster(ray_tmpdir)
+        address = "auto"
+    try:
+        rc, _, err, seconds = run_cli(cli_env(ray_tmpdir, RAY_ADDRESS=address, **extra),
+                                      small_run(data_cache, tmp_path / "runs"), UNREACHABLE_EXIT_S + 30)
+    finally:
+        if listener is not None:
+            listener.close()
+    assert rc == 3, err[-3000:]
+    assert seconds < UNREACHABLE_EXIT_S, f"took {seconds:.1f}s"
+    said = [line for line in err.splitlines() if line.startswith("raytrain: ")]
+    assert said and f"RAY_ADDRESS={address}" in said[-1] and "unset RAY_ADDRESS" in said[-1], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_sweep_with_an_unreachable_ray_address_fails_fast_with_exit_3(ray_tmpdir, tmp_path):
+    address = f"127.0.0.1:{closed_port()}"
+    rc, _, err, seconds = run_cli(cli_env(ray_tmpdir, RAY_ADDRESS=address), [f"sweep.storage_path={tmp_path}"],
+                                  UNREACHABLE_EXIT_S + 30, command="sweep",
+                                  config="experiments/configs/sweep_tiny.yaml")
+    assert rc == 3 and seconds < UNREACHABLE_EXIT_S, (seconds, err[-3000:])
+    assert f"raytrain: RAY_ADDRESS={address}: no Ray cluster answers" in err and "Traceback" not in err, err[-3000:]
