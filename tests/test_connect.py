@@ -1,8 +1,10 @@
 """How the CLI finds Ray: an embedded Ray when RAY_ADDRESS is unset (whatever an old cluster left in
 Ray's temp dir), and a clear, bounded failure when RAY_ADDRESS names no reachable cluster.
 
-Each test runs ``python -m raytrain train`` as a user would, in a subprocess with its own
-RAY_TMPDIR (Ray's ``ray_current_cluster`` file lies there), and kills whatever it started by pid.
+Each test runs ``python -m raytrain`` as a user would, in a subprocess with its own RAY_TMPDIR
+(Ray's ``ray_current_cluster`` file lies there) and its own network namespace: ``RAY_ADDRESS=auto``
+joins any one Ray that runs on the machine (another user's too), which a private network keeps out
+of reach. Whatever a test started is killed by pid afterwards.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.private_cluster import kill_all_using, pids_using
+from tests.private_cluster import kill_all_using, pids_using, unshare_works
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,10 +30,21 @@ UNREACHABLE_EXIT_S = 30.0
 """The issue's bound: an unreachable RAY_ADDRESS fails within this, Python's start-up included."""
 
 EMBEDDED_RUN_TIMEOUT_S = 150.0
-"""A 2-step dp=1 run on an embedded Ray: about 30 s on a busy 2-core machine."""
+"""A 2-step dp=1 run on an embedded Ray: about 15 s on a busy 2-core machine."""
 
 SHORT_CONNECT_TIMEOUT_S = "3"
 """raytrain's bound on ray.init for a port that accepts but never answers as Ray (default 60 s)."""
+
+ISSUE_ADDRESS = "127.0.0.1:6553"
+"""The issue's RAY_ADDRESS; in a test's private network nothing listens there unless the test says so."""
+
+NOT_RAY_LISTENER = (
+    f"{sys.executable} -c 'import socket, time; s = socket.socket(); s.bind((\"0.0.0.0\", 6553)); "
+    "s.listen(16); time.sleep(600)' >/dev/null 2>&1 & "
+    "for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/6553) 2>/dev/null && break; sleep 0.1; done; ")
+"""Shell commands that leave a port accepting connections (the kernel queues them) that never speaks Ray."""
+
+needs_netns = pytest.mark.skipif(not unshare_works(), reason="needs `unshare -n` (root or user namespaces)")
 
 
 @pytest.fixture
@@ -47,27 +59,21 @@ def ray_tmpdir():
         assert not left, f"processes survived SIGKILL: {left}"
 
 
-def stale_current_cluster(ray_tmpdir: str) -> str:
-    """Write what a killed `ray start` leaves behind: ray_current_cluster naming a port nobody listens on."""
-    port = closed_port()
+def stale_current_cluster(ray_tmpdir: str) -> None:
+    """Write what a killed `ray start` leaves behind: ray_current_cluster naming an address nobody listens on."""
     os.makedirs(os.path.join(ray_tmpdir, "ray"), exist_ok=True)
-    Path(ray_tmpdir, "ray", "ray_current_cluster").write_text(f"127.0.0.1:{port}")
-    return f"127.0.0.1:{port}"
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    Path(ray_tmpdir, "ray", "ray_current_cluster").write_text(ISSUE_ADDRESS)
 
 
 def run_cli(env: dict, overrides: list[str], timeout_s: float, command: str = "train",
-            config: str = "experiments/configs/tiny.yaml") -> tuple[int, str, str, float]:
-    """``python -m raytrain <command> --config <config> --set ...``; (exit code, stdout, stderr, seconds).
-    Fails the test, after killing the run's process group, if it takes over ``timeout_s``."""
-    cmd = [sys.executable, "-m", "raytrain", command, "--config", config]
+            config: str = "experiments/configs/tiny.yaml", first: str = "") -> tuple[int, str, str, float]:
+    """``python -m raytrain <command> --config <config> --set ...`` in a new network namespace (after
+    the shell commands ``first``); (exit code, stdout, stderr, seconds). Fails the test, after killing
+    the run's process group, if it takes over ``timeout_s``."""
+    cli = [sys.executable, "-m", "raytrain", command, "--config", config]
     for o in overrides:
-        cmd += ["--set", o]
+        cli += ["--set", o]
+    cmd = ["unshare", "-n", "bash", "-c", f'ip link set lo up || exit 99; {first}exec "$@"', "bash", *cli]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -77,7 +83,7 @@ def run_cli(env: dict, overrides: list[str], timeout_s: float, command: str = "t
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"`{' '.join(cmd)}` was still running after {timeout_s:g}s; stderr:\n{err[-3000:]}")
+        pytest.fail(f"`{' '.join(cli)}` was still running after {timeout_s:g}s; stderr:\n{err[-3000:]}")
     return proc.returncode, out, err, time.monotonic() - start
 
 
@@ -92,6 +98,7 @@ def small_run(data_cache: str, run_dir) -> list[str]:
             f"run.dir={run_dir}", "run.trace_steps=0"]
 
 
+@needs_netns
 def test_unset_ray_address_starts_an_embedded_ray_despite_a_stale_current_cluster(ray_tmpdir, data_cache, tmp_path):
     stale_current_cluster(ray_tmpdir)
     rc, out, err, seconds = run_cli(cli_env(ray_tmpdir), small_run(data_cache, tmp_path / "runs"),
@@ -106,27 +113,19 @@ def test_unset_ray_address_starts_an_embedded_ray_despite_a_stale_current_cluste
     assert not pids_using(ray_tmpdir), "the embedded Ray's processes outlived the CLI"
 
 
+@needs_netns
 @pytest.mark.parametrize("case", ["nothing_listens", "not_ray", "auto_finds_a_stale_cluster"])
 def test_an_unreachable_ray_address_fails_fast_with_exit_3_naming_the_fix(case, ray_tmpdir, data_cache, tmp_path):
     """Ray itself retries such an address for minutes, printing only C++ warnings."""
-    extra, listener = {}, None
-    if case == "nothing_listens":
-        address = f"127.0.0.1:{closed_port()}"
-    elif case == "not_ray":  # the port accepts (the kernel queues the connection) but never speaks Ray
-        listener = socket.socket()  # on every address: Ray dials the machine's IP for 127.0.0.1
-        listener.bind(("0.0.0.0", 0))
-        listener.listen(16)
-        address = f"127.0.0.1:{listener.getsockname()[1]}"
+    address, extra, first = ISSUE_ADDRESS, {}, ""
+    if case == "not_ray":
         extra["RAYTRAIN_CONNECT_TIMEOUT_S"] = SHORT_CONNECT_TIMEOUT_S
-    else:  # auto follows ray_current_cluster, here left by a killed cluster
+        first = NOT_RAY_LISTENER
+    elif case == "auto_finds_a_stale_cluster":  # auto follows ray_current_cluster, here left by a killed cluster
         stale_current_cluster(ray_tmpdir)
         address = "auto"
-    try:
-        rc, _, err, seconds = run_cli(cli_env(ray_tmpdir, RAY_ADDRESS=address, **extra),
-                                      small_run(data_cache, tmp_path / "runs"), UNREACHABLE_EXIT_S + 30)
-    finally:
-        if listener is not None:
-            listener.close()
+    rc, _, err, seconds = run_cli(cli_env(ray_tmpdir, RAY_ADDRESS=address, **extra),
+                                  small_run(data_cache, tmp_path / "runs"), UNREACHABLE_EXIT_S + 30, first=first)
     assert rc == 3, err[-3000:]
     assert seconds < UNREACHABLE_EXIT_S, f"took {seconds:.1f}s"
     said = [line for line in err.splitlines() if line.startswith("raytrain: ")]
@@ -134,10 +133,11 @@ def test_an_unreachable_ray_address_fails_fast_with_exit_3_naming_the_fix(case, 
     assert "Traceback" not in err, err[-3000:]
 
 
+@needs_netns
 def test_a_sweep_with_an_unreachable_ray_address_fails_fast_with_exit_3(ray_tmpdir, tmp_path):
-    address = f"127.0.0.1:{closed_port()}"
-    rc, _, err, seconds = run_cli(cli_env(ray_tmpdir, RAY_ADDRESS=address), [f"sweep.storage_path={tmp_path}"],
+    rc, _, err, seconds = run_cli(cli_env(ray_tmpdir, RAY_ADDRESS=ISSUE_ADDRESS), [f"sweep.storage_path={tmp_path}"],
                                   UNREACHABLE_EXIT_S + 30, command="sweep",
                                   config="experiments/configs/sweep_tiny.yaml")
     assert rc == 3 and seconds < UNREACHABLE_EXIT_S, (seconds, err[-3000:])
-    assert f"raytrain: RAY_ADDRESS={address}: no Ray cluster answers" in err and "Traceback" not in err, err[-3000:]
+    assert f"raytrain: RAY_ADDRESS={ISSUE_ADDRESS}: no Ray cluster answers" in err and "Traceback" not in err, err[-3000:]
+
