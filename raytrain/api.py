@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain import checkpoint, data
 from raytrain.config import Config, check_factory
-from raytrain.connect import ensure_ray
+from raytrain.connect import ensure_ray, run_root
 from raytrain.coordinator import Coordinator
 from raytrain.placement import ResourcesUnavailable, request, reserve  # noqa: F401 (ResourcesUnavailable is public here)
 from raytrain.rendezvous import RendezvousStore, preload_torch_distributed
@@ -67,11 +67,11 @@ def prepare(cfg: Config) -> tuple[Config, str, int, list[list[int]], Optional[st
     num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch)
     stages = [list(r) for r in _stage_ranges(cfg)]
     run_name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S-") + cfg.layout().replace(" ", "_").replace("=", "")
-    run_dir = os.path.abspath(os.path.join(os.path.expanduser(cfg.run.dir), run_name))
+    run_dir = os.path.join(run_root(cfg.run.dir), run_name)
     ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     cfg = dataclasses.replace(
         cfg,
-        run=dataclasses.replace(cfg.run, name=run_name),
+        run=dataclasses.replace(cfg.run, dir=os.path.dirname(run_dir), name=run_name),
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir),
     )
     resume = None

@@ -10,6 +10,9 @@ grant.
 With ``RAY_ADDRESS`` unset the driver always starts a fresh embedded Ray (``address="local"``):
 a bare ``ray.init()`` would instead join the cluster named in ``/tmp/ray/ray_current_cluster``, a
 file that outlives a killed cluster, and hang on it.
+
+A driver started by ``ray job submit`` runs in a temporary copy of the job's working directory, so
+its relative ``run.dir`` is resolved under ~/raytrain instead (``run_root``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ CONNECT_TIMEOUT_S = float(os.environ.get(CONNECT_TIMEOUT_ENV, "60"))
 """How long ``ray.init`` may take to join a cluster whose port answered (overridden by the
 environment variable above: a loaded head can be slow to answer, a test wants a short bound)."""
 
+JOB_DRIVER_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+"""Set by Ray's job supervisor in the environment of a ``ray job submit`` driver only (not in its
+tasks' or actors'): how a driver knows it runs as a Ray job."""
+
+JOB_RUN_PARENT = "~/raytrain"
+"""Where a Ray job's relative ``run.dir`` lives: the job's own working directory is a temporary copy
+of ``--working-dir`` that nobody looks into and Ray deletes."""
+
 _FIX = ("start the cluster first (`ray start --head`) and point RAY_ADDRESS at it, "
         "or unset RAY_ADDRESS to train on an embedded local Ray")
 
@@ -56,6 +67,20 @@ def ensure_ray(min_cpus: int = 0) -> None:
     else:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus) if min_cpus else None,
                  include_dashboard=False)
+
+
+def running_as_job() -> bool:
+    """True in the driver of a ``ray job submit`` job."""
+    return JOB_DRIVER_ENV in os.environ
+
+
+def run_root(run_dir: str) -> str:
+    """``run.dir`` as an absolute path. In a Ray job a relative ``run.dir`` (the default ``runs``)
+    lies under ~/raytrain instead of inside the job's temporary working-dir copy."""
+    path = os.path.expanduser(run_dir)
+    if running_as_job():
+        path = os.path.join(os.path.expanduser(JOB_RUN_PARENT), path)  # an absolute path stays as it is
+    return os.path.abspath(path)
 
 
 def _probe(address: str) -> None:

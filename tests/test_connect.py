@@ -141,3 +141,14 @@ def test_a_sweep_with_an_unreachable_ray_address_fails_fast_with_exit_3(ray_tmpd
     assert rc == 3 and seconds < UNREACHABLE_EXIT_S, (seconds, err[-3000:])
     assert f"raytrain: RAY_ADDRESS={ISSUE_ADDRESS}: no Ray cluster answers" in err and "Traceback" not in err, err[-3000:]
 
+
+def test_a_ray_job_puts_a_relative_run_dir_under_home_raytrain(monkeypatch, tmp_path):
+    """A job's working directory is Ray's temporary copy; absolute and ~ paths are the user's choice."""
+    from raytrain.connect import JOB_DRIVER_ENV, run_root
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv(JOB_DRIVER_ENV, raising=False)
+    assert run_root("runs") == os.path.abspath("runs")
+    monkeypatch.setenv(JOB_DRIVER_ENV, "{}")
+    assert run_root("runs") == str(tmp_path / "raytrain" / "runs")
+    assert run_root("/data/runs") == "/data/runs" and run_root("~/elsewhere") == str(tmp_path / "elsewhere")

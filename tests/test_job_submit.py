@@ -1,7 +1,7 @@
 """The README's local-cluster commands, run as written on a fresh machine (a fresh HOME with no Ray
 token, a private network namespace, so ``ray start --head`` uses its default ports): the cluster
-has token authentication on, ``ray job submit`` trains and ends with the summary JSON, and a
-request without the token is refused."""
+has token authentication on, ``ray job submit`` trains and ends with the summary JSON, the run
+directory outlives the job, and a request without the token is refused."""
 
 import json
 import os
@@ -53,7 +53,7 @@ def readme_commands() -> list[str]:
 
 def with_test_overrides(command: str, data_cache: str) -> str:
     """The README's job command plus --set overrides that only make it small: 4 steps on a slice of the
-    corpus cached by the session."""
+    corpus cached by the session. run.dir stays unset: where a job's runs go is under test."""
     assert "#" not in command, "overrides are appended: keep comments off the `ray job submit` line"
     return command + f" --set train.steps=4 --set data.max_bytes=200000 --set data.cache_dir={data_cache}"
 
@@ -87,6 +87,11 @@ def test_readme_cluster_commands_run_as_written_with_token_auth(data_cache):
         summary = summary_of(job)
         assert summary["steps"] == 4 and summary["layout"] == "dp=2 pp=1 m=1", summary
         assert os.path.exists(os.path.join(summary["checkpoint"], "manifest.json"))
+        # The run directory is durable, named in the job's output, and not in Ray's working-dir copy.
+        run_dir = summary["run_dir"]
+        assert run_dir.startswith(os.path.join(home, "raytrain", "runs") + os.sep), run_dir
+        assert not run_dir.startswith(ray_tmp) and f"run dir {run_dir}" in job
+        assert os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
         # `ray status` works in the same shell, and a request without the token, or with a wrong one, is refused.
         rc, out = shell.run("ray status", OTHER_STEP_TIMEOUT_S)
         assert rc == 0 and "Resources" in out, out[-3000:]
