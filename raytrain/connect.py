@@ -92,21 +92,24 @@ def _probe(address: str) -> None:
     try:
         socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
     except OSError as e:
-        reason = f"no answer within {PROBE_TIMEOUT_S:g}s" if isinstance(e, socket.timeout) else (e.strerror or str(e))
-        where = f"{host}:{port}" + (", the cluster `ray start` last started here" if address == "auto" else "")
-        raise ClusterUnreachable(f"RAY_ADDRESS={address}: no Ray cluster answers at {where} ({reason}); {_FIX}") from None
+        reason = f"no answer within {PROBE_TIMEOUT_S:g}s" if isinstance(e, socket.timeout) else e.strerror or str(e)
+        where = f"{host}:{port}" + (", the cluster auto found on this machine" if address == "auto" else "")
+        raise ClusterUnreachable(
+            f"RAY_ADDRESS={address}: no Ray cluster answers at {where} ({reason}); {_FIX}") from None
 
 
 def _host_port(address: str) -> Optional[tuple[str, int]]:
     """The host and port that RAY_ADDRESS points at: ``host:port``, ``ray://host:port``, or for
-    ``auto`` the cluster Ray would pick (the last ``ray start`` on this machine). None if unknown."""
+    ``auto`` the cluster Ray would pick (the only Ray running on this machine, else the last one
+    ``ray start`` started, as its ray_current_cluster file says). None if unknown."""
     if address == "auto":
         from ray._private.services import canonicalize_bootstrap_address
 
         try:
             address = canonicalize_bootstrap_address("auto")
         except ConnectionError:
-            raise ClusterUnreachable(f"RAY_ADDRESS=auto: no running Ray cluster found on this machine; {_FIX}") from None
+            raise ClusterUnreachable(
+                f"RAY_ADDRESS=auto: no running Ray cluster found on this machine; {_FIX}") from None
         if address is None:
             return None
     parts = urlsplit(address if "://" in address else f"//{address}")
