@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain import checkpoint, data
 from raytrain.config import Config, check_factory
+from raytrain.connect import ensure_ray, run_root
 from raytrain.coordinator import Coordinator
 from raytrain.workergroup import WorkersLost
 from raytrain.placement import ResourcesUnavailable, request, reserve  # noqa: F401 (ResourcesUnavailable is public here)
@@ -73,12 +74,13 @@ def prepare(cfg: Config) -> tuple[Config, str, int, list[list[int]], Optional[st
     """
     check_factory(cfg)
     data_path = data.resolve_data_path(cfg)
-    num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch, cfg.model.vocab_size)
+    num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch,
+                                     cfg.model.vocab_size)
     stages = [list(r) for r in _stage_ranges(cfg)]
-    run_root = os.path.abspath(os.path.expanduser(cfg.run.dir))
-    run_name = cfg.run.name or _new_run_name(run_root, cfg.layout())
-    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_root, run_name, "checkpoints")
-    resume = _resume_source(cfg, run_root, ckpt_dir)
+    root = run_root(cfg.run.dir)  # under ~/raytrain in a Ray job: the job's working dir is temporary
+    run_name = cfg.run.name or _new_run_name(root, cfg.layout())
+    ckpt_dir = cfg.checkpoint.dir or os.path.join(root, run_name, "checkpoints")
+    resume = _resume_source(cfg, root, ckpt_dir)
     try:
         checkpoint.check_writable(ckpt_dir)
     except checkpoint.CheckpointError as e:
@@ -86,23 +88,23 @@ def prepare(cfg: Config) -> tuple[Config, str, int, list[list[int]], Optional[st
                          f"pyarrow.fs URI (s3://, gs://, hdfs://) whose credentials this machine has") from e
     cfg = dataclasses.replace(
         cfg,
-        run=dataclasses.replace(cfg.run, name=run_name),
+        run=dataclasses.replace(cfg.run, dir=root, name=run_name),
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir),
     )
     return cfg, data_path, num_samples, stages, resume
 
 
-def _new_run_name(run_root: str, layout: str) -> str:
+def _new_run_name(root: str, layout: str) -> str:
     """A timestamp and the layout, with a suffix when a run of the same second already has it."""
     base = time.strftime("%Y%m%d-%H%M%S-") + layout.replace(" ", "_").replace("=", "")
     name, n = base, 1
-    while os.path.exists(os.path.join(run_root, name)):
+    while os.path.exists(os.path.join(root, name)):
         n += 1
         name = f"{base}-{n}"
     return name
 
 
-def _resume_source(cfg: Config, run_root: str, ckpt_dir: str) -> Optional[str]:
+def _resume_source(cfg: Config, root: str, ckpt_dir: str) -> Optional[str]:
     """The checkpoint ``checkpoint.resume`` names, checked; None when not resuming.
 
     ``latest`` means checkpoint.dir's latest when checkpoint.dir is set; else the checkpoint published
@@ -112,7 +114,7 @@ def _resume_source(cfg: Config, run_root: str, ckpt_dir: str) -> Optional[str]:
         return None
     where = cfg.checkpoint.resume
     if where == "latest":
-        where = ckpt_dir if cfg.checkpoint.dir or cfg.run.name else _newest_run_checkpoint(run_root) or ckpt_dir
+        where = ckpt_dir if cfg.checkpoint.dir or cfg.run.name else _newest_run_checkpoint(root) or ckpt_dir
     try:
         resume = checkpoint.resolve(where)
         manifest = checkpoint.read_manifest(resume)
@@ -126,10 +128,10 @@ def _resume_source(cfg: Config, run_root: str, ckpt_dir: str) -> Optional[str]:
     return resume
 
 
-def _newest_run_checkpoint(run_root: str) -> Optional[str]:
-    """The checkpoint published last under ``<run_root>/*/checkpoints`` (by its manifest's time)."""
+def _newest_run_checkpoint(root: str) -> Optional[str]:
+    """The checkpoint published last under ``<root>/*/checkpoints`` (by its manifest's time)."""
     newest, newest_time = None, -1.0
-    for run in os.scandir(run_root) if os.path.isdir(run_root) else []:
+    for run in os.scandir(root) if os.path.isdir(root) else []:
         found = checkpoint.latest(os.path.join(run.path, "checkpoints")) if run.is_dir() else None
         if found is not None:
             published = os.path.getmtime(os.path.join(found, checkpoint.MANIFEST))
@@ -171,16 +173,6 @@ def _stage_ranges(cfg: Config) -> list[range]:
         example = torch.zeros(max(1, cfg.train.global_batch // (p.dp * p.microbatches)), cfg.model.seq_len, dtype=torch.long)
         return plan_stages(layers, p.pp, example_input=example)
     return stage_ranges(balanced_cuts(param_costs(layers), p.pp), len(layers))
-
-
-def ensure_ray(min_cpus: int = 0) -> None:
-    """Connect to RAY_ADDRESS when set; otherwise start an embedded local Ray sized to the machine."""
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-    else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus) if min_cpus else None, include_dashboard=False)
 
 
 def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]], None]] = None,

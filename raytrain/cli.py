@@ -62,6 +62,7 @@ def _fail(message: str, code: int) -> int:
 
 def _sweep(args) -> int:
     from raytrain import tune as rt_tune
+    from raytrain.placement import ResourcesUnavailable
 
     try:
         sweep = rt_tune.load_sweep_config(args.config, args.overrides)
@@ -69,6 +70,9 @@ def _sweep(args) -> int:
     except ValueError as e:
         print(f"raytrain: sweep config error: {e}", file=sys.stderr)
         return 2
+    except ResourcesUnavailable as e:  # RAY_ADDRESS names no reachable cluster
+        print(f"raytrain: {e}", file=sys.stderr)
+        return 3
     rows = rt_tune.summarize(grid, sweep)
     print(rt_tune.format_table(rows), file=sys.stderr)
     csv_path, png_path = rt_tune.write_reports(grid, rows, grid.experiment_path)
