@@ -14,6 +14,9 @@ worker's consent, and the coordinator rolls the others forward with ``commit_pre
 Tensors only move through torch.distributed: activations and their gradients point-to-point
 between neighbouring stages, gradients all-reduced in the stage's dp group, state broadcast from a
 live peer to new members.
+
+At each phase point (raytrain.faults.PHASES) the stage calls its ``hook``, which does nothing
+unless the fault library armed it for this worker.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import math
 import os
 import resource
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +34,7 @@ from torch import nn
 
 from raytrain import checkpoint, data, schedule, split_backward
 from raytrain.config import config_from_dict
-from raytrain.faults import FaultPlan
+from raytrain.faults import PhaseHook, phase_hook
 from raytrain.gradsync import GradientBuckets
 from raytrain.mesh import Mesh, init_groups
 from raytrain.model import build_model
@@ -42,11 +45,15 @@ from raytrain.rendezvous import StoreAddress
 _SHAPE_MSG_LEN = 10
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 
+HookFactory = Callable[[list[str], int, int], PhaseHook]
+"""(fault specs, replica, stage) -> the hook of the worker at that slot."""
+
 
 class Stage:
     """The layers of one stage of one replica, and how to train them; see the module docstring."""
 
-    def __init__(self, config: dict, data_path: str, num_samples: int, stage: int, layer_ids: list[int]):
+    def __init__(self, config: dict, data_path: str, num_samples: int, stage: int, layer_ids: list[int],
+                 make_hook: HookFactory = phase_hook):
         cfg = self.cfg = config_from_dict(config)
         self.data_path, self.num_samples = data_path, num_samples
         torch.set_num_threads(cfg.resources.cpus_per_worker)
@@ -64,7 +71,8 @@ class Stage:
         self.dataset = None
         self.committed = 0  # steps applied so far; the next step to run
         self.prepared: Optional[int] = None  # a step whose gradients are reduced but not yet applied
-        self.faults = FaultPlan([])
+        self.make_hook = make_hook
+        self.hook = PhaseHook()  # called at every phase point; the last join's faults arm it
         self.generation: Optional[int] = None
         self.groups = None
         self.joins = 0  # join attempts so far, successful or not
@@ -81,9 +89,9 @@ class Stage:
         self.replica, stage = mesh.coords(rank)
         assert stage == self.stage, f"worker of stage {self.stage} placed at stage {stage}"
         self.is_first, self.is_last = self.stage == 0, self.stage == mesh.pp - 1
-        self.faults = FaultPlan(faults)
-        if generation > 0:
-            self.faults.maybe_fire(self.replica, self.stage, self.committed, "join")
+        self.hook = self.make_hook(faults, self.replica, self.stage)
+        if generation > 0:  # generation 0 is the start; a join fault names a repair's
+            self.hook("join", self.committed)
         backend = "nccl" if cfg.resources.use_gpu else "gloo"
         self.groups = init_groups(mesh, rank, store, generation, backend, cfg.elastic.detect_timeout_s)
         self.generation = generation
@@ -213,7 +221,7 @@ class Stage:
                 result.update(ok=False, nonfinite=True, committed=self.committed, prepared=None,
                               error="a loss or gradient norm was not finite")
                 return result
-            self.faults.maybe_fire(self.replica, self.stage, step, "optimizer")
+            self.hook("optimizer", step)
             t0 = time.perf_counter()
             self.optimizer.step()
             self.committed, self.prepared = step + 1, None
@@ -262,7 +270,7 @@ class Stage:
         sends = []
         loss_sum = torch.zeros((), device=self.device)
         busy_s, peak_live, events = 0.0, 0, []
-        self.faults.maybe_fire(self.replica, self.stage, step, "forward")
+        self.hook("forward", step)
         seen_backward = False
 
         for i, action in enumerate(self.plan):
@@ -293,7 +301,7 @@ class Stage:
                 out_grads[action.mb] = grad
             elif kind == schedule.BACKWARD:
                 if not seen_backward:
-                    self.faults.maybe_fire(self.replica, self.stage, step, "backward")
+                    self.hook("backward", step)
                     seen_backward = True
                 out = outputs.pop(action.mb)
                 out_grad = None if self.is_last else out_grads.pop(action.mb)
@@ -316,7 +324,7 @@ class Stage:
         for work in sends:
             work.wait()
         t_sync = time.perf_counter()
-        self.faults.maybe_fire(self.replica, self.stage, step, "allreduce")  # peers are all-reducing now
+        self.hook("allreduce", step)  # peers are all-reducing now
         self.grads.finish()
         t_reduced = time.perf_counter()
         grad_norm = self._clip_gradients()
@@ -371,14 +379,12 @@ class Stage:
         }
 
     def save(self, ckpt_dir: str) -> dict:
-        shard = self.shard()
-        if self.faults.due(self.replica, self.stage, self.committed, "checkpoint"):  # die half-way through
-            checkpoint.write_bytes(f"{ckpt_dir}/{checkpoint.shard_name(self.stage)}", b"half a shard")
-            self.faults.maybe_fire(self.replica, self.stage, self.committed, "checkpoint")
+        shard, name = self.shard(), checkpoint.shard_name(self.stage)
+        self.hook("checkpoint", self.committed, file=checkpoint.join_uri(ckpt_dir, name))
         size = checkpoint.save_shard(ckpt_dir, self.stage, shard)
         finite = all(bool(torch.isfinite(t).all()) for t in shard["model"].values()) and all(
             bool(torch.isfinite(t).all()) for state in shard["optim"].values() for t in state.values())
-        return {"file": checkpoint.shard_name(self.stage), "bytes": size, "finite": finite}
+        return {"file": name, "bytes": size, "finite": finite}
 
     def load(self, ckpt_dir: str) -> None:
         """Take this stage's parameters and optimizer state from any layout's checkpoint."""

@@ -41,7 +41,8 @@ class StageWorker:
 
     @ray.method(enable_task_events=False)  # called every step: not worth tracing in Ray's task table
     def run_step(self, step: int, trace: bool = False) -> dict:
-        return self.stage.run_step(step, trace)
+        # The hook sees the reply: a fault due in the next step waits until the caller has read it.
+        return self.stage.hook.reply(step, self.stage.run_step(step, trace))
 
     def save(self, ckpt_dir: str) -> dict:
         return self.stage.save(ckpt_dir)
