@@ -262,5 +262,10 @@ class Stage:
         """Take this stage's parameters and optimizer state from any layout's checkpoint."""
         self.committed, self.prepared = self.state.load(ckpt_dir), None
 
+    def state_digest(self) -> str:
+        """A hash of this stage's parameters, optimizer state and committed step: every replica of a
+        stage holds the same state exactly when their digests are equal."""
+        return self.state.digest(self.committed)
+
     def shutdown(self) -> None:
         self.leave()

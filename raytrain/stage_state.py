@@ -1,11 +1,12 @@
-"""A stage's parameters and optimizer state, by global parameter name: broadcast and shards.
+"""A stage's parameters and optimizer state, by global parameter name: broadcast, shards, digest.
 
-What a worker hands to a new peer (``broadcast``), and writes to and reads from checkpoints
-(``shard``, ``load``).
+What a worker hands to a new peer (``broadcast``), writes to and reads from checkpoints (``shard``,
+``load``), and what must be identical on every replica of a stage (``digest``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -80,9 +81,27 @@ class StageState:
             torch.set_rng_state(state["rng"])
         return checkpoint.read_manifest(ckpt_dir)["step"]
 
+    def digest(self, committed: int) -> str:
+        """sha256 of ``committed`` and every parameter and optimizer tensor (name, dtype, shape, bytes),
+        by sorted global name: equal on two workers exactly when they hold the same state. A fresh
+        optimizer (no state yet) differs from one given zero state by a broadcast."""
+        h = hashlib.sha256(f"committed {committed}\n".encode())
+        optim = checkpoint.optimizer_state_by_name(self.optimizer, self.names)
+        by_name = dict(zip(self.names, self.params))
+        for name in sorted(by_name):
+            _hash_tensor(h, name, by_name[name])
+            for key in sorted(optim.get(name, {})):
+                _hash_tensor(h, f"{name} {key}", optim[name][key])
+        return h.hexdigest()
+
 
 def all_finite(shard: dict[str, Any]) -> bool:
     """Whether every parameter and optimizer value of a shard is finite."""
     tensors = list(shard["model"].values()) + [t for state in shard["optim"].values() for t in state.values()]
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
+
+def _hash_tensor(h, label: str, t: torch.Tensor) -> None:
+    t = t.detach().cpu().contiguous()
+    h.update(f"{label} {t.dtype} {tuple(t.shape)}\n".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -50,6 +50,9 @@ class StageWorker:
     def load(self, ckpt_dir: str) -> None:
         self.stage.load(ckpt_dir)
 
+    def state_digest(self) -> str:
+        return self.stage.state_digest()
+
     def shutdown(self) -> None:
         self.stage.shutdown()
 

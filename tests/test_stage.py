@@ -1,4 +1,4 @@
-"""A Stage in this process: the phase hook it calls (the seam fault injection fills)."""
+"""A Stage in this process: its state digest, and the phase hook it calls (the seam fault injection fills)."""
 
 import os
 import pickle
@@ -11,6 +11,7 @@ from raytrain.api import prepare
 from raytrain.data import even_shares
 from raytrain.faults import PhaseHook, phase_hook
 from raytrain.mesh import Mesh
+from raytrain.model import num_layers
 from raytrain.rendezvous import RendezvousStore
 from raytrain.stage import Stage
 
@@ -21,6 +22,32 @@ def keep_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+def _stage(cfg, **kwargs) -> Stage:
+    return Stage(cfg.to_dict(), "unused: no join", 1, 0, list(range(num_layers(cfg.model))), **kwargs)
+
+
+def test_state_digest_is_equal_for_equal_state_and_changes_with_any_value(make_config, keep_torch_threads):
+    cfg = make_config()
+    a, b = _stage(cfg), _stage(cfg)
+    assert a.state_digest() == b.state_digest()  # the same seed builds the same layers
+    a.optimizer.step()  # zero gradients: AdamW creates its state and decays the weights alike
+    b.optimizer.step()
+    assert a.state_digest() == b.state_digest()
+    weight = b.params[-1].view(-1)
+    with torch.no_grad():
+        weight[0] += 1e-6
+    assert a.state_digest() != b.state_digest()
+    with torch.no_grad():
+        weight[0] = a.params[-1].view(-1)[0]
+    assert a.state_digest() == b.state_digest()
+    b.optimizer.state[b.params[0]]["exp_avg"].view(-1)[0] = 1.0  # optimizer state counts
+    assert a.state_digest() != b.state_digest()
+    a.optimizer.state[a.params[0]]["exp_avg"].view(-1)[0] = 1.0
+    assert a.state_digest() == b.state_digest()
+    a.committed = 1  # and so does the step
+    assert a.state_digest() != b.state_digest()
 
 
 class Recorder(PhaseHook):
