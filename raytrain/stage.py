@@ -160,6 +160,7 @@ class Stage:
             result["ok"] = True
         except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
             result.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+            e.__traceback__ = None  # its frames hold the step's buffers, and through them the groups
             # Close our connections now: peers blocked on us (not on the dead worker) fail at once
             # instead of waiting out elastic.detect_timeout_s. State stays; groups re-form on join.
             self.leave()
