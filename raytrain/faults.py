@@ -10,21 +10,28 @@ backward), ``allreduce`` (while its dp peers are all-reducing gradients), ``opti
 workers voted to commit, before this one stepped), ``checkpoint`` (half-way through writing its
 shard; ``step`` is then the checkpoint's step), ``join`` (while re-forming groups during a repair:
 a failure during repair; ``step`` is the step the run resumes at).
+
+A worker calls its ``PhaseHook`` at each of these points (raytrain.stage); the hook does nothing
+unless ``phase_hook`` gave it faults for that worker's slot. The executor holds no fault logic.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import time
+import socket
 from dataclasses import dataclass
-
-REPLY_FLUSH_S = 0.2
-"""A fault waits this long before it kills: replies this worker already sent (the previous step's,
-which the coordinator may not have read yet while this step runs ahead) leave the process first,
-as they would when a real crash strikes in the middle of a step rather than microseconds after a reply."""
+from typing import Optional
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "join")
+STEP_PHASES = ("forward", "backward", "allreduce", "optimizer")
+"""The phases inside ``run_step``: a step the coordinator may have sent ahead of the previous reply."""
+
+REPLY_READ_TIMEOUT_S = 60.0
+"""Bound on a step fault's wait for the caller to read the previous step's reply (it always does
+unless the caller itself is gone); after it the fault fires anyway."""
+ACK_CONNECT_TIMEOUT_S = 5.0
+"""Bound on the caller's connection back to a worker that waits for it (see ``ReplyAck``)."""
 
 
 @dataclass(frozen=True)
@@ -62,18 +69,7 @@ def kill_process(pid: int) -> None:
 
 
 class FaultPlan:
-    """The faults that concern one worker; ``maybe_fire`` kills the process when one matches."""
-
-    def __init__(self, faults: list[str]):
-        self.faults = [Fault.parse(f) for f in faults]
-
-    def due(self, replica: int, stage: int, step: int, phase: str) -> bool:
-        return any((f.replica, f.stage, f.step, f.phase) == (replica, stage, step, phase) for f in self.faults)
-
-    def maybe_fire(self, replica: int, stage: int, step: int, phase: str) -> None:
-        if self.due(replica, stage, step, phase):
-            time.sleep(REPLY_FLUSH_S)
-            kill_self()
+    """The faults of a run, as the coordinator hands them to each generation."""
 
     @staticmethod
     def remaining(faults: list[str], failed_step: int, keep_join: bool = True) -> list[str]:
@@ -84,3 +80,116 @@ class FaultPlan:
         parsed = [(text, Fault.parse(text)) for text in faults]
         return [text for text, f in parsed
                 if f.step > failed_step or (keep_join and f.step == failed_step and f.phase == "join")]
+
+
+# --- the hook a worker calls ----------------------------------------------------------------------
+
+
+class PhaseHook:
+    """A worker's phase points, as a seam: this one does nothing. ``phase_hook`` makes one that kills."""
+
+    def __call__(self, phase: str, step: int, file: Optional[str] = None) -> None:
+        """The worker reached ``phase`` of ``step``; ``file`` is the checkpoint file it is about to write."""
+
+    def reply(self, step: int, result: dict) -> dict:
+        """What the worker's actor returns to the caller of ``run_step(step)``: ``result`` itself here."""
+        return result
+
+
+class FaultHook(PhaseHook):
+    """Kills the worker at the (step, phase) points of its faults.
+
+    A step fault fires only once the caller has read this worker's reply to the step before: the
+    coordinator may send a step before that reply left the process (a worker runs it as soon as the
+    previous one returns), and a kill microseconds after the return would take the reply with it,
+    making the fault strike the step before in effect. ``reply`` arms that wait (``ReplyAck``).
+    """
+
+    def __init__(self, faults: list[Fault]):
+        self._due = {(f.step, f.phase) for f in faults}
+        self._acks: dict[int, ReplyAck] = {}  # step -> the ack of the reply to the step before it
+
+    def __call__(self, phase: str, step: int, file: Optional[str] = None) -> None:
+        if (step, phase) not in self._due:
+            return
+        if phase == "checkpoint" and file is not None:
+            from raytrain import checkpoint
+
+            checkpoint.write_bytes(file, b"half a shard")  # what a crash half-way through the write leaves
+        ack = self._acks.pop(step, None) if phase in STEP_PHASES else None
+        if ack is not None:
+            ack.wait(REPLY_READ_TIMEOUT_S)
+        kill_self()
+
+    def reply(self, step: int, result: dict) -> dict:
+        if not any((step + 1, phase) in self._due for phase in STEP_PHASES):
+            return result
+        self._acks[step + 1] = ack = ReplyAck()
+        return ack.attach(result)
+
+
+def phase_hook(faults: list[str], replica: int, stage: int) -> PhaseHook:
+    """The hook for the worker at (replica, stage): one that kills it where ``faults`` say, if any do."""
+    mine = [f for f in map(Fault.parse, faults) if (f.replica, f.stage) == (replica, stage)]
+    return FaultHook(mine) if mine else PhaseHook()
+
+
+# --- knowing that the caller has read a reply ---------------------------------------------------
+
+
+class ReplyAck:
+    """Learn when the caller has read one reply: the reply connects back here as it is deserialised.
+
+    Ray deserialises an actor method's result in the caller's process, when the caller gets it; so
+    a result whose unpickling opens a connection to this worker proves that the caller holds it.
+    Unpickled, the reply is the plain dict it carried. Nothing here sleeps or guesses a delay.
+    """
+
+    def __init__(self):
+        self._server = socket.create_server(("", 0))  # every interface: the caller may be on another node
+        self.address = (_node_address(), self._server.getsockname()[1])
+
+    def attach(self, result: dict) -> dict:
+        return _AckingReply(result, self.address)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until the reply was read (True) or ``timeout_s`` passed (False)."""
+        self._server.settimeout(timeout_s)
+        try:
+            conn, _ = self._server.accept()
+            conn.close()
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._server.close()
+
+
+class _AckingReply(dict):
+    def __init__(self, result: dict, address: tuple[str, int]):
+        super().__init__(result)
+        self.address = address
+
+    def __reduce__(self):
+        return _acknowledge, (dict(self), self.address)
+
+
+def _acknowledge(result: dict, address: tuple[str, int]) -> dict:
+    """Runs in the caller as it deserialises the reply: tell the worker, return the plain dict."""
+    try:
+        socket.create_connection(address, timeout=ACK_CONNECT_TIMEOUT_S).close()
+    except OSError:
+        pass  # the worker is gone already: nobody waits for this
+    return result
+
+
+def _node_address() -> str:
+    """This machine's address as Ray knows it (loopback outside Ray)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"

@@ -1,6 +1,6 @@
 """Pipeline schedules as data: per-stage ordered action lists, a rule checker and a timing model.
 
-No Ray and no torch.distributed here. One executor (raytrain.worker) runs any plan. Sends are
+No Ray and no torch.distributed here. One executor (raytrain.executor) runs any plan. Sends are
 non-blocking and receives block, which is exactly what ``check_plan`` simulates, so a plan that
 passes the checker cannot deadlock in the executor.
 
@@ -24,19 +24,60 @@ costs a little (a graph walk and more autograd calls), so a schedule splits only
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Optional
 
-FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
-SEND_F, RECV_F, SEND_B, RECV_B = ">F", "<F", ">B", "<B"
-COMPUTE = (FORWARD, BACKWARD, WEIGHT)
+
+class ActionKind(str, Enum):
+    """What an action does. Its value is how it prints; a ``str`` so ``Action("F", 0)`` still reads well."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    WEIGHT = "W"  # the weight half of a split backward
+    SEND_F = ">F"  # activation to the next stage
+    RECV_F = "<F"  # activation from the previous stage
+    SEND_B = ">B"  # input gradient to the previous stage
+    RECV_B = "<B"  # output gradient from the next stage
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
+
+    @property
+    def peer(self) -> int:
+        """Offset of the stage a message goes to or comes from (0 for compute)."""
+        return {">F": 1, "<B": 1, "<F": -1, ">B": -1}.get(self.value, 0)
+
+    @property
+    def flow(self) -> str:
+        """The channel a message travels on: ``F`` activations, ``B`` gradients ("" for compute)."""
+        return self.value[1:]
+
+
+FORWARD, BACKWARD, WEIGHT = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
+SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
+COMPUTE = frozenset(k for k in ActionKind if k.is_compute)
 
 Plan = list[list["Action"]]  # plan[stage] = that stage's ordered actions
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str
+    kind: ActionKind
     mb: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ActionKind(self.kind))  # "F" (as plans are written) -> FORWARD
 
     def __repr__(self) -> str:
         return f"{self.kind}{self.mb}"
@@ -115,7 +156,7 @@ def build_plan(kind: str, num_stages: int, num_microbatches: int, split_backward
 def _check_stage_order(plan: Plan, num_microbatches: int) -> None:
     p = len(plan)
     for s, acts in enumerate(plan):
-        seen: dict[tuple[str, int], int] = {}
+        seen: dict[tuple[ActionKind, int], int] = {}
         for i, a in enumerate(acts):
             if (a.kind, a.mb) in seen:
                 raise PlanError(f"stage {s} action {i} ({a!r}) appears twice\n{format_grid(plan, mark=(s, i))}")
@@ -187,12 +228,11 @@ def simulate(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0, 
                     timeline[s].append((clock[s], clock[s] + cost, a))
                     clock[s] += cost
                     busy[s] += cost
-                elif a.kind in (SEND_F, SEND_B):
-                    dst = s + 1 if a.kind == SEND_F else s - 1
-                    channels.setdefault((s, dst, a.kind[1]), []).append((a.mb, clock[s]))
+                elif a.kind.is_send:
+                    channels.setdefault((s, s + a.kind.peer, a.kind.flow), []).append((a.mb, clock[s]))
                 else:
-                    src = s - 1 if a.kind == RECV_F else s + 1
-                    queue = channels.get((src, s, a.kind[1]), [])
+                    src = s + a.kind.peer
+                    queue = channels.get((src, s, a.kind.flow), [])
                     if not queue:
                         break  # blocked: wait for the peer
                     mb, ready = queue.pop(0)

@@ -41,13 +41,17 @@ class StageWorker:
 
     @ray.method(enable_task_events=False)  # called every step: not worth tracing in Ray's task table
     def run_step(self, step: int, trace: bool = False) -> dict:
-        return self.stage.run_step(step, trace)
+        # The hook sees the reply: a fault due in the next step waits until the caller has read it.
+        return self.stage.hook.reply(step, self.stage.run_step(step, trace))
 
     def save(self, ckpt_dir: str) -> dict:
         return self.stage.save(ckpt_dir)
 
     def load(self, ckpt_dir: str) -> None:
         self.stage.load(ckpt_dir)
+
+    def state_digest(self) -> str:
+        return self.stage.state_digest()
 
     def shutdown(self) -> None:
         self.stage.shutdown()

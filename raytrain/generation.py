@@ -1,0 +1,102 @@
+"""A worker's place in one generation of the run: one frozen value, formed by ``join``.
+
+Everything that depends on the membership (rank, neighbours, this stage's plan, the replica's share
+of the global batch, the process groups, the shape of the activations this stage receives) is fixed
+for a generation and changes only when the coordinator forms a new one. A worker holds it from
+``join`` until it leaves; nothing in it is updated in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from raytrain import data, schedule
+from raytrain.config import Config
+from raytrain.mesh import Groups, Mesh, init_groups
+from raytrain.rendezvous import StoreAddress
+from raytrain.schedule import Action
+
+# Shape handshake: [ndim, dtype code, dims...] padded to this length.
+_SHAPE_MSG_LEN = 10
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """This worker's place in generation ``number`` (see the module docstring); built by ``form_generation``."""
+
+    number: int
+    mesh: Mesh
+    rank: int
+    replica: int
+    stage: int
+    is_first: bool
+    is_last: bool
+    prev_rank: Optional[int]
+    """Global rank of the previous stage of this replica (None on the first stage)."""
+    next_rank: Optional[int]
+    plan: tuple[Action, ...]
+    """This stage's actions for every step."""
+    split_mbs: frozenset[int]
+    """Micro-batches whose backward this stage splits (they have a W action)."""
+    last_grad_action: int
+    """Index in ``plan`` of the action that fills the step's last gradients: buckets reduce from then on."""
+    share: int
+    """This replica's samples of each global batch."""
+    batch_offset: int
+    """Where this replica's share starts within each global batch."""
+    mb_bounds: tuple[tuple[int, int], ...]
+    """[lo, hi) of each micro-batch within the share."""
+    groups: Groups
+    input_tail: Optional[tuple[int, ...]]
+    """Per-sample shape of the activation this stage receives (None on the first stage: token ids)."""
+    input_dtype: Optional[torch.dtype]
+
+
+def form_generation(cfg: Config, rank: int, mesh: Mesh, shares: list[int], store: StoreAddress, number: int,
+                    stage_output: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Generation:
+    """Form generation ``number``'s process groups and learn this stage's input shape (collective over
+    every member). ``stage_output`` runs this stage's layers on an example input (no grad)."""
+    replica, stage = mesh.coords(rank)
+    is_first, is_last = stage == 0, stage == mesh.pp - 1
+    backend = "nccl" if cfg.resources.use_gpu else "gloo"
+    groups = init_groups(mesh, rank, store, number, backend, cfg.elastic.detect_timeout_s)
+    prev_rank = None if is_first else mesh.rank(replica, stage - 1)
+    next_rank = None if is_last else mesh.rank(replica, stage + 1)
+    tail, dtype = _exchange_shapes(cfg.model.seq_len, prev_rank, next_rank, stage_output, device)
+    par = cfg.parallel
+    plan = tuple(schedule.build_plan(par.schedule, mesh.pp, par.microbatches, par.split_backward)[stage])
+    return Generation(
+        number=number, mesh=mesh, rank=rank, replica=replica, stage=stage, is_first=is_first, is_last=is_last,
+        prev_rank=prev_rank, next_rank=next_rank, plan=plan,
+        split_mbs=frozenset(schedule.split_microbatches(list(plan))),
+        last_grad_action=schedule.last_gradient_action(list(plan)),
+        share=shares[replica], batch_offset=sum(shares[:replica]),
+        mb_bounds=tuple(data.microbatch_bounds(shares[replica], par.microbatches)),
+        groups=groups, input_tail=tail, input_dtype=dtype,
+    )
+
+
+def _exchange_shapes(seq_len: int, prev_rank: Optional[int], next_rank: Optional[int],
+                     stage_output: Callable[[torch.Tensor], torch.Tensor], device: torch.device):
+    """Learn the per-sample shape and dtype of this stage's input from the previous stage, and tell the next."""
+    tail = dtype = None
+    if prev_rank is None:
+        example = torch.zeros(1, seq_len, dtype=torch.long, device=device)
+    else:
+        msg = torch.zeros(_SHAPE_MSG_LEN, dtype=torch.long, device=device)
+        dist.recv(msg, src=prev_rank)
+        ndim, code = int(msg[0]), int(msg[1])
+        tail, dtype = tuple(int(d) for d in msg[2 : 2 + ndim - 1]), _DTYPES[code]
+        example = torch.zeros(1, *tail, dtype=dtype, device=device)
+    if next_rank is not None:
+        out = stage_output(example)
+        msg = torch.zeros(_SHAPE_MSG_LEN, dtype=torch.long, device=device)
+        msg[0], msg[1] = out.dim(), _DTYPES.index(out.dtype)
+        msg[2 : 2 + out.dim() - 1] = torch.tensor(out.shape[1:])
+        dist.send(msg, dst=next_rank)
+    return tail, dtype

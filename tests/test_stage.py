@@ -1,0 +1,140 @@
+"""A Stage in this process: its state digest, and the phase hook it calls (the seam fault injection fills)."""
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from raytrain import faults
+from raytrain.api import prepare
+from raytrain.data import even_shares
+from raytrain.faults import PhaseHook, phase_hook
+from raytrain.mesh import Mesh
+from raytrain.model import num_layers
+from raytrain.rendezvous import RendezvousStore
+from raytrain.stage import Stage
+
+
+@pytest.fixture
+def keep_torch_threads():
+    """A Stage sets torch's thread count for its worker process; give this process its own back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _stage(cfg, **kwargs) -> Stage:
+    return Stage(cfg.to_dict(), "unused: no join", 1, 0, list(range(num_layers(cfg.model))), **kwargs)
+
+
+def test_state_digest_is_equal_for_equal_state_and_changes_with_any_value(make_config, keep_torch_threads):
+    cfg = make_config()
+    a, b = _stage(cfg), _stage(cfg)
+    assert a.state_digest() == b.state_digest()  # the same seed builds the same layers
+    a.optimizer.step()  # zero gradients: AdamW creates its state and decays the weights alike
+    b.optimizer.step()
+    assert a.state_digest() == b.state_digest()
+    weight = b.params[-1].view(-1)
+    with torch.no_grad():
+        weight[0] += 1e-6
+    assert a.state_digest() != b.state_digest()
+    with torch.no_grad():
+        weight[0] = a.params[-1].view(-1)[0]
+    assert a.state_digest() == b.state_digest()
+    b.optimizer.state[b.params[0]]["exp_avg"].view(-1)[0] = 1.0  # optimizer state counts
+    assert a.state_digest() != b.state_digest()
+    a.optimizer.state[a.params[0]]["exp_avg"].view(-1)[0] = 1.0
+    assert a.state_digest() == b.state_digest()
+    a.committed = 1  # and so does the step
+    assert a.state_digest() != b.state_digest()
+
+
+class Recorder(PhaseHook):
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, phase, step, file=None):
+        self.calls.append((phase, step, file))
+
+
+def test_the_stage_calls_its_hook_at_every_phase_point(make_config, tmp_path, keep_torch_threads):
+    # pp=1 dp=1: one process, a world of one; generation 1 so the join counts as a repair's.
+    cfg, data_path, num_samples, stage_layers, _ = prepare(make_config("train.steps=1"))
+    recorder, armed = Recorder(), []
+
+    def make_hook(specs, replica, stage_index):
+        armed.append((specs, replica, stage_index))
+        return recorder
+
+    stage = Stage(cfg.to_dict(), data_path, num_samples, 0, stage_layers[0], make_hook=make_hook)
+    rendezvous = RendezvousStore()
+    try:
+        stage.join(0, Mesh(1, 1), even_shares(cfg.train.global_batch, 1),
+                   rendezvous.address("127.0.0.1", "hooks"), generation=1, faults=["0:0@7:forward"])
+        assert stage.run_step(0)["ok"]
+        stage.save(str(tmp_path))
+    finally:
+        stage.shutdown()
+        rendezvous.close()
+    assert armed == [(["0:0@7:forward"], 0, 0)]
+    shard = os.path.join(str(tmp_path), "stage-0.pt")
+    assert recorder.calls == [("join", 0, None), ("forward", 0, None), ("backward", 0, None), ("allreduce", 0, None),
+                              ("optimizer", 0, None), ("checkpoint", 1, shard)]
+
+
+# --- the fault library's hook -----------------------------------------------------------------------
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.fixture
+def no_kill(monkeypatch):
+    def kill_self():
+        raise Killed
+
+    monkeypatch.setattr(faults, "kill_self", kill_self)
+
+
+def test_phase_hook_fires_only_for_its_slot_step_and_phase(no_kill):
+    assert type(phase_hook(["1:0@3:backward"], 0, 0)) is PhaseHook  # not this worker's: does nothing
+    hook = phase_hook(["1:0@3:backward"], 1, 0)
+    hook("forward", 3)
+    hook("backward", 2)
+    with pytest.raises(Killed):
+        hook("backward", 3)
+
+
+def test_checkpoint_fault_tears_the_shard_then_kills(no_kill, tmp_path):
+    hook = phase_hook(["0:1@4:checkpoint"], 0, 1)
+    shard = str(tmp_path / "stage-1.pt")
+    with pytest.raises(Killed):
+        hook("checkpoint", 4, file=shard)
+    assert open(shard, "rb").read() == b"half a shard"
+
+
+def test_step_fault_waits_until_the_caller_has_read_the_previous_reply(no_kill):
+    hook = phase_hook(["0:0@3:forward"], 0, 0)
+    assert type(hook.reply(1, {"step": 1})) is dict  # no fault in step 2: the reply as it is
+    reply = hook.reply(2, {"step": 2, "ok": True})
+    read = pickle.loads(pickle.dumps(reply))  # as the caller's ray.get deserialises it
+    assert type(read) is dict and read == {"step": 2, "ok": True}
+    with pytest.raises(Killed):
+        hook("forward", 3)  # returns from the wait at once: the reply was read
+
+
+def test_an_unread_reply_is_not_acknowledged():
+    ack = faults.ReplyAck()
+    ack.attach({"step": 2})
+    assert ack.wait(0.05) is False
+
+
+def test_ray_serialisation_runs_the_acknowledgement(ray_session):
+    # Ray packs results with msgpack (strict types) and pickles what msgpack does not take: a dict
+    # subclass must reach pickle, or the caller would never acknowledge.
+    ack = faults.ReplyAck()
+    ref = ray_session.put(ack.attach({"step": 0}))
+    assert ray_session.get(ref) == {"step": 0}
+    assert ack.wait(5.0)
