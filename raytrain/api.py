@@ -55,6 +55,9 @@ class Result:
     """The signal (SIGINT, SIGTERM) that stopped the run early at a step boundary, after a checkpoint."""
     skipped_steps: list[int] = field(default_factory=list)
     """Steps (1-based) not applied because their loss or gradient norm was not finite."""
+    state_digests: dict[str, str] = field(default_factory=dict, repr=False)
+    """With run.record_samples: ``"replica:stage"`` -> a digest of that worker's parameters and
+    optimizer state at the end (the replicas of a stage must be identical)."""
 
     def summary(self) -> dict:
         """The JSON object printed as the last line of ``python -m raytrain train``."""
@@ -214,7 +217,7 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
         metrics=steps, events=reporter.events, worker_pids=summary["worker_pids"], final_pids=summary["final_pids"],
         committed_steps=summary["committed_steps"], failures=summary["failures"], recovery_s=summary["recovery_s"],
         coordinator_restarts=restarts, auto_layout=auto_layout, stopped=summary["stopped"],
-        skipped_steps=[s + 1 for s in summary["skipped_steps"]],
+        skipped_steps=[s + 1 for s in summary["skipped_steps"]], state_digests=summary["digests"],
     )
 
 

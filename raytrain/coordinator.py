@@ -114,12 +114,21 @@ class Coordinator:
             self.state = RunState.FAILED
             raise
         return {"steps": self.progress.step, "checkpoint": self.last_checkpoint, "stopped": self._stop_reason,
+                "digests": self._state_digests() if self.cfg.run.record_samples else {},
                 "worker_pids": self.original_pids, "final_pids": self.team.pids(),
                 "committed_steps": self.committed_steps, "failures": self.failures, "recovery_s": self.recovery_s,
                 "skipped_steps": self.skipped_steps}
 
     def layout(self) -> str:
         return f"dp={self.team.dp} pp={self.team.pp}"
+
+    def _state_digests(self) -> dict[str, str]:
+        """``"replica:stage" -> digest`` of every member's parameters and optimizer state (audits: the
+        replicas of a stage must be identical, however many workers were lost on the way)."""
+        ranked = self.team.ranked()
+        digests = self.group.call([(m, "state_digest", ()) for _, m in ranked], SETUP_TIMEOUT_S)
+        mesh = self.team.mesh()
+        return {"%d:%d" % mesh.coords(rank): d for (rank, _), d in zip(ranked, digests)}
 
     def shutdown(self) -> None:
         for m in self.team.everyone():

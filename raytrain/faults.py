@@ -9,7 +9,9 @@ Phases: ``forward`` (before the first forward of the step), ``backward`` (before
 backward), ``allreduce`` (while its dp peers are all-reducing gradients), ``optimizer`` (after all
 workers voted to commit, before this one stepped), ``checkpoint`` (half-way through writing its
 shard; ``step`` is then the checkpoint's step), ``join`` (while re-forming groups during a repair:
-a failure during repair; ``step`` is the step the run resumes at).
+a failure during repair; ``step`` is the step the run resumes at). ``pause`` does not kill: the
+worker stops itself (SIGSTOP) at the start of the step, as a hung machine would, until something
+sends it SIGCONT; tests use it to hold a run at a known step while they act from outside.
 
 A worker calls its ``PhaseHook`` at each of these points (raytrain.stage); the hook does nothing
 unless ``phase_hook`` gave it faults for that worker's slot. The executor holds no fault logic.
@@ -23,8 +25,8 @@ import socket
 from dataclasses import dataclass
 from typing import Optional
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "join")
-STEP_PHASES = ("forward", "backward", "allreduce", "optimizer")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "join", "pause")
+STEP_PHASES = ("pause", "forward", "backward", "allreduce", "optimizer")
 """The phases inside ``run_step``: a step the coordinator may have sent ahead of the previous reply."""
 
 REPLY_READ_TIMEOUT_S = 60.0
@@ -110,16 +112,24 @@ class FaultHook(PhaseHook):
         self._acks: dict[int, ReplyAck] = {}  # step -> the ack of the reply to the step before it
 
     def __call__(self, phase: str, step: int, file: Optional[str] = None) -> None:
+        if phase == "forward" and (step, "pause") in self._due:
+            self._wait_for_reply(step)
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until someone sends SIGCONT
         if (step, phase) not in self._due:
             return
         if phase == "checkpoint" and file is not None:
             from raytrain import checkpoint
 
             checkpoint.write_bytes(file, b"half a shard")  # what a crash half-way through the write leaves
-        ack = self._acks.pop(step, None) if phase in STEP_PHASES else None
+        if phase in STEP_PHASES:
+            self._wait_for_reply(step)
+        kill_self()
+
+    def _wait_for_reply(self, step: int) -> None:
+        """Until the caller has read the reply to the step before ``step`` (see the class docstring)."""
+        ack = self._acks.pop(step, None)
         if ack is not None:
             ack.wait(REPLY_READ_TIMEOUT_S)
-        kill_self()
 
     def reply(self, step: int, result: dict) -> dict:
         if not any((step + 1, phase) in self._due for phase in STEP_PHASES):

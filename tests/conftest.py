@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 
 import pytest
-import torch
 
 from raytrain.config import load_config
 
-# Logical CPU slots for the session's Ray: dp=4 and dp=2 x pp=2 need 4 workers of 1 slot each.
-# Each worker runs one torch thread, so 4 slots on 2 cores oversubscribe time, never correctness.
-TEST_RAY_CPUS = 4
+from tests.helpers import TEST_RAY_CPUS
 
 
 # Node loss must be noticed in seconds, not Ray's default tens of seconds, for node tests to stay short.
@@ -40,13 +34,6 @@ def ray_session(ray_cluster):
     import ray
 
     return ray
-
-# Long runs at lr 1e-2 drift from the single-process reference by float rounding alone (a different
-# summation order per layout, amplified over hundreds of Adam steps: 0.5 relative after 1500 steps
-# of a fault-free dp=2 run). At lr 1e-3 the drift stays under 1e-6, so long runs use it and every
-# run is still held to 1e-5.
-LONG_RUN_LR = "train.lr=1e-3"
-
 
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory):
@@ -80,33 +67,6 @@ def dp2_run(ray_session, tmp_path_factory, data_cache):
     return cfg, train(cfg)
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Norm-wise relative difference of two tensors (0 for identical)."""
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
-
-
-def assert_same_params(got: dict, want: dict, rtol: float = 1e-5) -> None:
-    """Every parameter present in both and equal to ``rtol`` relative (norm-wise per tensor)."""
-    assert set(got) == set(want), (sorted(set(got) ^ set(want)))
-    worst = max(((relative_error(got[k], want[k]), k) for k in want))
-    assert worst[0] <= rtol, f"parameter {worst[1]} differs by {worst[0]:.2e} relative (> {rtol})"
-
-
-def reference_state(cfg, steps=None) -> dict:
-    from raytrain.reference import train_reference
-
-    model, _ = train_reference(cfg, steps)
-    return {k: v.detach() for k, v in model.state_dict().items()}
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.fixture
 def fast_driver_poll(monkeypatch):
     """The driver collects rows every 0.1 s instead of every second, so an ``on_rows`` callback that
@@ -114,41 +74,3 @@ def fast_driver_poll(monkeypatch):
     import raytrain.api
 
     monkeypatch.setattr(raytrain.api, "POLL_INTERVAL_S", 0.1)
-
-
-def stage_worker_pids() -> set[int]:
-    """Pids of the processes on this machine that host a raytrain StageWorker actor."""
-    return set(_stage_worker_titles())
-
-
-def _stage_worker_titles() -> dict[int, str]:
-    titles = {}
-    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                title = f.read().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue
-        if title.startswith("ray::StageWorker"):
-            titles[pid] = title
-    return titles
-
-
-def hold_until_a_new_worker_starts(running: list[int], known: set[int], timeout_s: float = 120.0) -> int:
-    """Pause the ``running`` workers (SIGSTOP) until a StageWorker not in ``known`` has started, and
-    return its pid. A run never waits for a joining worker, so with tiny test steps it could end
-    before a fresh process has imported torch; this makes a grow test independent of that race.
-    Ray retitles an actor's process from ``ray::StageWorker.__init__`` once the constructor returned."""
-    for pid in running:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            started = [p for p, t in _stage_worker_titles().items() if p not in known and not t.endswith("__init__")]
-            if started:
-                return started[0]
-            time.sleep(0.2)
-        raise AssertionError(f"no new StageWorker actor finished starting within {timeout_s} s")
-    finally:
-        for pid in running:
-            os.kill(pid, signal.SIGCONT)

@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+import torch
 
 from raytrain import checkpoint
 from raytrain.faults import Fault
 from raytrain.membership import Member
 from raytrain.workergroup import Outcome, StepFailed, WorkersLost
+
+# Logical CPU slots for the session's Ray: dp=4 and dp=2 x pp=2 need 4 workers of 1 slot each.
+# Each worker runs one torch thread, so 4 slots on 2 cores oversubscribe time, never correctness.
+TEST_RAY_CPUS = 4
 
 MODULUS = 1_000_000_007
 
@@ -138,6 +147,9 @@ class FakeWorkerGroup:
             w.value, w.committed, w.prepared = chain(range(step, step + 1), w.value), step + 1, None
         return w.committed
 
+    def _state_digest(self, w: FakeWorker) -> str:
+        return f"{w.value}@{w.committed}"
+
     def _skip_step(self, w: FakeWorker, step: int) -> int:
         w.committed, w.prepared = step + 1, None
         return w.committed
@@ -174,7 +186,7 @@ class FakeWorkerGroup:
         broken = len(runnable) < len(members)  # a peer was already gone: the collective fails
         before_vote = broken or any(p != "optimizer" for p in dying.values())
         fate = {}
-        for m in members:  # noqa: the fate of each member follows from the step's as a whole
+        for m in members:
             w = m.handle
             if not w.alive or id(m) in dying:
                 w.alive = False
@@ -222,3 +234,142 @@ def fake_config(tmp_path, *overrides: str) -> dict:
                              "elastic.wait_s=0.2", "run.trace_steps=0", *overrides])
     os.makedirs(cfg.checkpoint.dir, exist_ok=True)
     return cfg.to_dict()
+
+
+# --- real runs: holding workers at a step, comparing replicas -------------------------------------
+
+
+def assert_replicas_identical(result, replicas: int) -> None:
+    """Every replica of every stage ends with the same parameters and optimizer state (the digests
+    ``run.record_samples`` collects), and there are ``replicas`` of each."""
+    by_stage: dict[str, list[str]] = {}
+    for slot, digest in result.state_digests.items():
+        by_stage.setdefault(slot.split(":")[1], []).append(digest)
+    assert by_stage, "no digests: set run.record_samples=true"
+    for stage, digests in by_stage.items():
+        assert len(digests) == replicas and len(set(digests)) == 1, f"stage {stage}: {digests}"
+
+
+def stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, as a ``pause`` fault leaves it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+class WhenPaused:
+    """Runs ``act(paused_pids, started_row)`` in a thread once ``count`` of the run's workers are
+    stopped by ``pause`` faults and the driver has received the rows up to ``after_step``, then
+    keeps resuming any worker paused later (a restarted run reaches the same pause again) until the
+    run ends. Feed it the run's rows (``on_rows``)."""
+
+    def __init__(self, count: int, act, after_step: int = 0, timeout_s: float = 120.0):
+        self.count, self.act, self.after_step, self.timeout_s = count, act, after_step, timeout_s
+        self.started: dict = {}
+        self.last_step = 0
+        self.acted = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def on_rows(self, rows: list[dict]) -> None:
+        for row in rows:
+            if row.get("event") == "started" and not self.started:
+                self.started.update(row)
+            if "event" not in row:
+                self.last_step = max(self.last_step, row.get("step", 0))
+
+    def __enter__(self) -> "WhenPaused":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not self._done.wait(0.05) and time.monotonic() < deadline:
+            paused = sorted(p for p in stage_worker_pids() if stopped(p))
+            ready = self.started and self.last_step >= self.after_step  # the driver has every row so far
+            if not self.acted and len(paused) >= self.count and ready:
+                self.act(paused, self.started)
+                self.acted = True
+            elif self.acted:
+                for pid in paused:
+                    os.kill(pid, signal.SIGCONT)
+
+
+# --- comparing parameters; finding worker processes -----------------------------------------------
+
+# Long runs at lr 1e-2 drift from the single-process reference by float rounding alone (a different
+# summation order per layout, amplified over hundreds of Adam steps: 0.5 relative after 1500 steps
+# of a fault-free dp=2 run). At lr 1e-3 the drift stays under 1e-6, so long runs use it and every
+# run is still held to 1e-5.
+LONG_RUN_LR = "train.lr=1e-3"
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative difference of two tensors (0 for identical)."""
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+
+
+def assert_same_params(got: dict, want: dict, rtol: float = 1e-5) -> None:
+    """Every parameter present in both and equal to ``rtol`` relative (norm-wise per tensor)."""
+    assert set(got) == set(want), (sorted(set(got) ^ set(want)))
+    worst = max(((relative_error(got[k], want[k]), k) for k in want))
+    assert worst[0] <= rtol, f"parameter {worst[1]} differs by {worst[0]:.2e} relative (> {rtol})"
+
+
+def reference_state(cfg, steps=None) -> dict:
+    from raytrain.reference import train_reference
+
+    model, _ = train_reference(cfg, steps)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stage_worker_pids() -> set[int]:
+    """Pids of the processes on this machine that host a raytrain StageWorker actor."""
+    return set(_stage_worker_titles())
+
+
+def _stage_worker_titles() -> dict[int, str]:
+    titles = {}
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith("ray::StageWorker"):
+            titles[pid] = title
+    return titles
+
+
+def hold_until_a_new_worker_starts(running: list[int], known: set[int], timeout_s: float = 120.0) -> int:
+    """Pause the ``running`` workers (SIGSTOP) until a StageWorker not in ``known`` has started, and
+    return its pid. A run never waits for a joining worker, so with tiny test steps it could end
+    before a fresh process has imported torch; this makes a grow test independent of that race.
+    Ray retitles an actor's process from ``ray::StageWorker.__init__`` once the constructor returned."""
+    for pid in running:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            started = [p for p, t in _stage_worker_titles().items() if p not in known and not t.endswith("__init__")]
+            if started:
+                return started[0]
+            time.sleep(0.2)
+        raise AssertionError(f"no new StageWorker actor finished starting within {timeout_s} s")
+    finally:
+        for pid in running:
+            os.kill(pid, signal.SIGCONT)

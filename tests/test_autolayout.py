@@ -6,9 +6,7 @@ import pytest
 from raytrain import checkpoint, train
 from raytrain.autolayout import candidate_layouts
 from raytrain.config import load_config
-from tests.conftest import assert_same_params, reference_state
-
-
+from tests.helpers import assert_same_params, reference_state
 def _layouts(workers, layers, *overrides):
     cfg = load_config(None, ["parallel.auto=true", *overrides])
     return [(l["parallel.dp"], l["parallel.pp"], l["parallel.microbatches"], l.get("parallel.schedule"))

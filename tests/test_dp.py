@@ -3,9 +3,7 @@
 import pytest
 
 from raytrain import checkpoint, train
-from tests.conftest import assert_same_params, reference_state
-
-
+from tests.helpers import assert_same_params, reference_state
 @pytest.mark.parametrize("dp", [1, 4])  # dp=2: test_dp2_follows_the_reference_step_by_step
 def test_dp_matches_single_process(ray_session, make_config, dp):
     cfg = make_config(f"parallel.dp={dp}")

@@ -7,8 +7,8 @@ import pytest
 
 from raytrain import checkpoint, train
 from raytrain.coordinator import may_send_ahead
-from tests.conftest import (LONG_RUN_LR, TEST_RAY_CPUS, assert_same_params, hold_until_a_new_worker_starts, pid_alive,
-                            reference_state, stage_worker_pids)
+from tests.helpers import (LONG_RUN_LR, TEST_RAY_CPUS, WhenPaused, assert_replicas_identical, assert_same_params,
+                           hold_until_a_new_worker_starts, pid_alive, reference_state, stage_worker_pids)
 
 
 PHASE_FAULTS = {
@@ -23,11 +23,13 @@ PHASE_FAULTS = {
 KILLED_RANK = {"forward": 1, "backward": 2, "allreduce": 1, "optimizer": 0, "checkpoint": 0}
 
 
-def _assert_exactly_once(result, steps, global_batch):
+def _assert_exactly_once(result, steps, global_batch, pp=1):
+    """Every step committed once, every sample seen once, and every replica of a stage identical."""
     assert result.committed_steps == list(range(steps))
     assert [r["step"] for r in result.metrics] == list(range(1, steps + 1))
     ids = [i for r in result.metrics for i in r["sample_ids"]]
     assert len(ids) == steps * global_batch and len(set(ids)) == len(ids)  # less than an epoch: all distinct
+    assert_replicas_identical(result, replicas=len(result.final_pids) // pp)
 
 
 def test_next_step_is_sent_ahead_only_when_nothing_happens_in_between():
@@ -132,39 +134,47 @@ def cfg_dir(result):
 
 
 def test_kill_from_outside_by_pid(ray_session, make_config, fast_driver_poll):
-    # long enough that the driver (polling every 0.1 s here) sees step 3 while the run is still going
-    cfg = make_config("parallel.dp=2", "train.steps=200", "elastic.min_dp=1", "run.record_samples=true", LONG_RUN_LR,
-                      "run.trace_steps=0")
-    victim = {}
+    # Both workers stop themselves at step 3 (pause faults); the test SIGKILLs replica 1 from outside
+    # and resumes replica 0, which finds its peer gone, repairs and finishes alone then with a replacement.
+    cfg = make_config("parallel.dp=2", "train.steps=8", "elastic.min_dp=1", "run.record_samples=true",
+                      "elastic.faults=['0:0@3:pause', '1:0@3:pause']")
 
-    def kill_at_step_3(rows):
-        for row in rows:
-            if row.get("event") == "started":
-                victim["pid"] = row["pids"][1]
-            if row.get("step", 0) >= 3 and "pid" in victim and not victim.get("done"):
-                os.kill(victim["pid"], signal.SIGKILL)
-                victim["done"] = True
+    def kill_replica_1(paused, started):
+        survivor, victim = started["pids"]
+        assert sorted(paused) == sorted([survivor, victim])
+        os.kill(victim, signal.SIGKILL)
+        os.kill(survivor, signal.SIGCONT)
 
-    result = train(cfg, on_rows=kill_at_step_3)
-    assert victim.get("done") and result.failures == 1
-    assert result.worker_pids[0] in result.final_pids
-    assert result.committed_steps == list(range(200))
+    with WhenPaused(2, kill_replica_1, after_step=3) as watcher:
+        result = train(cfg, on_rows=watcher.on_rows)
+    assert watcher.acted and result.failures == 1
+    assert result.worker_pids[0] in result.final_pids and result.worker_pids[1] not in result.final_pids
+    _assert_exactly_once(result, 8, 8)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 
-def test_hybrid_dp2_pp2_replaces_a_dead_stage_worker(ray_session, make_config):
+def test_hybrid_dp2_pp2_replaces_a_dead_stage_worker(ray_session, make_config, fast_driver_poll):
     # min_dp=1: replica 1 is dropped at once (its stage-0 worker waits as a spare), training goes on
-    # with dp=1, and when the replacement for stage 1 is up, the spare and it re-form replica 1.
-    cfg = make_config("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2", "train.steps=250", LONG_RUN_LR,
-                      "elastic.min_dp=1", "elastic.faults=['1:1@2:backward']", "run.trace_steps=0")
-    result = train(cfg)
+    # with dp=1, and when the replacement for stage 1 is up, the spare and it re-form replica 1. The
+    # survivor pauses at step 4 until the replacement has started, so the run cannot end first.
+    cfg = make_config("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2", "train.steps=8",
+                      "elastic.min_dp=1", "elastic.faults=['1:1@2:backward', '0:0@4:pause']", "run.record_samples=true")
+
+    def resume_once_the_replacement_started(paused, started):
+        hold_until_a_new_worker_starts([], set(started["pids"]))
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+
+    with WhenPaused(1, resume_once_the_replacement_started) as watcher:
+        result = train(cfg, on_rows=watcher.on_rows)
     events = [e["event"] for e in result.events]
-    assert result.failures == 1 and events.count("grow") == 1, events
+    assert watcher.acted and result.failures == 1 and events.count("grow") == 1, events
     killed = result.worker_pids[3]  # rank 3 = replica 1, stage 1
     assert not pid_alive(killed)
     assert set(p for p in result.worker_pids if p != killed) <= set(result.final_pids), "a survivor was restarted"
     assert len(result.final_pids) == 4
-    assert result.committed_steps == list(range(250))
+    assert result.committed_steps == list(range(8))
+    assert_replicas_identical(result, replicas=2)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 
@@ -189,31 +199,32 @@ def test_failure_during_repair(ray_session, make_config):
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 
-def test_coordinator_killed_mid_run_resumes_from_last_checkpoint(ray_session, make_config):
-    cfg = make_config("parallel.dp=2", "train.steps=300", "checkpoint.every=20", LONG_RUN_LR, "run.trace_steps=0")
-    victim = {}
+def test_coordinator_killed_mid_run_resumes_from_last_checkpoint(ray_session, make_config, fast_driver_poll):
+    # Both workers pause at step 10; the test kills the coordinator (its workers go with it); the
+    # driver starts a new one from the step-8 checkpoint, whose workers pass step 10 again.
+    cfg = make_config("parallel.dp=2", "train.steps=12", "checkpoint.every=4", "run.record_samples=true",
+                      "elastic.faults=['0:0@10:pause', '1:0@10:pause']")
 
-    def kill_coordinator(rows):
-        for row in rows:
-            if row.get("event") == "started" and "pid" not in victim:
-                victim["pid"] = row["coordinator_pid"]
-            if row.get("step", 0) >= 30 and "pid" in victim and not victim.get("done"):
-                os.kill(victim["pid"], signal.SIGKILL)
-                victim["done"] = True
+    def kill_the_coordinator(paused, started):
+        os.kill(started["coordinator_pid"], signal.SIGKILL)
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
 
-    result = train(cfg, on_rows=kill_coordinator)
-    assert victim.get("done") and result.coordinator_restarts == 1
+    with WhenPaused(2, kill_the_coordinator, after_step=10) as watcher:
+        result = train(cfg, on_rows=watcher.on_rows)
+    assert watcher.acted and result.coordinator_restarts == 1
     restart = next(e for e in result.events if e["event"] == "coordinator_restarted")
-    assert restart["resume_from"] is not None and "step_" in restart["resume_from"]
-    assert [r["step"] for r in result.metrics] == list(range(1, 301))
+    assert restart["resume_from"].endswith("step_00000008")
+    assert [r["step"] for r in result.metrics] == list(range(1, 13))
+    assert_replicas_identical(result, replicas=2)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 
 def test_pipeline_without_a_surviving_stage_reloads_the_checkpoint(ray_session, make_config):
     cfg = make_config("parallel.pp=2", "parallel.microbatches=2", "train.steps=6", "checkpoint.every=2",
-                      "elastic.faults=['0:1@3:forward']")
+                      "elastic.faults=['0:1@3:forward']", "run.record_samples=true")
     result = train(cfg)
     reloads = [e for e in result.events if e["event"] == "reload"]
     assert len(reloads) == 1 and reloads[0]["step"] == 2 and reloads[0]["steps_lost"] == 1
-    assert result.committed_steps == list(range(6))
+    _assert_exactly_once(result, 6, 8, pp=2)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))

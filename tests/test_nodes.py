@@ -13,8 +13,8 @@ import pytest
 from raytrain import checkpoint, data, train
 from raytrain.api import prepare
 from raytrain.coordinator import CapacityLost
-from tests.conftest import LONG_RUN_LR, assert_same_params, hold_until_a_new_worker_starts, reference_state, stage_worker_pids
-
+from tests.helpers import (LONG_RUN_LR, assert_same_params, hold_until_a_new_worker_starts, reference_state,
+                           stage_worker_pids)
 
 
 @pytest.fixture

@@ -15,9 +15,7 @@ from raytrain import checkpoint, train
 from raytrain.api import prepare
 from raytrain.coordinator import NonFiniteLoss, StepFailed
 from raytrain.lease import EXPIRY_S, LEASE_FILE, DirectoryBusy, Lease, read_holder
-from tests.conftest import assert_same_params, reference_state, stage_worker_pids
-
-
+from tests.helpers import assert_same_params, reference_state, stage_worker_pids
 def _metric_rows(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -7,8 +7,8 @@ import pytest
 
 from raytrain import checkpoint, train
 from raytrain.reference import train_reference
-from tests.conftest import assert_same_params, reference_state
 from tests.forked_stages import run_stages
+from tests.helpers import assert_same_params, reference_state
 
 
 # At m=1 the 1F1B plan is the GPipe plan, action for action (asserted in test_schedule), and the

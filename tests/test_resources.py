@@ -5,7 +5,7 @@ import time
 import pytest
 
 from raytrain import ResourcesUnavailable, train
-from tests.conftest import TEST_RAY_CPUS
+from tests.helpers import TEST_RAY_CPUS
 
 
 def test_too_many_workers_fail_after_bounded_wait(ray_session, make_config):

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from raytrain import checkpoint
-from tests.conftest import pid_alive
-
+from tests.helpers import pid_alive
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 120
 
