@@ -345,7 +345,3 @@ def write_token_parquet(path: str, rows: np.ndarray, column: str = BUILTIN_COLUM
     """Write (N, L) token ids as a Parquet dataset usable as data.path (handy for tests and users)."""
     arr = pa.array([r.tolist() for r in np.asarray(rows)], type=pa.list_(pa.int64()))
     pq.write_table(pa.table({column: arr}), path)
-
-
-def dataset_size(path: str) -> int:
-    return pq.ParquetFile(path).metadata.num_rows

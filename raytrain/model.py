@@ -130,13 +130,6 @@ def load_factory_model(cfg: ModelConfig, seed: int) -> tuple[list[nn.Module], Lo
     return layers, loss_fn
 
 
-def num_layers(cfg: ModelConfig) -> int:
-    """Number of cuttable layers of the configured model."""
-    if cfg.factory is None:
-        return gpt_num_layers(cfg)
-    return len(load_factory_model(cfg, 0)[0])
-
-
 def full_model(cfg: ModelConfig, seed: int) -> nn.Sequential:
     """The whole model as one nn.Sequential: its state_dict keys are the global parameter names."""
     return nn.Sequential(*build_model(cfg, seed).layers)

@@ -61,14 +61,7 @@ def time_costs(layers: Sequence[nn.Module], example_input: torch.Tensor, repeats
             x = layer(x)
     return costs
 
-def plan_stages(
-    layers: Sequence[nn.Module],
-    num_stages: int,
-    split_points: Optional[Sequence[int]] = None,
-    example_input: Optional[torch.Tensor] = None,
-) -> list[range]:
-    """Layer index ranges per stage: hand-set ``split_points``, else balanced by time or parameters."""
-    if split_points is not None:
-        return stage_ranges(list(split_points), len(layers))
+def plan_stages(layers: Sequence[nn.Module], num_stages: int, example_input: Optional[torch.Tensor] = None) -> list[range]:
+    """Layer index ranges per stage, balanced by time on ``example_input`` when given, else by parameters."""
     costs = time_costs(layers, example_input) if example_input is not None else param_costs(layers)
     return stage_ranges(balanced_cuts(costs, num_stages), len(layers))
