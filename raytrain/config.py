@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
+from raytrain.layout import Layout
 from raytrain.rendezvous import import_user_module
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -67,6 +68,11 @@ class ModelConfig:
             module, _, function = self.factory.partition(":")
             _require(all(p.isidentifier() for p in module.split(".")) and function.isidentifier(), "model.factory",
                      self.factory, "write it as 'package.module:function', with importable names")
+
+    @property
+    def gpt_layers(self) -> int:
+        """Cuttable layers of the built-in GPT: the embedding, model.n_layer blocks and the head."""
+        return self.n_layer + 2
 
 
 @dataclass
@@ -327,16 +333,7 @@ class Config:
                 f"{share} (train.global_batch / parallel.dp); pick a divisor of {share}"
             )
         if self.model.factory is None:
-            n_layers = self.model.n_layer + 2  # embedding, blocks, head
-            if p.pp > n_layers:
-                raise ValueError(
-                    f"parallel.pp={p.pp} exceeds the {n_layers} layers of the model "
-                    f"(model.n_layer={self.model.n_layer} blocks + embedding + head); lower parallel.pp"
-                )
-            if p.split_points is not None and not (0 < p.split_points[0] and p.split_points[-1] < n_layers):
-                raise ValueError(
-                    f"parallel.split_points={p.split_points} out of range: cuts must lie in 1..{n_layers - 1}"
-                )
+            self.gpt_layout()  # a model.factory's layers are counted by raytrain.plan.plan_layout
         if self.data.path is None:
             self._check_builtin_corpus()
         e = self.elastic
@@ -351,6 +348,13 @@ class Config:
         if e.max_dp is not None and e.max_dp * p.microbatches > t.global_batch:
             raise ValueError(f"elastic.max_dp={e.max_dp} replicas x parallel.microbatches={p.microbatches} exceed "
                              f"train.global_batch={t.global_batch}: some micro-batch would be empty; lower elastic.max_dp")
+
+    def gpt_layout(self) -> Layout:
+        """The layout over the built-in GPT's layers; a ValueError when parallel.pp or
+        parallel.split_points cannot cut them."""
+        m = self.model
+        return Layout.of(self.parallel).for_model(
+            m.gpt_layers, f"the model (model.n_layer={m.n_layer} blocks + embedding + head)")
 
     def _check_builtin_corpus(self):
         """With data.path unset the data are bytes (ids 0..255), cut into rows of model.seq_len + 1."""
@@ -370,8 +374,8 @@ class Config:
         return dataclasses.asdict(self)
 
     def layout(self) -> str:
-        p = self.parallel
-        return f"dp={p.dp} pp={p.pp} m={p.microbatches}" + (f" {p.schedule}" if p.pp > 1 else "")
+        """The configured layout's label (``Layout.label``), e.g. ``dp=2 pp=1 m=1``."""
+        return Layout.of(self.parallel).label
 
 
 def all_keys() -> list[str]:
