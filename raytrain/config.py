@@ -1,7 +1,9 @@
 """Typed run configuration: YAML file + ``--set key=value`` overrides, validated before any actor starts.
 
 Every field is a public, documented key (``section.field``). Errors are ``ValueError``s that name the
-key and say how to fix it.
+key and say how to fix it. The dataclasses' checks are pure (no disk, no imports of user code): every
+node builds them, and what only the driver's machine can answer (data.path exists, model.factory
+imports) is checked once, by ``raytrain.plan.prepare``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from typing import Any, Optional
 import yaml
 
 from raytrain.layout import Layout
-from raytrain.rendezvous import import_user_module
 
 SCHEDULES = ("gpipe", "1f1b")
 BALANCE_MODES = ("params", "time")
@@ -178,7 +179,8 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     path: Optional[str] = None
-    """Parquet file with a token column; unset uses the built-in corpus (Python stdlib source, bytes)."""
+    """Parquet file with a token column; unset uses the built-in corpus (Python stdlib source, bytes).
+    That it exists is checked on the driver's machine, by raytrain.plan.prepare."""
     column: str = "tokens"
     """Name of the token column in data.path (list<int> or bytes); each row needs >= seq_len + 1 tokens."""
     cache_dir: str = "~/.cache/raytrain"
@@ -191,11 +193,6 @@ class DataConfig:
         _require(not _blank(self.cache_dir), "data.cache_dir", self.cache_dir,
                  "give a directory (default ~/.cache/raytrain)")
         _require(self.max_bytes >= 1, "data.max_bytes", self.max_bytes, "the built-in corpus needs >= 1 byte")
-        if self.path is not None and "://" not in self.path and not os.path.exists(os.path.expanduser(self.path)):
-            raise ValueError(
-                f"data.path={self.path!r}: no such file; point it at a Parquet file with a "
-                f"'{self.column}' column, or unset it to use the built-in corpus"
-            )
 
 
 @dataclass
@@ -237,7 +234,8 @@ class ElasticConfig:
     coordinator_restarts: int = 3
     """Times the driver restarts a lost coordinator (it resumes from the last committed checkpoint)."""
     faults: list = field(default_factory=list)
-    """Fault injection for chaos runs and tests: 'replica:stage@step:phase' (see raytrain.faults)."""
+    """A test knob, for chaos runs and tests: kill workers at 'replica:stage@step:phase' (see
+    raytrain.faults). Leave it empty in production runs."""
 
     def __post_init__(self):
         from raytrain.faults import Fault
@@ -297,7 +295,8 @@ class RunConfig:
     trace_steps: int = 3
     """Steps whose per-action timeline goes into trace.json (Chrome trace)."""
     record_samples: bool = False
-    """Record the sample ids each step consumed (for exactly-once checks); costs a little."""
+    """A test knob, for chaos runs and tests: every metrics row lists the sample ids its step consumed
+    (to check exactly-once); costs a little per step."""
 
     def __post_init__(self):
         _require(not _blank(self.dir), "run.dir", self.dir, "give a directory for the run directories (default runs)")
@@ -481,7 +480,9 @@ def build_config(values: dict[str, Any]) -> Config:
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Load ``path`` (YAML), apply ``--set`` overrides in order, validate, and return the Config."""
+    """Load ``path`` (YAML), apply ``--set`` overrides in order, validate, and return the Config.
+
+    What needs this machine (data.path, model.factory) is checked later, by raytrain.plan.prepare."""
     values: dict[str, Any] = {}
     if path is not None:
         if not os.path.exists(path):
@@ -492,24 +493,9 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     for text in overrides or []:
         key, value = parse_override(text)
         values[key] = value
-    cfg = build_config(values)
-    check_factory(cfg)
-    return cfg
+    return build_config(values)
 
 
 def config_from_dict(nested: dict) -> Config:
     """Build a Config from a nested dict (as ``Config.to_dict`` produces)."""
     return build_config(flatten_sections(nested, "config"))
-
-
-def check_factory(cfg: Config) -> None:
-    """Resolve model.factory now so a typo fails before any actor starts."""
-    if cfg.model.factory is None:
-        return
-    module_name, _, fn_name = cfg.model.factory.partition(":")
-    try:
-        module = import_user_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"model.factory={cfg.model.factory!r}: cannot import module {module_name!r} ({e})") from e
-    if not callable(getattr(module, fn_name, None)):
-        raise ValueError(f"model.factory={cfg.model.factory!r}: module {module_name!r} has no function {fn_name!r}")

@@ -1,9 +1,9 @@
 """``prepare(config) -> RunPlan``: everything that can fail on bad input, done on the driver before any
 actor starts, and what the run then needs, by name.
 
-The checks here read the driver's machine: the data file, the model factory's module, the
-checkpoint directory and the checkpoint to resume from. The stage cuts are planned here too,
-building the model only when the answer needs it.
+The config's own checks are pure (every node builds a Config); the checks here read the driver's
+machine: the data file, the model factory's module, the checkpoint directory and the checkpoint to
+resume from. The stage cuts are planned here too, building the model only when the answer needs it.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raytrain import checkpoint, data
-from raytrain.config import Config, check_factory
+from raytrain.config import Config
 from raytrain.layout import Layout
+from raytrain.rendezvous import import_user_module
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class RunPlan:
 
 def prepare(cfg: Config) -> RunPlan:
     """Check ``cfg`` against this machine and plan the run; a ValueError naming the key when it cannot run."""
-    check_factory(cfg)
+    check_inputs(cfg)
     data_path = data.resolve_data_path(cfg)
     num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch,
                                      cfg.model.vocab_size)
@@ -68,10 +69,27 @@ def prepare(cfg: Config) -> RunPlan:
     return RunPlan(cfg=cfg, layout=layout, data_path=data_path, num_samples=num_samples, resume=resume)
 
 
+def check_inputs(cfg: Config) -> None:
+    """What the config names on this machine: data.path exists, model.factory imports and has its function."""
+    path = cfg.data.path
+    if path is not None and "://" not in path and not os.path.exists(os.path.expanduser(path)):
+        raise ValueError(f"data.path={path!r}: no such file; point it at a Parquet file with a "
+                         f"'{cfg.data.column}' column, or unset it to use the built-in corpus")
+    if cfg.model.factory is None:
+        return
+    module_name, _, fn_name = cfg.model.factory.partition(":")
+    try:
+        module = import_user_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"model.factory={cfg.model.factory!r}: cannot import module {module_name!r} ({e})") from e
+    if not callable(getattr(module, fn_name, None)):
+        raise ValueError(f"model.factory={cfg.model.factory!r}: module {module_name!r} has no function {fn_name!r}")
+
+
 def plan_layout(cfg: Config) -> Layout:
     """The configured layout with the model's layer count and stage cuts (parallel.split_points, else
     balanced by parallel.balance); a ValueError naming parallel.pp or parallel.split_points when the
-    model cannot be cut so. Needs model.factory importable (``config.check_factory``).
+    model cannot be cut so. Needs model.factory importable (``check_inputs``).
 
     The built-in GPT is built only to balance its cuts, so a run at pp=1 or with split_points keeps
     torch out of the driver; a model.factory is built to count its layers.

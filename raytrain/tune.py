@@ -23,7 +23,7 @@ from ray import tune
 from raytrain.config import Config, ParallelConfig, all_keys, build_config, flatten_sections
 from raytrain.layout import Layout
 from raytrain.placement import worker_bundle
-from raytrain.plan import plan_layout
+from raytrain.plan import check_inputs, plan_layout
 
 LAYOUT_KEYS = ("parallel.dp", "parallel.pp", "parallel.microbatches", "parallel.schedule")
 LAYOUTS = "layouts"
@@ -176,6 +176,7 @@ def check_layouts(sweep: SweepConfig, cluster: dict[str, float]) -> None:
             cfg = build_config(values)
             if cfg.parallel.auto:
                 raise ValueError("parallel.auto=true: the sweep sets each trial's layout; drop parallel.auto from it")
+            check_inputs(cfg)
             layout = plan_layout(cfg)
         except ValueError as e:
             problems.append(f"{label}: {e}")
