@@ -94,7 +94,7 @@ def run(plan: RunPlan, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     held = Lease(cfg.checkpoint.dir, plan.run_dir).acquire()  # a busy directory is a ValueError: exit 2
     try:
         ensure_ray()
-        reporter = RunReporter(plan.run_dir, cfg.train.steps, plan.layout.label, stream)
+        reporter = RunReporter(plan.run_dir, cfg.train.steps, plan.layout, stream)
         stream.write(f"[raytrain] {plan.layout.label}, {len(stages)} stage(s) "
                      f"{[f'{s[0]}-{s[-1]}' for s in stages]}, global batch {cfg.train.global_batch}, "
                      f"{plan.num_samples} samples; run dir {plan.run_dir}\n")
