@@ -165,10 +165,10 @@ def launch(system: str, steps: int, workdir: str) -> dict:
     launched = time.time()
     if system == "raytrain-no-ray":
         import executor_without_ray
-        from raytrain.api import _stage_ranges
+        from raytrain.plan import plan_layout
 
         cfg = bench_config(steps)
-        res = {"step_end": executor_without_ray.launch(cfg, _stage_ranges(cfg), workdir, system)}
+        res = {"step_end": executor_without_ray.launch(cfg, plan_layout(cfg).stage_ranges, workdir, system)}
     else:
         out = os.path.join(workdir, f"{system}.json")
         script = [os.path.abspath(__file__), "--variant", system, "--steps", str(steps), "--out", out]

@@ -50,9 +50,9 @@ def bench_config(steps, extra=()):
 
 
 def stage_cut(cfg) -> list[range]:
-    from raytrain.api import _stage_ranges
+    from raytrain.plan import plan_layout
 
-    return _stage_ranges(cfg)
+    return plan_layout(cfg).stage_ranges
 
 
 def median_run(runs: list[dict]) -> dict:

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from raytrain.signals import exit_code
 
     try:
-        # train() validates data, resume and layout (raytrain.api.prepare) before any actor starts.
+        # train() validates data, resume and layout (raytrain.plan.prepare) before any actor starts.
         result = train(load_config(args.config, args.overrides))
     except ValueError as e:
         return _fail(f"config error: {e}", 2)

@@ -1,7 +1,9 @@
 """Typed run configuration: YAML file + ``--set key=value`` overrides, validated before any actor starts.
 
 Every field is a public, documented key (``section.field``). Errors are ``ValueError``s that name the
-key and say how to fix it.
+key and say how to fix it. The dataclasses' checks are pure (no disk, no imports of user code): every
+node builds them, and what only the driver's machine can answer (data.path exists, model.factory
+imports) is checked once, by ``raytrain.plan.prepare``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Optional
 
 import yaml
 
-from raytrain.rendezvous import import_user_module
+from raytrain.layout import Layout
 
 SCHEDULES = ("gpipe", "1f1b")
 BALANCE_MODES = ("params", "time")
@@ -68,6 +70,11 @@ class ModelConfig:
             _require(all(p.isidentifier() for p in module.split(".")) and function.isidentifier(), "model.factory",
                      self.factory, "write it as 'package.module:function', with importable names")
 
+    @property
+    def gpt_layers(self) -> int:
+        """Cuttable layers of the built-in GPT: the embedding, model.n_layer blocks and the head."""
+        return self.n_layer + 2
+
 
 @dataclass
 class TrainConfig:
@@ -117,7 +124,7 @@ class ParallelConfig:
     """Pipeline schedule: gpipe or 1f1b."""
     split_backward: bool = False
     """Stages after the first send their input gradient before computing weight gradients (W actions):
-    a shorter cool-down per step for more memory and per-layer autograd overhead (README: Performance)."""
+    a shorter cool-down per step for more memory and per-layer autograd overhead (experiments/RESULTS.md)."""
     split_points: Optional[list] = None
     """Hand-set cuts: indices of the first layer of stages 1..pp-1 (overrides balance)."""
     balance: str = "params"
@@ -172,7 +179,8 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     path: Optional[str] = None
-    """Parquet file with a token column; unset uses the built-in corpus (Python stdlib source, bytes)."""
+    """Parquet file with a token column; unset uses the built-in corpus (Python stdlib source, bytes).
+    That it exists is checked on the driver's machine, by raytrain.plan.prepare."""
     column: str = "tokens"
     """Name of the token column in data.path (list<int> or bytes); each row needs >= seq_len + 1 tokens."""
     cache_dir: str = "~/.cache/raytrain"
@@ -185,11 +193,6 @@ class DataConfig:
         _require(not _blank(self.cache_dir), "data.cache_dir", self.cache_dir,
                  "give a directory (default ~/.cache/raytrain)")
         _require(self.max_bytes >= 1, "data.max_bytes", self.max_bytes, "the built-in corpus needs >= 1 byte")
-        if self.path is not None and "://" not in self.path and not os.path.exists(os.path.expanduser(self.path)):
-            raise ValueError(
-                f"data.path={self.path!r}: no such file; point it at a Parquet file with a "
-                f"'{self.column}' column, or unset it to use the built-in corpus"
-            )
 
 
 @dataclass
@@ -231,7 +234,8 @@ class ElasticConfig:
     coordinator_restarts: int = 3
     """Times the driver restarts a lost coordinator (it resumes from the last committed checkpoint)."""
     faults: list = field(default_factory=list)
-    """Fault injection for chaos runs and tests: 'replica:stage@step:phase' (see raytrain.faults)."""
+    """A test knob, for chaos runs and tests: kill workers at 'replica:stage@step:phase' (see
+    raytrain.faults). Leave it empty in production runs."""
 
     def __post_init__(self):
         from raytrain.faults import Fault
@@ -264,7 +268,8 @@ class ResourcesConfig:
     wait_s: float = 60.0
     """How long to wait for the cluster to grant the workers' resources before failing."""
     step_timeout_s: float = 300.0
-    """A step that takes longer than this fails the run instead of hanging."""
+    """A worker silent for longer than this in one step is killed and repaired like a lost worker (it
+    counts against elastic.max_failures), so a hung worker never hangs the run."""
     placement_strategy: str = "PACK"
     """Ray placement-group strategy for the workers: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD
     (one worker per node, so a node's loss costs one worker)."""
@@ -291,7 +296,9 @@ class RunConfig:
     trace_steps: int = 3
     """Steps whose per-action timeline goes into trace.json (Chrome trace)."""
     record_samples: bool = False
-    """Record the sample ids each step consumed (for exactly-once checks); costs a little."""
+    """A test knob, for chaos runs and tests: every metrics row lists the sample ids its step consumed
+    (to check exactly-once), and the Result has a digest of every worker's state at the end (to check
+    that the replicas of a stage are identical); costs a little."""
 
     def __post_init__(self):
         _require(not _blank(self.dir), "run.dir", self.dir, "give a directory for the run directories (default runs)")
@@ -327,16 +334,7 @@ class Config:
                 f"{share} (train.global_batch / parallel.dp); pick a divisor of {share}"
             )
         if self.model.factory is None:
-            n_layers = self.model.n_layer + 2  # embedding, blocks, head
-            if p.pp > n_layers:
-                raise ValueError(
-                    f"parallel.pp={p.pp} exceeds the {n_layers} layers of the model "
-                    f"(model.n_layer={self.model.n_layer} blocks + embedding + head); lower parallel.pp"
-                )
-            if p.split_points is not None and not (0 < p.split_points[0] and p.split_points[-1] < n_layers):
-                raise ValueError(
-                    f"parallel.split_points={p.split_points} out of range: cuts must lie in 1..{n_layers - 1}"
-                )
+            self.gpt_layout()  # a model.factory's layers are counted by raytrain.plan.plan_layout
         if self.data.path is None:
             self._check_builtin_corpus()
         e = self.elastic
@@ -351,6 +349,13 @@ class Config:
         if e.max_dp is not None and e.max_dp * p.microbatches > t.global_batch:
             raise ValueError(f"elastic.max_dp={e.max_dp} replicas x parallel.microbatches={p.microbatches} exceed "
                              f"train.global_batch={t.global_batch}: some micro-batch would be empty; lower elastic.max_dp")
+
+    def gpt_layout(self) -> Layout:
+        """The layout over the built-in GPT's layers; a ValueError when parallel.pp or
+        parallel.split_points cannot cut them."""
+        m = self.model
+        return Layout.of(self.parallel).for_model(
+            m.gpt_layers, f"the model (model.n_layer={m.n_layer} blocks + embedding + head)")
 
     def _check_builtin_corpus(self):
         """With data.path unset the data are bytes (ids 0..255), cut into rows of model.seq_len + 1."""
@@ -370,8 +375,8 @@ class Config:
         return dataclasses.asdict(self)
 
     def layout(self) -> str:
-        p = self.parallel
-        return f"dp={p.dp} pp={p.pp} m={p.microbatches}" + (f" {p.schedule}" if p.pp > 1 else "")
+        """The configured layout's label (``Layout.label``), e.g. ``dp=2 pp=1 m=1``."""
+        return Layout.of(self.parallel).label
 
 
 def all_keys() -> list[str]:
@@ -477,7 +482,9 @@ def build_config(values: dict[str, Any]) -> Config:
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Load ``path`` (YAML), apply ``--set`` overrides in order, validate, and return the Config."""
+    """Load ``path`` (YAML), apply ``--set`` overrides in order, validate, and return the Config.
+
+    What needs this machine (data.path, model.factory) is checked later, by raytrain.plan.prepare."""
     values: dict[str, Any] = {}
     if path is not None:
         if not os.path.exists(path):
@@ -488,24 +495,9 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     for text in overrides or []:
         key, value = parse_override(text)
         values[key] = value
-    cfg = build_config(values)
-    check_factory(cfg)
-    return cfg
+    return build_config(values)
 
 
 def config_from_dict(nested: dict) -> Config:
     """Build a Config from a nested dict (as ``Config.to_dict`` produces)."""
     return build_config(flatten_sections(nested, "config"))
-
-
-def check_factory(cfg: Config) -> None:
-    """Resolve model.factory now so a typo fails before any actor starts."""
-    if cfg.model.factory is None:
-        return
-    module_name, _, fn_name = cfg.model.factory.partition(":")
-    try:
-        module = import_user_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"model.factory={cfg.model.factory!r}: cannot import module {module_name!r} ({e})") from e
-    if not callable(getattr(module, fn_name, None)):
-        raise ValueError(f"model.factory={cfg.model.factory!r}: module {module_name!r} has no function {fn_name!r}")

@@ -114,21 +114,13 @@ class Coordinator:
             self.state = RunState.FAILED
             raise
         return {"steps": self.progress.step, "checkpoint": self.last_checkpoint, "stopped": self._stop_reason,
-                "digests": self._state_digests() if self.cfg.run.record_samples else {},
+                "digests": state_digests(self.group, self.team) if self.cfg.run.record_samples else {},
                 "worker_pids": self.original_pids, "final_pids": self.team.pids(),
                 "committed_steps": self.committed_steps, "failures": self.failures, "recovery_s": self.recovery_s,
                 "skipped_steps": self.skipped_steps}
 
     def layout(self) -> str:
         return f"dp={self.team.dp} pp={self.team.pp}"
-
-    def _state_digests(self) -> dict[str, str]:
-        """``"replica:stage" -> digest`` of every member's parameters and optimizer state (audits: the
-        replicas of a stage must be identical, however many workers were lost on the way)."""
-        ranked = self.team.ranked()
-        digests = self.group.call([(m, "state_digest", ()) for _, m in ranked], SETUP_TIMEOUT_S)
-        mesh = self.team.mesh()
-        return {"%d:%d" % mesh.coords(rank): d for (rank, _), d in zip(ranked, digests)}
 
     def shutdown(self) -> None:
         for m in self.team.everyone():
@@ -263,7 +255,8 @@ class Coordinator:
             m.committed = committed
         self.skipped_steps.append(step)
         self.committed_steps.append(step)
-        self.progress.row = steps.skipped_row(step, loss, norm, self.cfg, self.num_samples, self.layout())
+        self.progress.row = steps.skipped_row(step, loss, norm, self.cfg, self.num_samples, self.layout(),
+                                              dp=self.team.dp)
         self.progress.step = step + 1
         self.emit({"event": "skipped_step", "step": step + 1, "loss": loss, "grad_norm": norm,
                    "skipped_so_far": len(self.skipped_steps), **decision.record()})
@@ -315,3 +308,12 @@ class Coordinator:
 
 def _worker_options(cfg: Config) -> dict:
     return {"num_cpus": cfg.resources.cpus_per_worker, "num_gpus": 1 if cfg.resources.use_gpu else 0}
+
+
+def state_digests(group, team: Membership) -> dict[str, str]:
+    """``"replica:stage" -> digest`` of every member's parameters and optimizer state (audits: the
+    replicas of a stage must be identical, however many workers were lost on the way)."""
+    ranked = team.ranked()
+    digests = group.call([(m, "state_digest", ()) for _, m in ranked], SETUP_TIMEOUT_S)
+    mesh = team.mesh()
+    return {"%d:%d" % mesh.coords(rank): d for (rank, _), d in zip(ranked, digests)}

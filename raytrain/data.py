@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raytrain import token_cache
+from raytrain.atomic import atomic_path
 from raytrain.config import Config, DataConfig
 
 BUILTIN_COLUMN = "tokens"
@@ -50,7 +51,7 @@ def build_builtin_corpus(path: str, row_len: int, max_bytes: int) -> None:
     Each row is one ``fixed_size_binary(row_len)`` value: Parquet stores it flat, so a worker decodes
     the 8 MB default corpus in 0.02 s, against 0.5 s (1.3 s with its peers starting at the same
     time) for a list column, whose nesting levels and dictionary pages it must unpack value by value.
-    Written to a temporary name and renamed, so concurrent builders never see a half file.
+    Written atomically (raytrain.atomic), so concurrent builders never see a half file.
     """
     chunks, total = [], 0
     for f in _stdlib_sources():
@@ -66,10 +67,8 @@ def build_builtin_corpus(path: str, row_len: int, max_bytes: int) -> None:
         raise RuntimeError(f"the Python standard library at {sysconfig.get_paths()['stdlib']} gave no data")
     values = pa.py_buffer(stream[: rows * row_len].tobytes())
     table = pa.table({BUILTIN_COLUMN: pa.FixedSizeBinaryArray.from_buffers(pa.binary(row_len), rows, [None, values])})
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    pq.write_table(table, tmp, use_dictionary=False)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, use_dictionary=False)
 
 
 # --- reading ------------------------------------------------------------------------------
@@ -346,7 +345,3 @@ def write_token_parquet(path: str, rows: np.ndarray, column: str = BUILTIN_COLUM
     """Write (N, L) token ids as a Parquet dataset usable as data.path (handy for tests and users)."""
     arr = pa.array([r.tolist() for r in np.asarray(rows)], type=pa.list_(pa.int64()))
     pq.write_table(pa.table({column: arr}), path)
-
-
-def dataset_size(path: str) -> int:
-    return pq.ParquetFile(path).metadata.num_rows

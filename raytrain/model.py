@@ -71,14 +71,10 @@ class Head(nn.Module):
         return self.lm_head(self.ln(x_BTD))  # (B, T, V)
 
 
-def gpt_num_layers(cfg: ModelConfig) -> int:
-    return cfg.n_layer + 2
-
-
 def _build_gpt_layer(cfg: ModelConfig, index: int) -> nn.Module:
     if index == 0:
         return Embedding(cfg)
-    if index == gpt_num_layers(cfg) - 1:
+    if index == cfg.gpt_layers - 1:
         return Head(cfg)
     return Block(cfg)
 
@@ -104,7 +100,7 @@ def build_model(cfg: ModelConfig, seed: int, layer_ids: Optional[Sequence[int]] 
     and sliced.
     """
     if cfg.factory is None:
-        n = gpt_num_layers(cfg)
+        n = cfg.gpt_layers
         ids = list(range(n)) if layer_ids is None else list(layer_ids)
         layers = []
         for i in ids:
@@ -128,13 +124,6 @@ def load_factory_model(cfg: ModelConfig, seed: int) -> tuple[list[nn.Module], Lo
             "(optionally paired with a loss function)"
         )
     return layers, loss_fn
-
-
-def num_layers(cfg: ModelConfig) -> int:
-    """Number of cuttable layers of the configured model."""
-    if cfg.factory is None:
-        return gpt_num_layers(cfg)
-    return len(load_factory_model(cfg, 0)[0])
 
 
 def full_model(cfg: ModelConfig, seed: int) -> nn.Sequential:

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+
 def balanced_cuts(costs: Sequence[float], num_stages: int) -> list[int]:
     """Split points minimising the most expensive stage (every stage gets >= 1 layer).
 
@@ -36,12 +37,10 @@ def balanced_cuts(costs: Sequence[float], num_stages: int) -> list[int]:
         cuts.append(i)
     return sorted(cuts)
 
-def stage_ranges(cuts: Sequence[int], num_layers: int) -> list[range]:
-    bounds = [0, *cuts, num_layers]
-    return [range(bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1)]
 
 def param_costs(layers: Sequence[nn.Module]) -> list[float]:
     return [float(sum(p.numel() for p in layer.parameters())) or 1.0 for layer in layers]
+
 
 def time_costs(layers: Sequence[nn.Module], example_input: torch.Tensor, repeats: int = 3) -> list[float]:
     """Measured forward+backward seconds per layer on one example batch (median of ``repeats``)."""
@@ -61,14 +60,9 @@ def time_costs(layers: Sequence[nn.Module], example_input: torch.Tensor, repeats
             x = layer(x)
     return costs
 
-def plan_stages(
-    layers: Sequence[nn.Module],
-    num_stages: int,
-    split_points: Optional[Sequence[int]] = None,
-    example_input: Optional[torch.Tensor] = None,
-) -> list[range]:
-    """Layer index ranges per stage: hand-set ``split_points``, else balanced by time or parameters."""
-    if split_points is not None:
-        return stage_ranges(list(split_points), len(layers))
+
+def plan_cuts(layers: Sequence[nn.Module], num_stages: int, example_input: Optional[torch.Tensor] = None) -> list[int]:
+    """Balanced cuts (the first layer of stages 1..p-1): by measured time on ``example_input`` when
+    given, else by parameter counts."""
     costs = time_costs(layers, example_input) if example_input is not None else param_costs(layers)
-    return stage_ranges(balanced_cuts(costs, num_stages), len(layers))
+    return balanced_cuts(costs, num_stages)

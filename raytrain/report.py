@@ -9,16 +9,25 @@ import json
 import os
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from raytrain.schedule import COMPUTE
+
+if TYPE_CHECKING:
+    from raytrain.layout import Layout
 
 PROGRESS_INTERVAL_S = 2.0
 """Minimum seconds between progress lines when stderr is not a terminal."""
 
 
 class RunReporter:
-    def __init__(self, run_dir: str, total_steps: int, layout: str, stream: TextIO = sys.stderr):
+    """Writes every row it is given (``add``) and prints a progress line; draws the pictures at ``finish``.
+
+    ``layout`` is the run's configured layout; a step row's ``dp`` (its live replicas, after a
+    repair or a grow) says which variant of it the step ran on.
+    """
+
+    def __init__(self, run_dir: str, total_steps: int, layout: Layout, stream: TextIO = sys.stderr):
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
         self.total_steps = total_steps
@@ -46,12 +55,9 @@ class RunReporter:
         if self.steps and rows and self.steps[-1].get("loss") is not None and "samples_per_s" in self.steps[-1]:
             self._progress(self.steps[-1])
 
-    def _current_layout(self, row: dict) -> str:
-        """The layout this step ran on: a repair or a grow changes dp ("dp=2 pp=1" in the row); the
-        micro-batches and schedule come from the configured layout."""
-        if "layout" not in row:
-            return self.layout
-        return " ".join([row["layout"]] + self.layout.split()[2:])
+    def _current_layout(self, row: dict) -> Layout:
+        """The layout this step ran on: the configured one with the row's live replica count."""
+        return self.layout.with_dp(row["dp"]) if "dp" in row else self.layout
 
     def _progress(self, row: dict) -> None:
         now = time.monotonic()
@@ -60,9 +66,9 @@ class RunReporter:
             return
         self._last_print = now
         layout = self._current_layout(row)
-        bubble = f" | bubble {row['bubble']:.0%}" if "pp=1" not in layout else ""
+        bubble = f" | bubble {row['bubble']:.0%}" if layout.pp > 1 else ""
         line = (f"step {row['step']}/{self.total_steps} | loss {row['loss']:.4f} | "
-                f"{row['samples_per_s']:.1f} samples/s | {layout}{bubble}")
+                f"{row['samples_per_s']:.1f} samples/s | {layout.label}{bubble}")
         if self._tty:
             self.stream.write("\r" + line + ("\n" if last else ""))
         else:
@@ -76,11 +82,11 @@ class RunReporter:
     def finish(self) -> None:
         self._metrics.close()
         if self.steps:
-            plot_loss(self.steps, os.path.join(self.run_dir, "loss.png"), self.layout)
+            plot_loss(self.steps, os.path.join(self.run_dir, "loss.png"), self.layout.label)
         if self.traces:
             write_chrome_trace(self.traces, os.path.join(self.run_dir, "trace.json"))
             last = max(self.traces)
-            plot_timeline(self.traces[last], os.path.join(self.run_dir, "timeline.png"), f"step {last}, {self.layout}")
+            plot_timeline(self.traces[last], os.path.join(self.run_dir, "timeline.png"), f"step {last}, {self.layout.label}")
 
 
 def plot_loss(steps: list[dict], path: str, title: str) -> None:

@@ -103,8 +103,10 @@ def may_send_ahead(step: int, steps: int, checkpoint_every: int, membership_chan
 def checkpoint_due(committed: int, steps: int, checkpoint_every: int) -> bool:
     """Whether a checkpoint is written once ``committed`` steps are done: every checkpoint.every, and at the end."""
     return committed == steps or bool(checkpoint_every and committed % checkpoint_every == 0)
+
+
 def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, mesh: Mesh, layout: str) -> dict:
-    """One metrics.jsonl row from every worker's report of a step."""
+    """One metrics.jsonl row from every worker's report of a step; ``dp`` is its live replica count."""
     B = cfg.train.global_batch
     last_stage = [r for r in results if mesh.coords(r["rank"])[1] == mesh.pp - 1]
     loss = sum(r["loss_sum"] for r in last_stage) / B
@@ -126,6 +128,7 @@ def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, m
         "peak_live_activations": {str(r["rank"]): r["peak_live"] for r in results},
         "peak_mem_mb": {str(r["rank"]): round(r["peak_mem_mb"], 1) for r in results},
         "layout": layout,
+        "dp": mesh.dp,
     }
     if any("events" in r for r in results):
         row["events"] = {str(r["rank"]): r["events"] for r in results if "events" in r}
@@ -143,7 +146,7 @@ def rolled_forward_row(step: int, results: list[dict], cfg: Config, mesh: Mesh, 
     B = cfg.train.global_batch
     last = [r for r in results if mesh.coords(r["rank"])[1] == mesh.pp - 1 and "loss_sum" in r]
     row = {"step": step + 1, "loss": sum(r["loss_sum"] for r in last) / B if len(last) == mesh.dp else None,
-           "rolled_forward": True, "time": time.time(), "layout": layout}
+           "rolled_forward": True, "time": time.time(), "layout": layout, "dp": mesh.dp}
     if cfg.run.record_samples:
         row["sample_ids"] = data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
     return row
@@ -156,11 +159,12 @@ def loss_of(results: list[dict], cfg: Config, dp: int) -> Optional[float]:
 
 
 def skipped_row(step: int, loss: Optional[float], grad_norm: Optional[float], cfg: Config, num_samples: int,
-                layout: str) -> dict:
-    """The row of a step not applied because a value was not finite; its samples count as seen."""
+                layout: str, dp: Optional[int] = None) -> dict:
+    """The row of a step not applied because a value was not finite; its samples count as seen.
+    ``dp``, the live replica count, goes into the row when given."""
     B = cfg.train.global_batch
     row = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "skipped": True, "time": time.time(),
-           "layout": layout}
+           "layout": layout, **({"dp": dp} if dp is not None else {})}
     if cfg.run.record_samples:
         row["sample_ids"] = data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
     return row

@@ -6,8 +6,8 @@ decode per machine and dataset version: every later worker, run or replacement m
 read-only, so the operating system's page cache holds the tokens once per machine, however many
 workers read them, and opening it costs a fraction of a millisecond.
 
-The first worker on a machine builds it under a file lock while the others wait; it is written to a
-temporary name and renamed, so no reader ever sees a half file. The key covers the source file's
+The first worker on a machine builds it under a file lock while the others wait; it is written
+atomically (raytrain.atomic), so no reader ever sees a half file. The key covers the source file's
 path, size and modification time, so a rewritten dataset gets a new cache.
 """
 
@@ -19,6 +19,8 @@ import os
 
 import numpy as np
 import pyarrow.parquet as pq
+
+from raytrain.atomic import atomic_path
 
 
 def cache_path(source: str, column: str, width: int, cache_dir: str) -> str:
@@ -46,16 +48,15 @@ def _build(source: str, column: str, width: int, path: str, decode) -> None:
     """Decode one row group at a time into a preallocated file: memory stays at one row group."""
     parquet = pq.ParquetFile(source, memory_map=True)
     dtype = _smallest_dtype(parquet, column)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(parquet.metadata.num_rows, width))
-    start = 0
-    for group in range(parquet.num_row_groups):
-        rows = decode(parquet.read_row_group(group, columns=[column], use_threads=False))
-        out[start : start + len(rows)] = rows
-        start += len(rows)
-    out.flush()
-    del out
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(parquet.metadata.num_rows, width))
+        start = 0
+        for group in range(parquet.num_row_groups):
+            rows = decode(parquet.read_row_group(group, columns=[column], use_threads=False))
+            out[start : start + len(rows)] = rows
+            start += len(rows)
+        out.flush()
+        del out  # unmapped before the rename
 
 
 def _smallest_dtype(parquet: pq.ParquetFile, column: str) -> np.dtype:

@@ -10,6 +10,7 @@ ASHA can stop trials early, PBT can exploit (clone a better trial's checkpoint) 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -19,8 +20,10 @@ from typing import Any, Optional
 import ray
 from ray import tune
 
-from raytrain.config import Config, all_keys, build_config, flatten_sections
+from raytrain.config import Config, ParallelConfig, all_keys, build_config, flatten_sections
+from raytrain.layout import Layout
 from raytrain.placement import worker_bundle
+from raytrain.plan import check_inputs, plan_layout
 
 LAYOUT_KEYS = ("parallel.dp", "parallel.pp", "parallel.microbatches", "parallel.schedule")
 LAYOUTS = "layouts"
@@ -144,51 +147,62 @@ def layout_combinations(sweep: SweepConfig) -> list[dict]:
 
 def trial_config(base: dict, params: dict) -> Config:
     """The base config with a trial's parameters (an explicit layout is expanded into its keys)."""
+    return build_config(_trial_values(base, params))
+
+
+def _trial_values(base: dict, params: dict) -> dict:
     values = flatten_sections(base, "sweep base")
     for key, value in params.items():
         if key == LAYOUTS:
             values.update(value)
         elif key != "__base__":
             values[key] = value
-    return build_config(values)
+    return values
 
 
-def _layout_label(combo: dict) -> str:
-    flat = {}
-    for key, value in combo.items():
-        flat.update(value if key == LAYOUTS else {key: value})
-    return " ".join(f"{k.split('.')[1]}={v}" for k, v in flat.items())
+def _trial_layout(values: dict) -> Layout:
+    """The layout a trial's keys set, known also when they are invalid (it names the trial in errors)."""
+    chosen = {key.split(".", 1)[1]: values[key] for key in LAYOUT_KEYS if key in values}
+    return dataclasses.replace(Layout.of(ParallelConfig()), **chosen)
 
 
 def check_layouts(sweep: SweepConfig, cluster: dict[str, float]) -> None:
     """Reject, before any trial starts, layouts that are invalid or cannot fit the cluster."""
-    from raytrain.api import _stage_ranges
-
     problems = []
     for combo in layout_combinations(sweep):
-        label = _layout_label(combo)
+        values = _trial_values(sweep.base, combo)
+        label = _trial_layout(values).label
         try:
-            cfg = trial_config(sweep.base, combo)
-            _stage_ranges(cfg)
+            cfg = build_config(values)
+            if cfg.parallel.auto:
+                raise ValueError("parallel.auto=true: the sweep sets each trial's layout; drop parallel.auto from it")
+            check_inputs(cfg)
+            layout = plan_layout(cfg)
         except ValueError as e:
             problems.append(f"{label}: {e}")
             continue
-        if (cfg.elastic.max_dp or cfg.parallel.dp) > cfg.parallel.dp:
-            problems.append(f"{label}: elastic.max_dp={cfg.elastic.max_dp} > parallel.dp; a trial's resources are "
-                            "fixed by Tune, so a trial cannot grow: drop elastic.max_dp from sweeps")
-        world = cfg.parallel.dp * cfg.parallel.pp
-        for resource, amount in worker_bundle(cfg).items():
-            need = world * amount
-            if need > cluster.get(resource, 0):
-                problems.append(f"{label}: needs {need:g} {resource} ({world} workers), the cluster has "
-                                f"{cluster.get(resource, 0):g}")
+        problems += [f"{label}: {problem}" for problem in _fit_problems(cfg, layout, cluster)]
     if problems:
         raise ValueError("these layouts cannot run; remove them from the sweep space or add resources:\n  "
                          + "\n  ".join(problems))
 
 
+def _fit_problems(cfg: Config, layout: Layout, cluster: dict[str, float]) -> list[str]:
+    """Why a valid trial cannot run on ``cluster``: more workers than it holds, or a growing run."""
+    problems = []
+    if (cfg.elastic.max_dp or layout.dp) > layout.dp:
+        problems.append(f"elastic.max_dp={cfg.elastic.max_dp} > parallel.dp; a trial's resources are fixed by "
+                        "Tune, so a trial cannot grow: drop elastic.max_dp from sweeps")
+    for resource, amount in worker_bundle(cfg).items():
+        need = layout.world_size * amount
+        if need > cluster.get(resource, 0):
+            problems.append(f"needs {need:g} {resource} ({layout.world_size} workers), the cluster has "
+                            f"{cluster.get(resource, 0):g}")
+    return problems
+
+
 def trial_resources(cfg: Config) -> tune.PlacementGroupFactory:
-    world = cfg.parallel.dp * cfg.parallel.pp
+    world = Layout.of(cfg.parallel).world_size
     # An empty head bundle: Tune then places the trial driver without resources, and the placement
     # group holds exactly the workers' bundles (indices 0..world-1).
     return tune.PlacementGroupFactory([{}] + [worker_bundle(cfg)] * world,
@@ -201,7 +215,8 @@ def trial_resources(cfg: Config) -> tune.PlacementGroupFactory:
 def raytrain_trainable(params: dict) -> None:
     """One trial: a raytrain run in this trial's placement group, reporting every step."""
     from raytrain import checkpoint
-    from raytrain.api import train
+    from raytrain.driver import run
+    from raytrain.plan import prepare
 
     started = time.time()
     base = params["__base__"]
@@ -241,7 +256,7 @@ def raytrain_trainable(params: dict) -> None:
             tune.report(metrics, checkpoint=ckpt)
 
     pg = ray.util.get_current_placement_group()
-    train(cfg, stream=open(os.devnull, "w"), on_rows=report, placement=(pg, 0))
+    run(prepare(cfg), stream=open(os.devnull, "w"), on_rows=report, placement=(pg, 0))
 
 
 class _TrialLog(tune.Callback):
@@ -285,7 +300,7 @@ def _trainable_for(sweep: SweepConfig):
 
 def run_sweep(sweep: SweepConfig, resume: Optional[str] = None):
     """Run (or resume, from an experiment path) a sweep; returns the Tune ResultGrid."""
-    from raytrain.api import ensure_ray
+    from raytrain.driver import ensure_ray
 
     ensure_ray()
     cluster = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}

@@ -12,6 +12,8 @@ from typing import Optional
 
 import ray
 
+from raytrain.atomic import atomic_path
+
 
 class StageWorker:
     def __init__(self, config: dict, data_path: str, num_samples: int, stage: int, layer_ids: list[int],
@@ -66,9 +68,6 @@ def dataset_here(data_path: str, corpus: Optional[list], cache_dir: str) -> str:
         return data_path
     local = os.path.join(os.path.expanduser(cache_dir), os.path.basename(data_path))
     if not os.path.exists(local):
-        os.makedirs(os.path.dirname(local), exist_ok=True)
-        tmp = f"{local}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
+        with atomic_path(local) as tmp, open(tmp, "wb") as f:
             f.write(ray.get(corpus[0]))
-        os.replace(tmp, local)
     return local

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from raytrain.api import prepare
+from raytrain.plan import prepare
 from raytrain.config import Config
 from raytrain.data import even_shares
 from raytrain.mesh import Mesh
@@ -64,14 +64,15 @@ def _run_worker(cfg_dict: dict, data_path: str, num_samples: int, stage_layers: 
 def run_stages(cfg: Config, out_dir: str) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Train ``cfg`` (its dp x pp layout, resuming from checkpoint.resume if set) in forked processes;
     returns the model by global name and the peak number of live activations of each stage (replica 0's)."""
-    cfg, data_path, num_samples, stage_layers, resume = prepare(cfg)
-    mesh = Mesh(cfg.parallel.dp, cfg.parallel.pp)
+    plan = prepare(cfg)
+    mesh = Mesh(plan.layout.dp, plan.layout.pp)
     os.makedirs(out_dir, exist_ok=True)
     rendezvous = RendezvousStore()
     store = rendezvous.address("127.0.0.1", namespace=os.path.basename(out_dir))
     ctx = _forkserver()
-    procs = [ctx.Process(target=_run_worker, args=(cfg.to_dict(), data_path, num_samples, stage_layers, rank, mesh,
-                                                   store, out_dir, resume), daemon=True)
+    procs = [ctx.Process(target=_run_worker, args=(plan.cfg.to_dict(), plan.data_path, plan.num_samples,
+                                                   plan.stage_layers, rank, mesh, store, out_dir, plan.resume),
+                         daemon=True)
              for rank in range(mesh.world_size)]
     try:
         for p in procs:

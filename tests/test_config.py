@@ -8,6 +8,15 @@ import sys
 import pytest
 
 from raytrain.config import all_keys, load_config, parse_override
+from raytrain.plan import prepare
+
+
+def _rejected(overrides, tmp_path) -> ValueError:
+    """The error bad input raises before any actor starts: from the config itself, or from the checks of
+    this machine's files and modules (raytrain.plan.prepare)."""
+    with pytest.raises(ValueError) as err:
+        prepare(load_config(None, [f"run.dir={tmp_path}", *overrides]))
+    return err.value
 
 
 @pytest.mark.parametrize(
@@ -36,11 +45,17 @@ from raytrain.config import all_keys, load_config, parse_override
          ["data.max_bytes=100", "train.global_batch=8", "model.seq_len + 1", ">= 520"]),
     ],
 )
-def test_bad_input_names_key_and_fix(overrides, must_mention):
-    with pytest.raises(ValueError) as err:
-        load_config(None, overrides)
+def test_bad_input_names_key_and_fix(overrides, must_mention, tmp_path):
+    error = _rejected(overrides, tmp_path)
     for text in must_mention:
-        assert text in str(err.value), f"{text!r} missing from: {err.value}"
+        assert text in str(error), f"{text!r} missing from: {error}"
+
+
+def test_config_checks_touch_no_disk_and_import_nothing():
+    # Every node builds the Config (the coordinator, each worker, each Tune trial): what only the
+    # driver's machine can answer is checked once, by prepare.
+    cfg = load_config(None, ["data.path=/nonexistent/tokens.parquet", "model.factory=no_such_module:build"])
+    assert cfg.data.path == "/nonexistent/tokens.parquet" and cfg.model.factory == "no_such_module:build"
 
 
 def test_overrides_are_typed_and_applied_in_order():
@@ -172,11 +187,10 @@ NO_BAD_VALUE = {}  # key -> why no value of the right type is wrong (none so far
 
 
 @pytest.mark.parametrize("override, fix", BAD_VALUE_PER_KEY, ids=[o.partition("=")[0] for o, _ in BAD_VALUE_PER_KEY])
-def test_every_key_rejects_a_bad_value_by_name(override, fix):
+def test_every_key_rejects_a_bad_value_by_name(override, fix, tmp_path):
     key = override.partition("=")[0]
-    with pytest.raises(ValueError) as err:
-        load_config(None, [override])
-    assert key in str(err.value) and fix in str(err.value), str(err.value)
+    error = _rejected([override], tmp_path)
+    assert key in str(error) and fix in str(error), str(error)
 
 
 def test_every_key_has_a_bad_value_in_the_table():

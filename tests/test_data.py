@@ -284,7 +284,7 @@ def test_prepare_checks_token_ids_against_model_vocab_size(tmp_path):
     with pytest.raises(ValueError, match="token ids from 0 to 300.*model.vocab_size=256"):
         prepare(cfg)
     assert prepare(load_config(None, [f"data.path={path}", "model.seq_len=8", "train.global_batch=4",
-                                      "model.vocab_size=301", f"run.dir={tmp_path / 'runs'}"]))[2] == 10
+                                      "model.vocab_size=301", f"run.dir={tmp_path / 'runs'}"])).num_samples == 10
 
 
 def test_statistics_spare_the_scan_of_fixed_width_columns(tmp_path, monkeypatch, make_config):

@@ -62,7 +62,7 @@ def test_node_lost_then_added_grows_back_to_max_dp(ray_cluster, worker_node, mak
     assert seen["new"] in result.final_pids
     assert result.committed_steps == list(range(steps))
     # Every global position consumed once, in the fault-free order, across both resizes.
-    num_samples = prepare(cfg)[2]
+    num_samples = prepare(cfg).num_samples
     ids = [i for r in result.metrics for i in r["sample_ids"]]
     assert ids == data.sample_ids(cfg.train.seed, num_samples, 0, steps * cfg.train.global_batch)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))

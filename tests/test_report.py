@@ -2,22 +2,32 @@
 
 import io
 
+from raytrain.layout import Layout
 from raytrain.report import RunReporter
 
 
-def _step(step, layout, **extra):
-    return {"step": step, "loss": 2.5, "samples_per_s": 100.0, "layout": layout, **extra}
+def _step(step, dp, **extra):
+    """A step row as the coordinator writes it: its live replicas as data, and their label."""
+    return {"step": step, "loss": 2.5, "samples_per_s": 100.0, "layout": f"dp={dp} pp=2", "dp": dp, **extra}
 
 
 def test_progress_line_follows_the_layout_through_a_grow_and_a_repair(tmp_path):
     out = io.StringIO()
-    reporter = RunReporter(str(tmp_path), total_steps=3, layout="dp=1 pp=2 m=4 1f1b", stream=out)
-    reporter.add([_step(1, "dp=1 pp=2", bubble=0.2)])
+    reporter = RunReporter(str(tmp_path), total_steps=3, layout=Layout(dp=1, pp=2, microbatches=4), stream=out)
+    reporter.add([_step(1, dp=1, bubble=0.2)])
     reporter._last_print = 0.0  # not a terminal: lines are otherwise at most one per PROGRESS_INTERVAL_S
-    reporter.add([{"event": "grow", "step": 1, "new_layout": "dp=2 pp=2"}, _step(2, "dp=2 pp=2", bubble=0.2)])
-    reporter.add([_step(3, "dp=1 pp=2", bubble=0.2)])  # the last step always prints
+    reporter.add([{"event": "grow", "step": 1, "new_layout": "dp=2 pp=2"}, _step(2, dp=2, bubble=0.2)])
+    reporter.add([_step(3, dp=1, bubble=0.2)])  # the last step always prints
     lines = [line for line in out.getvalue().splitlines() if line.startswith("step")]
     assert lines == ["step 1/3 | loss 2.5000 | 100.0 samples/s | dp=1 pp=2 m=4 1f1b | bubble 20%",
                      "step 2/3 | loss 2.5000 | 100.0 samples/s | dp=2 pp=2 m=4 1f1b | bubble 20%",
                      "step 3/3 | loss 2.5000 | 100.0 samples/s | dp=1 pp=2 m=4 1f1b | bubble 20%"]
     assert "[raytrain] grow: step=1, new_layout=dp=2 pp=2" in out.getvalue()
+
+
+def test_a_deep_pipeline_shows_its_bubble(tmp_path):
+    # The line used to look for "pp=1" in the label, which "pp=12" contains.
+    out = io.StringIO()
+    reporter = RunReporter(str(tmp_path), total_steps=1, layout=Layout(dp=1, pp=12, microbatches=12), stream=out)
+    reporter.add([{"step": 1, "loss": 2.5, "samples_per_s": 100.0, "layout": "dp=1 pp=12", "dp": 1, "bubble": 0.5}])
+    assert out.getvalue().splitlines() == ["step 1/1 | loss 2.5000 | 100.0 samples/s | dp=1 pp=12 m=12 1f1b | bubble 50%"]

@@ -11,7 +11,6 @@ from raytrain.api import prepare
 from raytrain.data import even_shares
 from raytrain.faults import PhaseHook, phase_hook
 from raytrain.mesh import Mesh
-from raytrain.model import num_layers
 from raytrain.rendezvous import RendezvousStore
 from raytrain.stage import Stage
 
@@ -25,7 +24,7 @@ def keep_torch_threads():
 
 
 def _stage(cfg, **kwargs) -> Stage:
-    return Stage(cfg.to_dict(), "unused: no join", 1, 0, list(range(num_layers(cfg.model))), **kwargs)
+    return Stage(cfg.to_dict(), "unused: no join", 1, 0, list(range(cfg.model.gpt_layers)), **kwargs)
 
 
 def test_state_digest_is_equal_for_equal_state_and_changes_with_any_value(make_config, keep_torch_threads):
@@ -60,7 +59,8 @@ class Recorder(PhaseHook):
 
 def test_the_stage_calls_its_hook_at_every_phase_point(make_config, tmp_path, keep_torch_threads):
     # pp=1 dp=1: one process, a world of one; generation 1 so the join counts as a repair's.
-    cfg, data_path, num_samples, stage_layers, _ = prepare(make_config("train.steps=1"))
+    plan = prepare(make_config("train.steps=1"))
+    cfg, data_path, num_samples, stage_layers = plan.cfg, plan.data_path, plan.num_samples, plan.stage_layers
     recorder, armed = Recorder(), []
 
     def make_hook(specs, replica, stage_index):

@@ -60,7 +60,7 @@ def test_infeasible_layouts_are_rejected_before_launch(ray_session, base, tmp_pa
     with pytest.raises(ValueError) as err:
         rt_tune.run_sweep(sweep)
     message = str(err.value)
-    assert "dp=8: needs 8 CPU (8 workers), the cluster has 4" in message
+    assert "dp=8 pp=1 m=1: needs 8 CPU (8 workers), the cluster has 4" in message
     assert "pp=9" in message and "layers" in message
     assert "dp=1" not in message.replace("dp=1 ", "")  # the feasible layout is not blamed
     assert not os.path.exists(tmp_path / "never")  # nothing was launched

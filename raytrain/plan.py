@@ -1,0 +1,179 @@
+"""``prepare(config) -> RunPlan``: everything that can fail on bad input, done on the driver before any
+actor starts, and what the run then needs, by name.
+
+The config's own checks are pure (every node builds a Config); the checks here read the driver's
+machine: the data file, the model factory's module, the checkpoint directory and the checkpoint to
+resume from. The stage cuts are planned here too, building the model only when the answer needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from raytrain import checkpoint, data
+from raytrain.config import Config
+from raytrain.connect import run_root
+from raytrain.layout import Layout
+from raytrain.rendezvous import import_user_module
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A checked run: what the driver, the coordinator and its workers are started with."""
+
+    cfg: Config
+    """The config with its defaults filled in: run.name and checkpoint.dir are set."""
+    layout: Layout
+    """The layout, with the model's layer count and each stage's layers."""
+    data_path: str
+    """The Parquet file the run reads (the built-in corpus: built on this machine)."""
+    num_samples: int
+    """Samples (rows) in data_path."""
+    resume: Optional[str]
+    """The checkpoint to resume from, checked; None to start fresh."""
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(os.path.abspath(os.path.expanduser(self.cfg.run.dir)), self.cfg.run.name)
+
+    @property
+    def stage_layers(self) -> list[list[int]]:
+        """Global layer indices of each stage, as the coordinator and the workers take them."""
+        return [list(r) for r in self.layout.stage_ranges]
+
+
+def prepare(cfg: Config) -> RunPlan:
+    """Check ``cfg`` against this machine and plan the run; a ValueError naming the key when it cannot run."""
+    check_inputs(cfg)
+    data_path = data.resolve_data_path(cfg)
+    num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch,
+                                     cfg.model.vocab_size)
+    layout = plan_layout(cfg)
+    root = run_root(cfg.run.dir)  # under ~/raytrain in a Ray job: the job's working dir is temporary
+    run_name = cfg.run.name or _new_run_name(root, layout)
+    ckpt_dir = cfg.checkpoint.dir or os.path.join(root, run_name, "checkpoints")
+    resume = _resume_source(cfg, root, ckpt_dir)
+    try:
+        checkpoint.check_writable(ckpt_dir)
+    except checkpoint.CheckpointError as e:
+        raise ValueError(f"checkpoint.dir={ckpt_dir!r}: {e}; point checkpoint.dir at a writable directory or a "
+                         f"pyarrow.fs URI (s3://, gs://, hdfs://) whose credentials this machine has") from e
+    cfg = dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(cfg.run, dir=root, name=run_name),
+        checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir),
+    )
+    return RunPlan(cfg=cfg, layout=layout, data_path=data_path, num_samples=num_samples, resume=resume)
+
+
+def check_inputs(cfg: Config) -> None:
+    """What the config names on this machine: data.path exists, model.factory imports and has its function."""
+    path = cfg.data.path
+    if path is not None and "://" not in path and not os.path.exists(os.path.expanduser(path)):
+        raise ValueError(f"data.path={path!r}: no such file; point it at a Parquet file with a "
+                         f"'{cfg.data.column}' column, or unset it to use the built-in corpus")
+    if cfg.model.factory is None:
+        return
+    module_name, _, fn_name = cfg.model.factory.partition(":")
+    try:
+        module = import_user_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"model.factory={cfg.model.factory!r}: cannot import module {module_name!r} ({e})") from e
+    if not callable(getattr(module, fn_name, None)):
+        raise ValueError(f"model.factory={cfg.model.factory!r}: module {module_name!r} has no function {fn_name!r}")
+
+
+def plan_layout(cfg: Config) -> Layout:
+    """The configured layout with the model's layer count and stage cuts (parallel.split_points, else
+    balanced by parallel.balance); a ValueError naming parallel.pp or parallel.split_points when the
+    model cannot be cut so. Needs model.factory importable (``check_inputs``).
+
+    The built-in GPT is built only to balance its cuts, so a run at pp=1 or with split_points keeps
+    torch out of the driver; a model.factory is built to count its layers.
+    """
+    if cfg.model.factory is None:
+        layout = cfg.gpt_layout()
+        if not layout.needs_cuts:
+            return layout
+        layers = _layers(cfg)
+    else:
+        layers = _layers(cfg)
+        layout = Layout.of(cfg.parallel).for_model(len(layers), "model.factory")
+        if not layout.needs_cuts:
+            return layout
+    from raytrain.partition import plan_cuts
+
+    return dataclasses.replace(layout, cuts=tuple(plan_cuts(layers, layout.num_chunks, _timing_input(cfg))))
+
+
+def _layers(cfg: Config) -> list:
+    """The model's layers: on the meta device when only the built-in GPT's parameter counts are wanted."""
+    import torch
+
+    from raytrain.model import build_model
+
+    if cfg.model.factory is None and cfg.parallel.balance == "params":
+        with torch.device("meta"):
+            return build_model(cfg.model, cfg.train.seed).layers
+    return build_model(cfg.model, cfg.train.seed).layers
+
+
+def _timing_input(cfg: Config):
+    """One micro-batch of token ids to time the layers on (parallel.balance=time), else None."""
+    if cfg.parallel.balance != "time":
+        return None
+    import torch
+
+    p = cfg.parallel
+    micro_batch = max(1, cfg.train.global_batch // (p.dp * p.microbatches))
+    return torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)
+
+
+def _new_run_name(root: str, layout: Layout) -> str:
+    """A timestamp and the layout, with a suffix when a run of the same second already has it."""
+    base = time.strftime("%Y%m%d-%H%M%S-") + layout.label.replace(" ", "_").replace("=", "")
+    name, n = base, 1
+    while os.path.exists(os.path.join(root, name)):
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def _resume_source(cfg: Config, root: str, ckpt_dir: str) -> Optional[str]:
+    """The checkpoint ``checkpoint.resume`` names, checked; None when not resuming.
+
+    ``latest`` means checkpoint.dir's latest when checkpoint.dir is set; else the checkpoint published
+    last by any run under run.dir (each run has its own default checkpoint directory).
+    """
+    if cfg.checkpoint.resume is None:
+        return None
+    where = cfg.checkpoint.resume
+    if where == "latest":
+        where = ckpt_dir if cfg.checkpoint.dir or cfg.run.name else _newest_run_checkpoint(root) or ckpt_dir
+    try:
+        resume = checkpoint.resolve(where)
+        manifest = checkpoint.read_manifest(resume)
+    except checkpoint.CheckpointError as e:
+        raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}") from e
+    if manifest["step"] >= cfg.train.steps:
+        raise ValueError(
+            f"checkpoint.resume={cfg.checkpoint.resume!r} ({resume}) is at step {manifest['step']}, not before "
+            f"train.steps={cfg.train.steps}; raise train.steps to train further"
+        )
+    return resume
+
+
+def _newest_run_checkpoint(root: str) -> Optional[str]:
+    """The checkpoint published last under ``<root>/*/checkpoints`` (by its manifest's time)."""
+    newest, newest_time = None, -1.0
+    for run in os.scandir(root) if os.path.isdir(root) else []:
+        found = checkpoint.latest(os.path.join(run.path, "checkpoints")) if run.is_dir() else None
+        if found is not None:
+            published = os.path.getmtime(os.path.join(found, checkpoint.MANIFEST))
+            if published > newest_time:
+                newest, newest_time = found, published
+    return newest
