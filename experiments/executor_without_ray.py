@@ -41,7 +41,7 @@ def main(run_file: str, out_file: str) -> None:
     if rank == 0:
         server = dist.TCPStore("127.0.0.1", STORE_PORT, is_master=True, wait_for_workers=False)  # noqa: F841
     stage = mesh.coords(rank)[1]
-    worker = Stage(run["config"], path, num_samples, stage, run["stage_layers"][stage])
+    worker = Stage(cfg, path, num_samples, stage, run["stage_layers"][stage])
     worker.join(rank, mesh, data.even_shares(cfg.train.global_batch, mesh.dp),
                 StoreAddress("127.0.0.1", STORE_PORT, "bench"), generation=0, faults=[])
     step_end = []

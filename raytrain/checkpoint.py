@@ -19,9 +19,12 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import pyarrow.fs as pafs
+
+if TYPE_CHECKING:
+    import torch
 
 # torch is imported inside the functions that need it: the driver and the coordinator read
 # manifests and publish checkpoints without paying for a torch import.

@@ -29,9 +29,9 @@ from typing import Optional
 import ray
 
 from raytrain import checkpoint, steps
-from raytrain.config import Config, config_from_dict
+from raytrain.config import Config
 from raytrain.data import even_shares
-from raytrain.faults import FaultPlan
+from raytrain.layout import Layout
 from raytrain.membership import Member, Membership
 from raytrain.policy import Action, Decision, ElasticPolicy
 from raytrain.rendezvous import StoreAddress
@@ -59,11 +59,10 @@ class CapacityLost(RuntimeError):
 
 
 class Coordinator:
-    def __init__(self, config: dict, data_path: str, num_samples: int, stage_layers: list[list[int]],
+    def __init__(self, config: Config, data_path: str, num_samples: int, stage_layers: list[list[int]],
                  placement, first_bundle: int, resume_from: Optional[str], worker_cls=StageWorker,
                  extra_placements: tuple = (), corpus: Optional[list] = None, group=None):
-        self.cfg: Config = config_from_dict(config)
-        self.config_dict, self.num_samples, self.stage_layers = config, num_samples, stage_layers
+        self.cfg, self.num_samples, self.stage_layers = config, num_samples, stage_layers
         self.placement, self.first_bundle, self.resume_from = placement, first_bundle, resume_from
         self.group = group or RayWorkerGroup(worker_cls, _worker_options(self.cfg),
                                              lambda s: (config, data_path, num_samples, s, stage_layers[s], corpus))
@@ -120,7 +119,8 @@ class Coordinator:
                 "skipped_steps": self.skipped_steps}
 
     def layout(self) -> str:
-        return f"dp={self.team.dp} pp={self.team.pp}"
+        """The live grid's label: dp changes with repairs and growth."""
+        return Layout.of(self.cfg.parallel).with_dp(self.team.dp).grid_label
 
     def shutdown(self) -> None:
         for m in self.team.everyone():
@@ -280,7 +280,7 @@ class Coordinator:
             "step": step, "samples_seen": step * self.cfg.train.global_batch,
             "finite": all(s["finite"] for s in shards),
             "layout": {"dp": mesh.dp, "pp": mesh.pp, "stage_layers": self.stage_layers},
-            "shards": shards, "config": self.config_dict,
+            "shards": shards, "config": self.cfg.to_dict(),
         })
         checkpoint.prune(base, self.cfg.checkpoint.keep)
         self.last_checkpoint = ckpt_dir

@@ -13,11 +13,14 @@ import glob
 import hashlib
 import os
 import sysconfig
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+if TYPE_CHECKING:
+    import torch
 
 from raytrain import token_cache
 from raytrain.atomic import atomic_path

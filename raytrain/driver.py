@@ -8,7 +8,6 @@ a lost coordinator from the last checkpoint, and writes what a person sees (rayt
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,7 +134,7 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
             coordinator = ray.remote(Coordinator).options(
                 num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
             ).remote(
-                cfg.to_dict(), plan.data_path, plan.num_samples, plan.stage_layers, pg, first_bundle, resume,
+                cfg, plan.data_path, plan.num_samples, plan.stage_layers, pg, first_bundle, resume,
                 extra_placements=tuple(growth), corpus=corpus)
             try:
                 store = rendezvous.address(host, namespace=f"coordinator{restarts}")

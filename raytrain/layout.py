@@ -66,6 +66,11 @@ class Layout:
         parts += [f"m={self.microbatches}"] + ([self.schedule] if self.pp > 1 else [])
         return " ".join(parts)
 
+    @property
+    def grid_label(self) -> str:
+        """``dp=2 pp=1``: the worker grid alone, as metric rows and repair events name a live layout."""
+        return " ".join([f"dp={self.dp}"] + ([f"fsdp={self.fsdp}"] if self.fsdp > 1 else []) + [f"pp={self.pp}"])
+
     def with_dp(self, dp: int) -> Layout:
         """This layout with ``dp`` replicas, as a repair or a grow leaves it."""
         return dataclasses.replace(self, dp=dp)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain import checkpoint, data
-from raytrain.config import config_from_dict
+from raytrain.config import Config
 from raytrain.executor import PlanExecutor
 from raytrain.faults import PhaseHook, phase_hook
 from raytrain.generation import Generation, form_generation
@@ -51,9 +51,9 @@ HookFactory = Callable[[list[str], int, int], PhaseHook]
 class Stage:
     """The layers of one stage of one replica, and how to train them; see the module docstring."""
 
-    def __init__(self, config: dict, data_path: str, num_samples: int, stage: int, layer_ids: list[int],
+    def __init__(self, cfg: Config, data_path: str, num_samples: int, stage: int, layer_ids: list[int],
                  make_hook: HookFactory = phase_hook):
-        cfg = self.cfg = config_from_dict(config)
+        self.cfg = cfg
         self.data_path, self.num_samples = data_path, num_samples
         torch.set_num_threads(cfg.resources.cpus_per_worker)
         self.device = torch.device("cuda", 0) if cfg.resources.use_gpu else torch.device("cpu")

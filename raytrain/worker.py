@@ -13,15 +13,16 @@ from typing import Optional
 import ray
 
 from raytrain.atomic import atomic_path
+from raytrain.config import Config
 
 
 class StageWorker:
-    def __init__(self, config: dict, data_path: str, num_samples: int, stage: int, layer_ids: list[int],
+    def __init__(self, cfg: Config, data_path: str, num_samples: int, stage: int, layer_ids: list[int],
                  corpus: Optional[list] = None):
         from raytrain.stage import Stage
 
-        data_path = dataset_here(data_path, corpus, config["data"]["cache_dir"])
-        self.stage = Stage(config, data_path, num_samples, stage, layer_ids)
+        data_path = dataset_here(data_path, corpus, cfg.data.cache_dir)
+        self.stage = Stage(cfg, data_path, num_samples, stage, layer_ids)
 
     def pid(self) -> int:
         return os.getpid()

@@ -38,16 +38,16 @@ def _forkserver():
     return _context
 
 
-def _run_worker(cfg_dict: dict, data_path: str, num_samples: int, stage_layers: list[list[int]], rank: int,
+def _run_worker(cfg, data_path: str, num_samples: int, stage_layers: list[list[int]], rank: int,
                 mesh: Mesh, store, out_dir: str, resume: Optional[str]) -> None:
     from raytrain.stage import Stage
 
     replica, stage_index = mesh.coords(rank)
-    steps = cfg_dict["train"]["steps"]
-    stage = Stage(cfg_dict, data_path, num_samples, stage_index, stage_layers[stage_index])
+    steps = cfg.train.steps
+    stage = Stage(cfg, data_path, num_samples, stage_index, stage_layers[stage_index])
     if resume is not None:
         stage.load(resume)
-    stage.join(rank, mesh, even_shares(cfg_dict["train"]["global_batch"], mesh.dp), store, generation=0, faults=[])
+    stage.join(rank, mesh, even_shares(cfg.train.global_batch, mesh.dp), store, generation=0, faults=[])
     peak_live = 0
     for step in range(stage.committed, steps):
         result = stage.run_step(step)
@@ -70,7 +70,7 @@ def run_stages(cfg: Config, out_dir: str) -> tuple[dict[str, torch.Tensor], list
     rendezvous = RendezvousStore()
     store = rendezvous.address("127.0.0.1", namespace=os.path.basename(out_dir))
     ctx = _forkserver()
-    procs = [ctx.Process(target=_run_worker, args=(plan.cfg.to_dict(), plan.data_path, plan.num_samples,
+    procs = [ctx.Process(target=_run_worker, args=(plan.cfg, plan.data_path, plan.num_samples,
                                                    plan.stage_layers, rank, mesh, store, out_dir, plan.resume),
                          daemon=True)
              for rank in range(mesh.world_size)]

@@ -24,7 +24,7 @@ def keep_torch_threads():
 
 
 def _stage(cfg, **kwargs) -> Stage:
-    return Stage(cfg.to_dict(), "unused: no join", 1, 0, list(range(cfg.model.gpt_layers)), **kwargs)
+    return Stage(cfg, "unused: no join", 1, 0, list(range(cfg.model.gpt_layers)), **kwargs)
 
 
 def test_state_digest_is_equal_for_equal_state_and_changes_with_any_value(make_config, keep_torch_threads):
@@ -67,7 +67,7 @@ def test_the_stage_calls_its_hook_at_every_phase_point(make_config, tmp_path, ke
         armed.append((specs, replica, stage_index))
         return recorder
 
-    stage = Stage(cfg.to_dict(), data_path, num_samples, 0, stage_layers[0], make_hook=make_hook)
+    stage = Stage(cfg, data_path, num_samples, 0, stage_layers[0], make_hook=make_hook)
     rendezvous = RendezvousStore()
     try:
         stage.join(0, Mesh(1, 1), even_shares(cfg.train.global_batch, 1),
