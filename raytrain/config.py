@@ -21,6 +21,7 @@ import yaml
 from raytrain.layout import Layout
 
 SCHEDULES = ("gpipe", "1f1b")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 BALANCE_MODES = ("params", "time")
 MAX_SEED = 2**32 - 1
 """Largest train.seed: layer seeds are seed * 100_003 + layer, and torch.manual_seed takes at most 64 bits."""
@@ -93,6 +94,15 @@ class TrainConfig:
     """Seeds the model initialisation and the sample order."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off."""
+    lr_schedule: str = "constant"
+    """After the warm-up: constant at train.lr, or cosine / linear decay to train.min_lr at train.steps."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from train.lr / warmup_steps to train.lr."""
+    min_lr: float = 0.0
+    """Where cosine and linear decay end."""
+    activation_checkpointing: bool = False
+    """Keep only each layer's input in forward and recompute the layer in backward (torch's
+    non-reentrant checkpoint): the same parameters for less activation memory and more compute."""
     skip_nonfinite: int = 0
     """Steps whose loss or gradient norm is not finite that the run may skip (not apply) before it
     stops; 0 stops at the first, naming the step and the last good checkpoint."""
@@ -108,6 +118,10 @@ class TrainConfig:
             raise ValueError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
         _require(self.skip_nonfinite >= 0, "train.skip_nonfinite", self.skip_nonfinite,
                  "use >= 0 (0 stops at the first non-finite step)")
+        _require(self.lr_schedule in LR_SCHEDULES, "train.lr_schedule", self.lr_schedule,
+                 f"use one of {', '.join(LR_SCHEDULES)}")
+        _require(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "use >= 0 (0: no warm-up)")
+        _require(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr, f"use 0..train.lr ({self.lr:g})")
         _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "AdamW needs >= 0 (0: no decay)")
         _require(0 <= self.seed <= MAX_SEED, "train.seed", self.seed, "use an integer in 0..2**32-1")
 
@@ -264,7 +278,7 @@ class ResourcesConfig:
     cpus_per_worker: int = 1
     """CPU slots (and torch threads) per worker."""
     bf16: bool = False
-    """bf16 autocast for forward/backward (GPU only)."""
+    """bf16 autocast for forward and backward, on GPU or CPU; parameters and AdamW state stay fp32."""
     wait_s: float = 60.0
     """How long to wait for the cluster to grant the workers' resources before failing."""
     step_timeout_s: float = 300.0
@@ -283,8 +297,6 @@ class ResourcesConfig:
         for name in ("wait_s", "step_timeout_s"):
             value = getattr(self, name)
             _require(value > 0, f"resources.{name}", value, "a duration must be > 0 seconds")
-        if self.bf16 and not self.use_gpu:
-            raise ValueError("resources.bf16=true needs resources.use_gpu=true")
 
 
 @dataclass
@@ -322,6 +334,8 @@ class Config:
     def __post_init__(self):
         """Checks that span sections; the per-section checks ran in their own __post_init__."""
         p, t = self.parallel, self.train
+        _require(not (t.activation_checkpointing and p.split_backward), "train.activation_checkpointing", True,
+                 "recomputed layers cannot be split into input and weight halves: turn off parallel.split_backward")
         if t.global_batch % p.dp:
             raise ValueError(
                 f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp}; "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -69,6 +70,18 @@ class Head(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln(x_BTD))  # (B, T, V)
+
+
+class Recomputed(nn.Module):
+    """A layer whose activations are recomputed in backward instead of kept from forward (torch's
+    non-reentrant activation checkpointing): same values and gradients, less memory."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False)
 
 
 def _build_gpt_layer(cfg: ModelConfig, index: int) -> nn.Module:

@@ -11,7 +11,7 @@ from torch import nn
 from raytrain import checkpoint, data
 from raytrain.config import Config
 from raytrain.model import build_model
-from raytrain.optim import make_optimizer
+from raytrain.optim import apply_step, make_optimizer
 
 
 def train_reference(
@@ -42,6 +42,6 @@ def train_reference(
         loss.backward()
         if cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        optimizer.step()
+        apply_step(optimizer, cfg.train, step)
         losses.append(loss.item())
     return model, losses

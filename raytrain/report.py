@@ -67,7 +67,8 @@ class RunReporter:
         self._last_print = now
         layout = self._current_layout(row)
         bubble = f" | bubble {row['bubble']:.0%}" if layout.pp > 1 else ""
-        line = (f"step {row['step']}/{self.total_steps} | loss {row['loss']:.4f} | "
+        lr = f" | lr {row['lr']:.2e}" if "lr" in row else ""
+        line = (f"step {row['step']}/{self.total_steps} | loss {row['loss']:.4f}{lr} | "
                 f"{row['samples_per_s']:.1f} samples/s | {layout.label}{bubble}")
         if self._tty:
             self.stream.write("\r" + line + ("\n" if last else ""))

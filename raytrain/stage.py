@@ -39,8 +39,8 @@ from raytrain.faults import PhaseHook, phase_hook
 from raytrain.generation import Generation, form_generation
 from raytrain.gradsync import GradientBuckets
 from raytrain.mesh import Mesh
-from raytrain.model import build_model
-from raytrain.optim import make_optimizer
+from raytrain.model import Recomputed, build_model
+from raytrain.optim import apply_step, make_optimizer
 from raytrain.rendezvous import StoreAddress
 from raytrain.stage_state import StageState, all_finite
 
@@ -61,7 +61,8 @@ class Stage:
             torch.cuda.set_device(self.device)
         self.stage = stage
         spec = build_model(cfg.model, cfg.train.seed, layer_ids)
-        module = nn.Sequential(*spec.layers).to(self.device)
+        layers = [Recomputed(layer) for layer in spec.layers] if cfg.train.activation_checkpointing else spec.layers
+        module = nn.Sequential(*layers).to(self.device)  # parameters in the same order: names stay global
         self.params = list(module.parameters())
         self.grads = GradientBuckets(self.params, None)
         self.optimizer = make_optimizer(self.params, cfg.train)
@@ -119,7 +120,7 @@ class Stage:
     def commit_prepared(self, step: int) -> int:
         """Roll forward: apply the prepared update of ``step`` (every worker voted for it)."""
         if self.prepared == step and self.committed == step:
-            self.optimizer.step()
+            apply_step(self.optimizer, self.cfg.train, step)
             self.committed, self.prepared = step + 1, None
         return self.committed
 
@@ -154,7 +155,7 @@ class Stage:
                 return result
             self.hook("optimizer", step)
             t0 = time.perf_counter()
-            self.optimizer.step()
+            apply_step(self.optimizer, self.cfg.train, step)
             self.committed, self.prepared = step + 1, None
             result["wall_s"] += time.perf_counter() - t0
             result["ok"] = True

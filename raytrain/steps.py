@@ -12,6 +12,7 @@ from raytrain import data
 from raytrain.config import Config
 from raytrain.membership import Member
 from raytrain.mesh import Mesh
+from raytrain.lr_schedule import learning_rate
 from raytrain.workergroup import Outcome, StepFailed, WorkersLost, worker_error
 
 
@@ -128,6 +129,7 @@ def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, m
         "peak_live_activations": {str(r["rank"]): r["peak_live"] for r in results},
         "peak_mem_mb": {str(r["rank"]): round(r["peak_mem_mb"], 1) for r in results},
         "layout": layout,
+        "lr": learning_rate(cfg.train, step),
         "dp": mesh.dp,
     }
     if any("events" in r for r in results):
@@ -146,7 +148,8 @@ def rolled_forward_row(step: int, results: list[dict], cfg: Config, mesh: Mesh, 
     B = cfg.train.global_batch
     last = [r for r in results if mesh.coords(r["rank"])[1] == mesh.pp - 1 and "loss_sum" in r]
     row = {"step": step + 1, "loss": sum(r["loss_sum"] for r in last) / B if len(last) == mesh.dp else None,
-           "rolled_forward": True, "time": time.time(), "layout": layout, "dp": mesh.dp}
+           "rolled_forward": True, "time": time.time(), "layout": layout, "dp": mesh.dp,
+           "lr": learning_rate(cfg.train, step)}
     if cfg.run.record_samples:
         row["sample_ids"] = data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
     return row
