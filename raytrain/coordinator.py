@@ -59,6 +59,10 @@ class CapacityLost(RuntimeError):
 
 
 class Coordinator:
+    """Owns one run. Contract: construct (it starts the workers at once), then ``run(store)`` once;
+    the driver calls ``poll`` meanwhile, ``request_stop`` on a signal and ``shutdown`` at the end.
+    ``group`` replaces the Ray worker group (tests/helpers.FakeWorkerGroup)."""
+
     def __init__(self, config: Config, data_path: str, num_samples: int, stage_layers: list[list[int]],
                  placement, first_bundle: int, resume_from: Optional[str], worker_cls=StageWorker,
                  extra_placements: tuple = (), corpus: Optional[list] = None, group=None):
