@@ -260,18 +260,23 @@ def stopped(pid: int) -> bool:
 
 
 class WhenPaused:
-    """Runs ``act(paused_pids, started_row)`` in a thread once ``count`` of the run's workers are
-    stopped by ``pause`` faults and the driver has received the rows up to ``after_step``, then
-    keeps resuming any worker paused later (a restarted run reaches the same pause again) until the
-    run ends. Feed it the run's rows (``on_rows``)."""
+    """Runs ``acts[i](paused_pids, started_row)`` in a thread at the i-th time ``count`` of the run's
+    workers are stopped by ``pause`` faults (and the driver has received the rows up to
+    ``after_step``); each act must resume them. After the last act it keeps resuming any worker
+    paused later (a restarted run reaches the same pause again) until the run ends. Feed it the
+    run's rows (``on_rows``)."""
 
-    def __init__(self, count: int, act, after_step: int = 0, timeout_s: float = 120.0):
-        self.count, self.act, self.after_step, self.timeout_s = count, act, after_step, timeout_s
+    def __init__(self, count: int, *acts, after_step: int = 0, timeout_s: float = 120.0):
+        self.count, self.acts, self.after_step, self.timeout_s = count, list(acts), after_step, timeout_s
         self.started: dict = {}
         self.last_step = 0
-        self.acted = False
+        self.done_acts = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    @property
+    def acted(self) -> bool:
+        return self.done_acts == len(self.acts)
 
     def on_rows(self, rows: list[dict]) -> None:
         for row in rows:
@@ -294,8 +299,8 @@ class WhenPaused:
             paused = sorted(p for p in stage_worker_pids() if stopped(p))
             ready = self.started and self.last_step >= self.after_step  # the driver has every row so far
             if not self.acted and len(paused) >= self.count and ready:
-                self.act(paused, self.started)
-                self.acted = True
+                self.acts[self.done_acts](paused, self.started)
+                self.done_acts += 1
             elif self.acted:
                 for pid in paused:
                     os.kill(pid, signal.SIGCONT)

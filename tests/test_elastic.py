@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -79,41 +80,44 @@ def test_grows_beyond_its_starting_size_when_another_job_frees_resources(ray_ses
     # Another job holds all but one CPU slot, so the run starts with dp=1. When that job ends, the
     # run's request for a second replica (its own placement group) is granted, and the new worker
     # joins at a step boundary, receiving the state by broadcast. (Shrinking on a lost node and
-    # growing back when a node joins: tests/test_nodes.py.)
-    # The run does not wait for the new worker to start; tiny steps could finish the run first. So the
-    # test pauses the first worker (SIGSTOP) from the grant until the new worker's constructor returned.
+    # growing back when a node joins: tests/test_nodes.py.) The worker pauses twice, so the test
+    # acts at known steps: at step 3 the other job ends (the run resumes once Ray granted its
+    # request, so the step-3 boundary sees it), at step 6 the run waits for the new worker to start.
+    import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     other_job = placement_group([{"CPU": TEST_RAY_CPUS - 1}])
     assert other_job.wait(timeout_seconds=30)
-    steps = 300  # the grant comes within about 100 steps of the start
-    cfg = make_config("parallel.dp=1", "elastic.max_dp=2", "elastic.grow_poll_s=0.5", f"train.steps={steps}",
-                      LONG_RUN_LR, "run.record_samples=true", "run.trace_steps=0")
+    cfg = make_config("parallel.dp=1", "elastic.max_dp=2", "elastic.grow_poll_s=0.5", "train.steps=10",
+                      "run.record_samples=true", "elastic.faults=['0:0@3:pause', '0:0@6:pause']")
+
+    def end_the_other_job(paused, started):
+        remove_placement_group(other_job)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sum(
+                pg["state"] == "CREATED" for pg in ray.util.placement_group_table().values()) < 2:
+            time.sleep(0.05)  # the run's own group and its request for a second replica
+        time.sleep(cfg.elastic.grow_poll_s)  # the run's next look at its requests is due by now
+        os.kill(paused[0], signal.SIGCONT)
+
+    def resume_once_the_new_worker_started(paused, started):
+        seen["new"] = hold_until_a_new_worker_starts([], set(started["pids"]))
+        os.kill(paused[0], signal.SIGCONT)
+
     seen = {}
-
-    def free_once_started_then_hold_until_the_new_worker_is_up(rows):
-        for row in rows:
-            if row.get("event") == "started" and "first" not in seen:
-                seen["first"] = row["pids"][0]
-                seen["known"] = stage_worker_pids()
-                remove_placement_group(other_job)
-            if row.get("event") == "capacity" and "new" not in seen:
-                seen["new"] = hold_until_a_new_worker_starts([seen["first"]], seen["known"])
-
     try:
-        result = train(cfg, on_rows=free_once_started_then_hold_until_the_new_worker_is_up)
+        with WhenPaused(1, end_the_other_job, resume_once_the_new_worker_started) as watcher:
+            result = train(cfg, on_rows=watcher.on_rows)
     finally:
-        if "first" not in seen:
-            remove_placement_group(other_job)
+        remove_placement_group(other_job)
     events = [e["event"] for e in result.events]
-    assert events.count("capacity") == 1 and events.count("grow") == 1 and result.failures == 0, events
-    grow = next(e for e in result.events if e["event"] == "grow")
-    print(f"grew at step {grow['step']} of {steps}")
+    assert watcher.acted and events.count("capacity") == 1 and events.count("grow") == 1, events
+    assert result.failures == 0
     layouts = [r["layout"] for r in result.metrics]
     assert layouts[0] == "dp=1 pp=1" and layouts[-1] == "dp=2 pp=1"
     assert result.worker_pids[0] in result.final_pids and seen["new"] in result.final_pids
     assert len(result.final_pids) == 2
-    _assert_exactly_once(result, steps, 8)
+    _assert_exactly_once(result, 10, 8)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 

@@ -13,8 +13,8 @@ import pytest
 from raytrain import checkpoint, data, train
 from raytrain.api import prepare
 from raytrain.coordinator import CapacityLost
-from tests.helpers import (LONG_RUN_LR, assert_same_params, hold_until_a_new_worker_starts, reference_state,
-                           stage_worker_pids)
+from tests.helpers import (LONG_RUN_LR, assert_replicas_identical, assert_same_params, hold_until_a_new_worker_starts,
+                           reference_state, stage_worker_pids)
 
 
 @pytest.fixture
@@ -65,6 +65,7 @@ def test_node_lost_then_added_grows_back_to_max_dp(ray_cluster, worker_node, mak
     num_samples = prepare(cfg).num_samples
     ids = [i for r in result.metrics for i in r["sample_ids"]]
     assert ids == data.sample_ids(cfg.train.seed, num_samples, 0, steps * cfg.train.global_batch)
+    assert_replicas_identical(result, replicas=2)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 
@@ -104,7 +105,7 @@ def test_hybrid_losing_a_node_without_spare_capacity_carries_on_with_dp1(ray_clu
     assert other_job.wait(timeout_seconds=30)
     node = add_node()
     cfg = make_config("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2", "elastic.min_dp=1",
-                      "train.steps=150", LONG_RUN_LR, "run.trace_steps=0")
+                      "train.steps=150", LONG_RUN_LR, "run.trace_steps=0", "run.record_samples=true")
     removed = []
 
     def on_rows(rows):
@@ -123,6 +124,7 @@ def test_hybrid_losing_a_node_without_spare_capacity_carries_on_with_dp1(ray_clu
     assert [r["layout"] for r in result.metrics][-1] == "dp=1 pp=2"
     assert len(result.final_pids) == 2 and set(result.final_pids) <= set(result.worker_pids), "a survivor was restarted"
     assert result.committed_steps == list(range(150))
+    assert_replicas_identical(result, replicas=1)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 

@@ -15,7 +15,7 @@ from raytrain import checkpoint, train
 from raytrain.api import prepare
 from raytrain.coordinator import NonFiniteLoss, StepFailed
 from raytrain.lease import EXPIRY_S, LEASE_FILE, DirectoryBusy, Lease, read_holder
-from tests.helpers import assert_same_params, reference_state, stage_worker_pids
+from tests.helpers import assert_replicas_identical, assert_same_params, reference_state, stage_worker_pids
 def _metric_rows(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -103,8 +103,9 @@ def test_resumed_run_with_a_torn_save_never_touches_the_published_checkpoint(ray
     # resume from step 2 into the same directory; replica 0 dies half-way through writing step 4's shard
     resumed = train(make_config("parallel.dp=2", "train.steps=4", "checkpoint.every=2", f"checkpoint.dir={ckpt}",
                                 f"checkpoint.resume={checkpoint.step_dir(ckpt, 2)}", "checkpoint.keep=5",
-                                "elastic.faults=['0:0@4:checkpoint']"))
+                                "elastic.faults=['0:0@4:checkpoint']", "run.record_samples=true"))
     assert resumed.failures == 1
+    assert_replicas_identical(resumed, replicas=2)
     after = {name: open(os.path.join(published, name), "rb").read() for name in os.listdir(published)}
     assert after == before, "the published step_00000004 was modified"
     assert checkpoint.latest(ckpt) == resumed.checkpoint and resumed.checkpoint.endswith("step_00000004.2")
