@@ -39,12 +39,10 @@ from raytrain.repair import Repairs
 from raytrain.runstate import Progress, RunState
 from raytrain.steps import NonFiniteStep, StepLost, may_send_ahead
 from raytrain.worker import StageWorker
-from raytrain.workergroup import RayWorkerGroup, StepFailed, WorkersLost
+from raytrain.workergroup import SETUP_TIMEOUT_S, RayWorkerGroup, StepFailed, WorkersLost
 
 __all__ = ["CapacityLost", "Coordinator", "NonFiniteLoss", "StepFailed", "may_send_ahead"]
 
-SETUP_TIMEOUT_S = 300.0
-"""Bound on worker start-up and process-group formation."""
 GRANT_AT_START_S = 1.0
 """How long the start waits for replicas beyond parallel.dp before starting without them."""
 
@@ -83,6 +81,7 @@ class Coordinator:
         self._rows: list[dict] = []
         self._lock = threading.Lock()
         self._stop_reason: Optional[str] = None
+        self._label: Optional[str] = None  # the live grid's label, set by form_generation
         self.last_checkpoint: Optional[str] = resume_from
         self.first_step, self.failures, self.committed_steps = 0, 0, []
         self.recovery_s, self.skipped_steps, self.original_pids = [], [], []
@@ -123,8 +122,8 @@ class Coordinator:
                 "skipped_steps": self.skipped_steps}
 
     def layout(self) -> str:
-        """The live grid's label: dp changes with repairs and growth."""
-        return Layout.of(self.cfg.parallel).with_dp(self.team.dp).grid_label
+        """The live grid's label (dp changes with repairs and growth), kept from the last re-forming."""
+        return self._label or Layout.of(self.cfg.parallel).with_dp(self.team.dp).grid_label
 
     def shutdown(self) -> None:
         for m in self.team.everyone():
@@ -176,6 +175,7 @@ class Coordinator:
         """Re-form the process groups over the replicas and bring every member to ``step``."""
         self.generation += 1
         mesh = self.team.mesh()
+        self._label = Layout.of(self.cfg.parallel).with_dp(mesh.dp).grid_label
         shares = even_shares(self.cfg.train.global_batch, mesh.dp)
         ranked = self.team.ranked()
         self.group.call([(m, "join", (rank, mesh, shares, self.store, self.generation, self.faults))
@@ -303,11 +303,15 @@ class Coordinator:
                    "checkpoint": self.last_checkpoint})
         return RunState.FINISHED
 
-    # --- decisions that end the run -------------------------------------------------------------
-
     def give_up(self, decision: Decision) -> None:
-        raise CapacityLost(f"{decision.reason} (config: {decision.config_key}); the last checkpoint "
-                           f"({self.last_checkpoint}) is intact")
+        raise capacity_lost(decision, self.last_checkpoint)
+
+
+def capacity_lost(decision: Decision, last_checkpoint: Optional[str]) -> CapacityLost:
+    """The error that ends a run the policy gave up on: its reason, its key, and what is kept."""
+    kept = (f"the last checkpoint ({last_checkpoint}) is intact" if last_checkpoint
+            else "no checkpoint was written yet (checkpoint.every keeps some)")
+    return CapacityLost(f"{decision.reason} (config: {decision.config_key}); {kept}")
 
 
 def _worker_options(cfg: Config) -> dict:

@@ -19,7 +19,7 @@ from raytrain import split_backward
 from raytrain.faults import PhaseHook
 from raytrain.generation import Generation
 from raytrain.gradsync import GradientBuckets
-from raytrain.schedule import Action, ActionKind
+from raytrain.schedule import COMPUTE, Action, ActionKind
 
 
 @dataclass
@@ -73,7 +73,7 @@ class PlanExecutor:
                 self.grads.arm()
             self._handlers[action.kind](action, buf)
             t1 = time.perf_counter()
-            if action.kind.is_compute:
+            if action.kind in COMPUTE:
                 buf.busy_s += t1 - t0
             if buf.events is not None:
                 buf.events.append((repr(action), t0, t1))

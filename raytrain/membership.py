@@ -1,8 +1,8 @@
 """Who is in the run: one object for the replicas of the current generation, the live workers
-outside it (spares), the replacements still starting, and the placement groups not yet used.
+outside it (spares) and the workers still starting (pending).
 
-Every membership change (a loss, a replacement that started, a replica granted by the cluster)
-goes through these verbs, so the coordinator has one way to count and report them.
+The coordinator changes the generation only through these verbs (drop the dead, admit the started,
+fill to the target), so every loss and every growth is counted and reported one way.
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ class ElasticPolicy:
     def after_failure(self, failures: int) -> Optional[Decision]:
         """A GIVE_UP once more workers were lost in this run than elastic.max_failures allows."""
         if failures > self.max_failures:
-            return Decision(Action.GIVE_UP, f"{failures} worker losses in one run, more than elastic.max_failures="
+            return Decision(Action.GIVE_UP, f"{failures} repairs after lost workers in one run, more than "
+                            f"elastic.max_failures="
                             f"{self.max_failures}: find why workers keep dying (their logs), or raise it",
                             "elastic.max_failures")
         return None

@@ -17,15 +17,13 @@ from raytrain.faults import FaultPlan
 from raytrain.membership import Member
 from raytrain.policy import Action, Decision
 from raytrain.runstate import RunState
-from raytrain.workergroup import WorkersLost
+from raytrain.workergroup import SETUP_TIMEOUT_S, WorkersLost, lost_members
 
 if TYPE_CHECKING:
     from raytrain.coordinator import Coordinator
 
 CAPACITY_POLL_S = 1.0
 """How often a run below elastic.min_dp checks whether replacements have started."""
-SETUP_TIMEOUT_S = 300.0
-"""Bound on a roll-forward or a checkpoint reload on the survivors."""
 
 
 class Repairs:
@@ -47,7 +45,7 @@ class Repairs:
         self.count_failure()
         settle = c.policy.settle_step(failed_step, [r["committed"] for r in p.reports]) if during == "step" else None
         if settle is not None and settle.action is Action.ROLL_FORWARD:
-            lost = lost + self._roll_forward(failed_step, p.reports)
+            lost = lost + self._roll_forward(failed_step, p.reports, lost)
         c.faults = FaultPlan.remaining(c.faults, failed_step)  # fired, or moot: slots are renumbered now
         p.step, capacity = self.reform(lost, p.step)
         seconds = time.perf_counter() - t0
@@ -74,22 +72,21 @@ class Repairs:
         if decision is not None:
             self.c.give_up(decision)
 
-    def _roll_forward(self, step: int, reports: list[dict]) -> list[Member]:
-        """Apply ``step`` on the survivors that prepared but did not apply it; returns any that died."""
+    def _roll_forward(self, step: int, reports: list[dict], lost: list[Member]) -> list[Member]:
+        """Apply ``step`` on the live survivors that prepared but did not apply it; returns any that
+        died meanwhile (the others' progress is recorded either way)."""
         c = self.c
         by_rank = {r["rank"]: r for r in reports}
-        behind = [m for rank, m in c.team.ranked() if rank in by_rank and by_rank[rank]["committed"] == step]
-        lost: list[Member] = []
-        try:
-            for m, committed in zip(behind, c.group.call([(m, "commit_prepared", (step,)) for m in behind],
-                                                          SETUP_TIMEOUT_S)):
-                m.committed = committed
-        except WorkersLost as more:
-            lost = more.dead
+        behind = [m for rank, m in c.team.ranked()
+                  if rank in by_rank and by_rank[rank]["committed"] == step and m not in lost]
+        outcomes = c.group.collect(behind, c.group.submit(behind, "commit_prepared", step), SETUP_TIMEOUT_S)
+        for o in outcomes:
+            if o.value is not None:
+                o.member.committed = o.value
         c.committed_steps.append(step)
         c.progress.step = step + 1
         c.emit(steps.rolled_forward_row(step, reports, c.cfg, c.team.mesh(), c.num_samples, c.layout()))
-        return lost
+        return lost_members(c.group, outcomes)
 
     def reform(self, dead: list[Member], step: int) -> tuple[int, Decision]:
         """Drop the dead, start their replacements, wait for elastic.min_dp replicas, reload if a
@@ -97,6 +94,7 @@ class Repairs:
         step the run resumes at and the capacity decision."""
         c = self.c
         while True:
+            dead = list({id(m): m for m in dead}.values())  # a worker can be reported lost twice
             c.team.drop_dead(dead)
             c.team.pending += [c.group.spawn(m.stage, m.placement, m.bundle) for m in dead]
             c.group.submit(c.team.spares, "leave")  # close broken groups' connections now
@@ -148,6 +146,7 @@ class Repairs:
         reloaded = checkpoint.read_manifest(c.last_checkpoint)["step"]
         c.team.set_committed(reloaded)
         c.committed_steps = [s for s in c.committed_steps if s < reloaded]
+        c.skipped_steps = [s for s in c.skipped_steps if s < reloaded]
         c.emit({"event": "reload", "from": c.last_checkpoint, "step": reloaded, "steps_lost": step - reloaded,
                 **decision.record()})
         return reloaded

@@ -230,7 +230,8 @@ class Stage:
     def _clip_gradients(self) -> Optional[float]:
         """Global gradient norm over all stages (the dp replicas already agree), clipped to train.grad_clip.
 
-        With clipping off the norm is not computed (None): it is a full pass over the gradients.
+        With clipping off the global norm is not computed (None): no collective for it; each worker
+        still checks its own gradients for the commit vote (``_finite``).
         """
         clip = self.cfg.train.grad_clip
         if clip == 0:

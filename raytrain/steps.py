@@ -13,7 +13,7 @@ from raytrain.config import Config
 from raytrain.membership import Member
 from raytrain.mesh import Mesh
 from raytrain.lr_schedule import learning_rate
-from raytrain.workergroup import Outcome, StepFailed, WorkersLost, worker_error
+from raytrain.workergroup import Outcome, StepFailed, WorkersLost, lost_members, worker_error
 
 
 class NonFiniteStep(Exception):
@@ -89,7 +89,7 @@ def drain(group, call: Optional[StepCall], timeout_s: float) -> list[Member]:
     for o in outcomes:
         if o.value is not None:
             o.member.committed = o.value["committed"]
-    return [o.member for o in outcomes if o.dead]
+    return lost_members(group, outcomes)
 
 
 def may_send_ahead(step: int, steps: int, checkpoint_every: int, membership_changing: bool) -> bool:

@@ -13,6 +13,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain.membership import Member
 
+SETUP_TIMEOUT_S = 300.0
+"""Bound on any call that is not a step: start-up, joining a generation, state transfer, a save."""
+
 
 class StepFailed(RuntimeError):
     """A step failed for a reason other than a lost worker (a bug, bad data): not repairable."""
@@ -62,6 +65,10 @@ class RayWorkerGroup:
         """A started member's pid; None if its actor died; StepFailed if its constructor raised."""
         try:
             return ray.get(member.ready, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise StepFailed(f"a worker of stage {member.stage} did not start within {timeout:g}s although its "
+                             "resources were granted; check the worker's log (ray logs) and the node's "
+                             "health") from None
         except ray.exceptions.RayActorError as e:
             if e.actor_init_failed:
                 raise StepFailed(f"a worker of stage {member.stage} failed to start: {worker_error(e)}") from None
@@ -92,12 +99,13 @@ class RayWorkerGroup:
         members = [m for m, _, _ in calls]
         refs = [getattr(m.handle, method).remote(*args) for m, method, args in calls]
         outcomes = self.collect(members, refs, timeout)
-        dead = [o.member for o in outcomes if o.dead or o.silent]
+        dead = lost_members(self, outcomes)
         if dead:
             raise WorkersLost(dead)
         errors = [o for o in outcomes if o.error is not None]
         if errors:
-            raise StepFailed(f"a worker of stage {errors[0].member.stage} failed: {worker_error(errors[0].error)}")
+            raise StepFailed(f"a worker of stage {errors[0].member.stage} failed in {calls[0][1]}: "
+                             f"{worker_error(errors[0].error)}")
         return [o.value for o in outcomes]
 
     def kill(self, member: Member) -> None:
@@ -109,6 +117,15 @@ class RayWorkerGroup:
             return []
         ready, _ = ray.wait([r for _, r in requests], num_returns=len(requests), timeout=timeout)
         return [(pg, r) for pg, r in requests if r in ready]
+
+
+def lost_members(group, outcomes: list[Outcome]) -> list[Member]:
+    """The members an operation lost: dead ones, and silent ones, which are killed so that their
+    bundle is free for a replacement (a hung actor would hold it for ever)."""
+    for o in outcomes:
+        if o.silent:
+            group.kill(o.member)
+    return [o.member for o in outcomes if o.dead or o.silent]
 
 
 def worker_error(error: Exception) -> str:

@@ -227,7 +227,7 @@ class FakePlacement:
         return self.name
 
 
-def fake_config(tmp_path, *overrides: str) -> dict:
+def fake_config(tmp_path, *overrides: str):
     from raytrain.config import load_config
 
     cfg = load_config(None, ["train.global_batch=8", "train.steps=6", f"checkpoint.dir={tmp_path / 'ckpt'}",

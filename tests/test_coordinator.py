@@ -101,10 +101,11 @@ def test_a_loss_while_saving_is_repaired_and_the_save_retried_in_a_new_directory
 
 
 def test_a_loss_while_re_forming_is_a_second_failure(tmp_path):
-    _, _, summary, rows = run(tmp_path, "parallel.dp=3", "train.global_batch=6", "elastic.min_dp=1",
-                              "elastic.faults=['1:0@2:forward', '0:0@2:join']", dp=3)
+    coordinator, _, summary, rows = run(tmp_path, "parallel.dp=3", "train.global_batch=6", "elastic.min_dp=1",
+                                        "elastic.faults=['1:0@2:forward', '0:0@2:join']", dp=3)
     assert len(events(rows, "repair_failed")) == 1 and summary["failures"] == 2
     assert summary["committed_steps"] == list(range(6))
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 
 def test_a_granted_placement_grows_the_run_at_a_step_boundary(tmp_path):
