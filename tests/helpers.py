@@ -23,7 +23,7 @@ import torch
 from raytrain import checkpoint
 from raytrain.faults import Fault
 from raytrain.membership import Member
-from raytrain.workergroup import Outcome, StepFailed, WorkersLost
+from raytrain.workergroup import Outcome, StepFailed, WorkersLost, lost_members
 
 # Logical CPU slots for the session's Ray: dp=4 and dp=2 x pp=2 need 4 workers of 1 slot each.
 # Each worker runs one torch thread, so 4 slots on 2 cores oversubscribe time, never correctness.
@@ -74,8 +74,10 @@ class FakeWorkerGroup:
     ``nonfinite_steps`` are steps whose loss is NaN, ``init_error`` makes every worker's start fail."""
 
     def __init__(self, pp: int, initial: int, capacity: Optional[int] = None, nonfinite_steps=(),
-                 init_error: Optional[str] = None):
-        self.pp, self.initial, self.capacity = pp, initial, capacity
+                 init_error: Optional[str] = None, hangs_in: Optional[str] = None):
+        """``hangs_in``: the first call of that method (on any worker) never answers, as a hung
+        process would: the caller sees it silent."""
+        self.pp, self.initial, self.capacity, self.hangs_in = pp, initial, capacity, hangs_in
         self.nonfinite_steps, self.init_error = set(nonfinite_steps), init_error
         self.workers: list[FakeWorker] = []
         self.granted_tokens: set = set()
@@ -110,7 +112,7 @@ class FakeWorkerGroup:
 
     def call(self, calls: list[tuple[Member, str, tuple]], timeout: float) -> list:
         outcomes = [self._call_outcome(m, method, args) for m, method, args in calls]
-        dead = [o.member for o in outcomes if o.dead]
+        dead = lost_members(self, outcomes)  # as RayWorkerGroup.call: the silent are killed too
         if dead:
             raise WorkersLost(dead)
         return [o.value for o in outcomes]
@@ -127,6 +129,9 @@ class FakeWorkerGroup:
         w = member.handle
         if not w.alive:
             return Outcome(member, dead=True)
+        if method == self.hangs_in:
+            self.hangs_in = None
+            return Outcome(member, silent=True)
         if method == "join":
             rank, mesh, _shares, _store, generation, faults = args
             w.rank, (w.replica, _), w.faults, w.joined = rank, mesh.coords(rank), list(faults), True

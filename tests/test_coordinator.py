@@ -100,6 +100,16 @@ def test_a_loss_while_saving_is_repaired_and_the_save_retried_in_a_new_directory
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 
+def test_a_worker_that_hangs_in_a_save_is_killed_and_replaced(tmp_path):
+    group = FakeWorkerGroup(1, initial=2, capacity=1, hangs_in="save")
+    coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=2", group=group)
+    hung = group.workers[0]
+    assert not hung.alive, "a worker declared lost must be killed: it holds the bundle its replacement needs"
+    assert events(rows, "repair")[0]["during"] == "checkpoint" and summary["failures"] == 1
+    assert group.spawned == 3 and coordinator.team.dp == 2
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
 def test_a_loss_while_re_forming_is_a_second_failure(tmp_path):
     coordinator, _, summary, rows = run(tmp_path, "parallel.dp=3", "train.global_batch=6", "elastic.min_dp=1",
                                         "elastic.faults=['1:0@2:forward', '0:0@2:join']", dp=3)

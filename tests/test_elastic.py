@@ -8,8 +8,8 @@ import pytest
 
 from raytrain import checkpoint, train
 from raytrain.coordinator import may_send_ahead
-from tests.helpers import (LONG_RUN_LR, TEST_RAY_CPUS, WhenPaused, assert_replicas_identical, assert_same_params,
-                           hold_until_a_new_worker_starts, pid_alive, reference_state, stage_worker_pids)
+from tests.helpers import (TEST_RAY_CPUS, WhenPaused, assert_replicas_identical, assert_same_params,
+                           hold_until_a_new_worker_starts, pid_alive, reference_state)
 
 
 PHASE_FAULTS = {
