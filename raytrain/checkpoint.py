@@ -267,7 +267,8 @@ def load_optimizer_state(
 ) -> None:
     missing = [n for n in names if n not in by_name]
     if missing and len(missing) != len(names):
-        raise CheckpointError(f"checkpoint has optimizer state for some parameters but not {missing[:3]}...")
+        raise CheckpointError(f"the checkpoint has optimizer state for some parameters but not for {missing[:3]}: it "
+                              "was written by another model or is damaged; resume from another checkpoint")
     current = optimizer.state_dict()
     current["state"] = {i: by_name[n] for i, n in enumerate(names) if n in by_name}
     optimizer.load_state_dict(current)

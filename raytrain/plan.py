@@ -158,7 +158,8 @@ def _resume_source(cfg: Config, root: str, ckpt_dir: str) -> Optional[str]:
         resume = checkpoint.resolve(where)
         manifest = checkpoint.read_manifest(resume)
     except checkpoint.CheckpointError as e:
-        raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}") from e
+        raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}; point it at a step_NNNNNNNN directory "
+                         f"or a checkpoint.dir that holds one, or drop it to start afresh") from e
     if manifest["step"] >= cfg.train.steps:
         raise ValueError(
             f"checkpoint.resume={cfg.checkpoint.resume!r} ({resume}) is at step {manifest['step']}, not before "
