@@ -169,11 +169,12 @@ class Stage:
         return result
 
     def _vote(self, result: dict[str, Any]) -> bool:
-        """World-wide vote: everyone reduced and clipped, so everyone may step; and the sum of
-        non-finite flags, so a NaN or inf loss or gradient anywhere stops the step everywhere."""
-        vote = torch.tensor([1.0, 0.0 if self._finite(result) else 1.0], device=self.device)
-        dist.all_reduce(vote)
-        return not bool(vote[1] > 0)
+        """World-wide vote: its completion says everyone reduced and clipped, so everyone may step; its
+        value, the count of non-finite workers, stops the step everywhere if a loss or gradient anywhere
+        is NaN or inf."""
+        nonfinite = torch.tensor([0.0 if self._finite(result) else 1.0], device=self.device)
+        dist.all_reduce(nonfinite)
+        return not bool(nonfinite[0] > 0)
 
     def _finite(self, result: dict[str, Any]) -> bool:
         """Whether this worker's share of the step (its loss, its gradients) is finite."""

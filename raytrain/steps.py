@@ -145,14 +145,8 @@ def rolled_forward_row(step: int, results: list[dict], cfg: Config, mesh: Mesh, 
     Its loss is known only if the last stage of every replica survived; its samples are the whole
     global batch of the step (every replica had finished its slice before the vote).
     """
-    B = cfg.train.global_batch
-    last = [r for r in results if mesh.coords(r["rank"])[1] == mesh.pp - 1 and "loss_sum" in r]
-    row = {"step": step + 1, "loss": sum(r["loss_sum"] for r in last) / B if len(last) == mesh.dp else None,
-           "rolled_forward": True, "time": time.time(), "layout": layout, "dp": mesh.dp,
-           "lr": learning_rate(cfg.train, step)}
-    if cfg.run.record_samples:
-        row["sample_ids"] = data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
-    return row
+    return _unreported_step_row(step, cfg, num_samples, layout, mesh.dp, rolled_forward=True,
+                                loss=loss_of(results, cfg, mesh.dp), lr=learning_rate(cfg.train, step))
 
 
 def loss_of(results: list[dict], cfg: Config, dp: int) -> Optional[float]:
@@ -162,12 +156,15 @@ def loss_of(results: list[dict], cfg: Config, dp: int) -> Optional[float]:
 
 
 def skipped_row(step: int, loss: Optional[float], grad_norm: Optional[float], cfg: Config, num_samples: int,
-                layout: str, dp: Optional[int] = None) -> dict:
-    """The row of a step not applied because a value was not finite; its samples count as seen.
-    ``dp``, the live replica count, goes into the row when given."""
+                layout: str, dp: int) -> dict:
+    """The row of a step not applied because a value was not finite; its samples count as seen."""
+    return _unreported_step_row(step, cfg, num_samples, layout, dp, skipped=True, loss=loss, grad_norm=grad_norm)
+
+
+def _unreported_step_row(step: int, cfg: Config, num_samples: int, layout: str, dp: int, **fields) -> dict:
+    """A committed step's row without the workers' timings; its samples are the whole global batch."""
     B = cfg.train.global_batch
-    row = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "skipped": True, "time": time.time(),
-           "layout": layout, **({"dp": dp} if dp is not None else {})}
+    row = {"step": step + 1, **fields, "time": time.time(), "layout": layout, "dp": dp}
     if cfg.run.record_samples:
         row["sample_ids"] = data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
     return row
