@@ -38,6 +38,9 @@ def _blank(text: Optional[str]) -> bool:
     return text is not None and not text.strip()
 
 
+HF_CUTS = ("auto", "layers", "whole")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -56,6 +59,13 @@ class ModelConfig:
     """Vocabulary size; the built-in corpus is bytes, so 256."""
     factory: Optional[str] = None
     """Optional ``module:function`` returning a user model (see raytrain.model.build_model)."""
+    hf: Optional[str] = None
+    """A local Hugging Face causal-LM directory (config.json, safetensors if pretrained); its config sets
+    the architecture, so n_layer, d_model, n_head and vocab_size are read from it."""
+    hf_cut: str = "auto"
+    """How model.hf becomes pipeline layers: ``layers`` (embedding, decoder layers, norm + head),
+    ``whole`` (one layer: data parallel only), ``auto`` (layers if they reproduce the model's own
+    forward on a two-layer copy, checked before the run starts; else whole)."""
 
     def __post_init__(self):
         for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size"):
@@ -66,6 +76,11 @@ class ModelConfig:
                 f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
                 "pick n_head that divides d_model"
             )
+        _require(self.hf is None or self.factory is None, "model.hf", self.hf,
+                 "set model.hf or model.factory, not both")
+        _require(self.hf_cut in HF_CUTS, "model.hf_cut", self.hf_cut, f"use one of {', '.join(HF_CUTS)}")
+        _require(self.hf is None or (isinstance(self.hf, str) and self.hf.strip() != ""), "model.hf", self.hf,
+                 "give a directory path")
         if self.factory is not None:
             module, _, function = self.factory.partition(":")
             _require(all(p.isidentifier() for p in module.split(".")) and function.isidentifier(), "model.factory",
@@ -347,8 +362,8 @@ class Config:
                 f"parallel.microbatches={p.microbatches} does not divide the per-replica batch "
                 f"{share} (train.global_batch / parallel.dp); pick a divisor of {share}"
             )
-        if self.model.factory is None:
-            self.gpt_layout()  # a model.factory's layers are counted by raytrain.plan.plan_layout
+        if self.model.factory is None and self.model.hf is None:
+            self.gpt_layout()  # a model.factory's or model.hf's layers are counted by raytrain.plan.plan_layout
         if self.data.path is None:
             self._check_builtin_corpus()
         e = self.elastic

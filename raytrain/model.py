@@ -102,16 +102,32 @@ class ModelSpec:
     loss_fn: LossFn
 
     def param_names(self) -> list[str]:
-        return [f"{i}.{n}" for i, layer in zip(self.layer_ids, self.layers) for n, _ in layer.named_parameters()]
+        """Global names in ``nn.Sequential(*layers).parameters()`` order: a parameter two layers share
+        (tied embeddings) once, under its first name."""
+        seen: set[int] = set()
+        names = []
+        for i, layer in zip(self.layer_ids, self.layers):
+            for n, p in layer.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    names.append(f"{i}.{n}")
+        return names
 
 
 def build_model(cfg: ModelConfig, seed: int, layer_ids: Optional[Sequence[int]] = None) -> ModelSpec:
     """Build the layers ``layer_ids`` (all when None), initialised identically under every layout.
 
     The built-in GPT seeds each layer from (seed, layer index), so a stage builds only its own layers
-    and still gets the same weights as a single process. A user factory is built whole under ``seed``
-    and sliced.
+    and still gets the same weights as a single process; so does a Hugging Face model (``model.hf``,
+    raytrain.hf_weights), built on the meta device with only these layers materialised. A user
+    factory is built whole under ``seed`` and sliced.
     """
+    if cfg.hf is not None:
+        from raytrain.hf_weights import build_hf_stage
+
+        layers, num_layers = build_hf_stage(cfg.hf, cfg.hf_cut, seed, layer_ids)
+        ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
+        return ModelSpec(layers, ids, num_layers, cross_entropy_loss)
     if cfg.factory is None:
         n = cfg.gpt_layers
         ids = list(range(n)) if layer_ids is None else list(layer_ids)

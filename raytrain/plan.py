@@ -49,6 +49,10 @@ class RunPlan:
 def prepare(cfg: Config) -> RunPlan:
     """Check ``cfg`` against this machine and plan the run; a ValueError naming the key when it cannot run."""
     check_inputs(cfg)
+    if cfg.model.hf is not None:
+        from raytrain.hf_plan import resolve_cut, with_hf_architecture
+
+        cfg = resolve_cut(with_hf_architecture(cfg))
     data_path = data.resolve_data_path(cfg)
     num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch,
                                      cfg.model.vocab_size)
@@ -76,6 +80,9 @@ def check_inputs(cfg: Config) -> None:
     if path is not None and "://" not in path and not os.path.exists(os.path.expanduser(path)):
         raise ValueError(f"data.path={path!r}: no such file; point it at a Parquet file with a "
                          f"'{cfg.data.column}' column, or unset it to use the built-in corpus")
+    if cfg.model.hf is not None and not os.path.isdir(os.path.expanduser(cfg.model.hf)):
+        raise ValueError(f"model.hf={cfg.model.hf!r}: no such directory; point it at a local Hugging Face model "
+                         "directory (config.json, and *.safetensors for pretrained weights)")
     if cfg.model.factory is None:
         return
     module_name, _, fn_name = cfg.model.factory.partition(":")
@@ -95,6 +102,8 @@ def plan_layout(cfg: Config) -> Layout:
     The built-in GPT is built only to balance its cuts, so a run at pp=1 or with split_points keeps
     torch out of the driver; a model.factory is built to count its layers.
     """
+    if cfg.model.hf is not None:
+        return _hf_layout(cfg)
     if cfg.model.factory is None:
         layout = cfg.gpt_layout()
         if not layout.needs_cuts:
@@ -108,6 +117,21 @@ def plan_layout(cfg: Config) -> Layout:
     from raytrain.partition import plan_cuts
 
     return dataclasses.replace(layout, cuts=tuple(plan_cuts(layers, layout.num_chunks, _timing_input(cfg))))
+
+
+def _hf_layout(cfg: Config) -> Layout:
+    """A Hugging Face model's layout: cut by parameter counts of its meta-device layers (or timed)."""
+    from raytrain.hf_plan import check_ties, hf_layout
+    from raytrain.hf_weights import hf_layers
+    from raytrain.partition import plan_cuts
+
+    _, layers = hf_layers(cfg.model.hf, cfg.model.hf_cut)
+    layout = hf_layout(cfg, layers)
+    if layout.needs_cuts:
+        timed = _layers(cfg) if cfg.parallel.balance == "time" else layers
+        layout = dataclasses.replace(layout, cuts=tuple(plan_cuts(timed, layout.num_chunks, _timing_input(cfg))))
+    check_ties(cfg, layers, layout)
+    return layout
 
 
 def _layers(cfg: Config) -> list:

@@ -28,8 +28,11 @@ def train_reference(
     start = 0
     if resume_from is not None:
         state = checkpoint.merged_state(resume_from)
-        model.load_state_dict(state["model"])
-        checkpoint.load_optimizer_state(optimizer, [n for n, _ in model.named_parameters()], state["optim"])
+        names = [n for n, _ in model.named_parameters()]  # a tied parameter once, as checkpoints hold it
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(state["model"][name])
+        checkpoint.load_optimizer_state(optimizer, names, state["optim"])
         start = checkpoint.read_manifest(resume_from)["step"]
     path = data.resolve_data_path(cfg)
     dataset = data.TokenDataset(path, cfg.data.column, cfg.model.seq_len, cfg.data.cache_dir)

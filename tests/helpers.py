@@ -336,7 +336,7 @@ def reference_state(cfg, steps=None) -> dict:
     from raytrain.reference import train_reference
 
     model, _ = train_reference(cfg, steps)
-    return {k: v.detach() for k, v in model.state_dict().items()}
+    return {k: v.detach() for k, v in model.named_parameters()}  # a tied parameter once, as checkpoints hold it
 
 
 def pid_alive(pid: int) -> bool:

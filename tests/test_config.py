@@ -134,6 +134,8 @@ BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give 
     ("model.seq_len=0", ">= 1"),
     ("model.vocab_size=0", ">= 1"),
     ("model.factory=my_models.build", "package.module:function"),
+    ("model.hf=' '", "directory path"),
+    ("model.hf_cut=halves", "auto, layers, whole"),
     ("train.steps=0", ">= 1"),
     ("train.global_batch=0", ">= 1"),
     ("train.lr=0", "> 0"),

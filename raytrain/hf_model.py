@@ -1,0 +1,195 @@
+"""Hugging Face decoder-only causal LMs cut into pipeline layers: ``[embedding, decoder layer x n, norm + head]``.
+
+The cut is read from the model's structure, not from a table of families: the causal LM holds a
+base model and an output head; the base model holds the input embedding, one ``ModuleList`` of
+decoder layers, a final norm, and optionally a rotary embedding, a learned position embedding and a
+dropout. Each decoder-layer wrapper recomputes what the base model's forward would hand its layers
+(position ids, rotary cos/sin, the causal or sliding-window mask), so a stage needs nothing from
+another stage but the hidden states. A family with anything else in those places cannot be cut:
+``UncuttableModel`` names it, and ``pp=1`` still trains it whole (``WholeModel``).
+
+``transformers`` is an optional extra: ``pip install -e '.[hf]'``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+HF_EXTRA = "pip install -e '.[hf]'"
+
+
+class UncuttableModel(ValueError):
+    """The model's structure is not the decoder-only shape the pipeline cut understands."""
+
+
+def transformers_module():
+    """``transformers``, or a ValueError saying how to install it."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ValueError(f"model.hf needs the transformers package: {HF_EXTRA}") from e
+    return transformers
+
+
+def load_hf_config(path: str):
+    """The model directory's config (``config.json``); a ValueError naming model.hf when it has none."""
+    path = os.path.expanduser(path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model.hf={path!r}: no config.json there; point model.hf at a local Hugging Face "
+                         "model directory (save_pretrained writes one)")
+    config = transformers_module().AutoConfig.from_pretrained(path, local_files_only=True)
+    config.use_cache = False
+    return config
+
+
+def meta_model(config) -> nn.Module:
+    """The whole causal LM on the meta device: its structure and names, no memory."""
+    auto = transformers_module().AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(config, dtype=torch.float32)
+
+
+@dataclass
+class DecoderParts:
+    """Where a decoder-only causal LM keeps the pieces the pipeline cuts it into."""
+
+    embed: nn.Module
+    position: Optional[nn.Module]
+    dropout: Optional[nn.Module]
+    layers: nn.ModuleList
+    rotary: Optional[nn.Module]
+    norm: nn.Module
+    head: nn.Module
+
+
+def find_parts(model: nn.Module) -> DecoderParts:
+    """The model's pieces by structure; UncuttableModel naming the family and the piece otherwise."""
+    family = type(model).__name__
+    base, head = model.base_model, model.get_output_embeddings()
+    if base is model or head is None:
+        raise UncuttableModel(f"{family}: no base model and output head to cut between")
+    extra = [n for n, c in model.named_children() if c is not base and c is not head and _has_state(c)]
+    embed = base.get_input_embeddings()
+    found: dict[str, list] = {"layers": [], "rotary": [], "position": [], "dropout": [], "norm": [], "other": []}
+    for name, child in base.named_children():
+        if child is not embed:
+            found[_role(child, model.config)].append(name)
+    if extra or found["other"] or len(found["layers"]) != 1 or len(found["norm"]) != 1 or \
+            len(found["rotary"]) > 1 or len(found["position"]) > 1:
+        raise UncuttableModel(f"{family}: expected an input embedding, one list of decoder layers and one final "
+                              f"norm, found {dict(found, head_extras=extra)}")
+    get = lambda role: getattr(base, found[role][0]) if found[role] else None  # noqa: E731
+    return DecoderParts(embed=embed, position=get("position"), dropout=get("dropout"), layers=get("layers"),
+                        rotary=get("rotary"), norm=get("norm"), head=head)
+
+
+def _has_state(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _role(child: nn.Module, config) -> str:
+    kind = type(child).__name__
+    if isinstance(child, nn.ModuleList):
+        return "layers"
+    if kind.endswith("RotaryEmbedding"):
+        return "rotary"
+    if type(child) is nn.Embedding and child.num_embeddings == getattr(config, "max_position_embeddings", None):
+        return "position"
+    if isinstance(child, nn.Dropout):
+        return "dropout"
+    if "Norm" in kind:
+        return "norm"
+    return "other"
+
+
+def positions(x: torch.Tensor) -> torch.Tensor:
+    """Position ids ``(1, T)`` of a whole-sequence forward (no cache, no padding)."""
+    return torch.arange(x.size(1), device=x.device).unsqueeze(0)
+
+
+class HFEmbedding(nn.Module):
+    """Token ids -> hidden states: the input embedding, plus learned positions where the model has them."""
+
+    def __init__(self, parts: DecoderParts):
+        super().__init__()
+        self.embed, self.position, self.dropout = parts.embed, parts.position, parts.dropout
+
+    def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        h_BTD = self.embed(ids_BT)
+        if self.position is not None:
+            h_BTD = h_BTD + self.position(positions(ids_BT))
+        return self.dropout(h_BTD) if self.dropout is not None else h_BTD
+
+
+class HFDecoderLayer(nn.Module):
+    """One decoder layer, given what the base model's forward would compute for it."""
+
+    def __init__(self, layer: nn.Module, rotary: Optional[nn.Module], config, index: int):
+        super().__init__()
+        self.layer, self.rotary, self.config = layer, rotary, config
+        self.sliding = _attention_type(config, index) == "sliding_attention"
+
+    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        from transformers import masking_utils
+
+        pos = positions(h_BTD)
+        make_mask = masking_utils.create_sliding_window_causal_mask if self.sliding else masking_utils.create_causal_mask
+        mask = make_mask(config=self.config, inputs_embeds=h_BTD, attention_mask=None, past_key_values=None,
+                         position_ids=pos)
+        extras = {"position_embeddings": self.rotary(h_BTD, pos)} if self.rotary is not None else {}
+        out = self.layer(h_BTD, attention_mask=mask, position_ids=pos, use_cache=False, **extras)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _attention_type(config, index: int) -> str:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return layer_types[index]
+    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+
+
+class HFHead(nn.Module):
+    """Hidden states -> logits: the final norm and the output head."""
+
+    def __init__(self, parts: DecoderParts):
+        super().__init__()
+        self.norm, self.head = parts.norm, parts.head
+
+    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(h_BTD))
+
+
+class WholeModel(nn.Module):
+    """A causal LM the pipeline cannot cut, as one layer: data parallel only."""
+
+    def __init__(self, model: nn.Module, reason: str):
+        super().__init__()
+        self.model, self.reason = model, reason
+
+    def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids_BT, use_cache=False).logits
+
+
+def cut_layers(model: nn.Module) -> list[nn.Module]:
+    """The model as pipeline layers (sharing the model's own modules, so its names stay reachable)."""
+    parts = find_parts(model)
+    decoders = [HFDecoderLayer(layer, parts.rotary, model.config, i) for i, layer in enumerate(parts.layers)]
+    return [HFEmbedding(parts), *decoders, HFHead(parts)]
+
+
+def layers_of(model: nn.Module, cut: str) -> list[nn.Module]:
+    """The pipeline layers by ``model.hf_cut``: ``layers`` cuts (UncuttableModel if it cannot),
+    ``whole`` is one ``WholeModel`` layer, ``auto`` cuts where the structure allows."""
+    if cut == "whole":
+        return [WholeModel(model, "model.hf_cut=whole")]
+    try:
+        return cut_layers(model)
+    except UncuttableModel as e:
+        if cut == "layers":
+            raise UncuttableModel(f"model.hf_cut=layers: {e}; use model.hf_cut=whole with parallel.pp=1") from e
+        return [WholeModel(model, str(e))]

@@ -1,0 +1,100 @@
+"""What ``prepare`` checks and fills in for a Hugging Face model (``model.hf``), before any actor starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+from torch import nn
+
+from raytrain.config import Config
+from raytrain.hf_model import UncuttableModel, WholeModel, cut_layers, load_hf_config, meta_model, transformers_module
+from raytrain.layout import Layout
+
+VERIFY_MAX_PARAMS = 500_000_000
+"""The largest two-layer copy ``resolve_cut`` builds to check the cut (2 GB in float32)."""
+
+
+def with_hf_architecture(cfg: Config) -> Config:
+    """``cfg`` with model.vocab_size, n_layer, d_model and n_head read from the directory's config.json
+    (data checks, memory estimates and progress lines use them); a ValueError when model.seq_len
+    exceeds the model's positions."""
+    hf = load_hf_config(cfg.model.hf)
+    text = hf.get_text_config()
+    max_positions = getattr(text, "max_position_embeddings", None)
+    if max_positions is not None and cfg.model.seq_len > max_positions:
+        raise ValueError(f"model.seq_len={cfg.model.seq_len} exceeds the {max_positions} positions of "
+                         f"model.hf={cfg.model.hf!r} (max_position_embeddings); lower model.seq_len")
+    model = dataclasses.replace(cfg.model, vocab_size=text.vocab_size, n_layer=text.num_hidden_layers,
+                                d_model=text.hidden_size, n_head=text.num_attention_heads)
+    return dataclasses.replace(cfg, model=model)
+
+
+def hf_layout(cfg: Config, layers: list[nn.Module]) -> Layout:
+    """The configured layout over the model's pipeline layers; a ValueError naming parallel.pp when the
+    family cannot be cut."""
+    if isinstance(layers[0], WholeModel) and cfg.parallel.pp > 1:
+        raise ValueError(f"model.hf={cfg.model.hf!r}: parallel.pp={cfg.parallel.pp} needs the model cut into "
+                         f"layers, and {layers[0].reason}; use parallel.pp=1 (data parallel trains any causal LM)")
+    return Layout.of(cfg.parallel).for_model(len(layers), f"model.hf={cfg.model.hf!r} (embedding, decoder layers, head)")
+
+
+def check_ties(cfg: Config, layers: list[nn.Module], layout: Layout) -> None:
+    """A ValueError when two stages would hold one tied parameter (tie_word_embeddings)."""
+    stage_of = {}
+    for stage, chunk in enumerate(layout.stage_ranges):
+        for index in chunk:
+            for param in layers[index].parameters():
+                if stage_of.setdefault(id(param), stage) != stage:
+                    raise ValueError(f"model.hf={cfg.model.hf!r} ties its input embedding and output head "
+                                     "(tie_word_embeddings), which parallel.pp>1 puts on different stages; use "
+                                     "parallel.pp=1, or untie them (tie_word_embeddings false in config.json)")
+
+
+def resolve_cut(cfg: Config) -> Config:
+    """``cfg`` with model.hf_cut=auto resolved, so every worker cuts the same way: ``layers`` when the
+    cut reproduces the model's own forward on a two-layer copy of its config, else ``whole`` (pp=1
+    only: a ValueError naming the family for pp > 1)."""
+    if cfg.model.hf_cut != "auto":
+        return cfg
+    small = _two_layer_config(load_hf_config(cfg.model.hf))
+    problem = _cut_problem(small, cfg.model.seq_len)
+    if problem is not None and cfg.parallel.pp > 1:
+        raise ValueError(f"model.hf={cfg.model.hf!r}: {problem}, so parallel.pp={cfg.parallel.pp} cannot cut it; "
+                         "use parallel.pp=1 (data parallel trains any causal LM)")
+    cut = "whole" if problem is not None else "layers"
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_cut=cut))
+
+
+def _two_layer_config(config):
+    small = type(config).from_dict(config.to_dict())
+    text = small.get_text_config()
+    text.num_hidden_layers = min(text.num_hidden_layers, 2)
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[: text.num_hidden_layers]
+    return small
+
+
+@torch.no_grad()
+def _cut_problem(config, seq_len: int):
+    """Why the cut layers do not compute the model's forward (None when they do, bit for bit up to 1e-6)."""
+    family = config.architectures[0] if getattr(config, "architectures", None) else type(config).__name__
+    size = sum(p.numel() for p in meta_model(config).parameters())
+    if size > VERIFY_MAX_PARAMS:
+        print(f"raytrain: model.hf: the cut of {family} is not checked ({size / 1e6:.0f}M parameters in two layers); "
+              "set model.hf_cut=layers or whole to choose", file=sys.stderr)
+        return None
+    torch.manual_seed(0)
+    model = transformers_module().AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    try:
+        layers = nn.Sequential(*cut_layers(model))
+    except UncuttableModel as e:
+        return str(e)
+    ids = torch.randint(0, config.get_text_config().vocab_size, (2, min(seq_len, 16)))
+    try:
+        want, got = model(input_ids=ids, use_cache=False).logits, layers(ids)
+    except Exception as e:  # a layer that needs what the cut does not give it (alibi, per-layer rotary)
+        return f"{family}'s layers need more than the cut gives them ({type(e).__name__}: {e})"
+    error = (want - got).abs().max().item() / max(1.0, want.abs().max().item())
+    return None if error <= 1e-6 else f"the cut layers of {family} do not reproduce its forward (difference {error:.1e})"

@@ -1,0 +1,35 @@
+"""Tiny Hugging Face causal LMs of four families, written to a directory as ``save_pretrained`` does."""
+
+import logging
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
+
+
+def hf_config(family: str, tied: bool = False, layers: int = 2):
+    """A config of ``family`` small enough for a test: vocab 256 (the built-in corpus is bytes)."""
+    import transformers as T
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if family == "gpt2":
+        return T.GPT2Config(vocab_size=256, n_embd=32, n_layer=layers, n_head=4, n_positions=64, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied)
+    common = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
+    if family == "mistral":
+        return T.MistralConfig(**common, sliding_window=8)  # shorter than model.seq_len: the window mask matters
+    return {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config}[family](**common)
+
+
+def write_hf_model(path, family: str, weights: bool = True, tied: bool = False, seed: int = 0, dtype=torch.float32) -> str:
+    """``save_pretrained`` a randomly initialised model (``weights``) or only its config into ``path``."""
+    import transformers as T
+
+    config = hf_config(family, tied)
+    if not weights:
+        config.save_pretrained(path)
+        return str(path)
+    torch.manual_seed(seed)
+    T.AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(path)
+    return str(path)
