@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -258,6 +259,22 @@ def test_a_missing_tokenizers_library_names_the_extra(tmp_path, text_config, mon
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers now raises ImportError
     message = _refused(text_config, write_jsonl(tmp_path / "d.jsonl", make_documents()))
     assert "data.tokenizer=" in message and "pip install -e '.[hf]'" in message
+
+
+# --- the helper that makes a tokenizer ----------------------------------------------------------------
+
+
+def test_make_tokenizer_writes_a_tokenizer_a_run_accepts(tmp_path, text_config):
+    corpus = tmp_path / "corpus.jsonl"
+    write_jsonl(corpus, make_documents())
+    script = Path(__file__).resolve().parents[1] / "experiments" / "make_tokenizer.py"
+    proc = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "tok"), "--vocab-size", "290",
+                           "--text-column", "text", str(corpus)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    assert tok.get_vocab_size() == 290 and tok.token_to_id(EOT) is not None
+    plan = prepare(text_config(str(corpus), f"data.tokenizer={tmp_path / 'tok'}", "model.vocab_size=290"))
+    assert plan.num_samples == stream_length(tok, make_documents()) // (SEQ_LEN + 1)
 
 
 # --- end to end ------------------------------------------------------------------------------------
