@@ -208,20 +208,44 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     path: Optional[str] = None
-    """Parquet file with a token column; unset uses the built-in corpus (Python stdlib source, bytes).
-    That it exists is checked on the driver's machine, by raytrain.plan.prepare."""
+    """Parquet file with a token column (or text: see data.text_column, which also reads JSON lines); unset
+    uses the built-in corpus (Python stdlib source, bytes). That it exists is checked on the driver's
+    machine, by raytrain.plan.prepare; workers read it (and data.tokenizer) at the same path."""
     column: str = "tokens"
     """Name of the token column in data.path (list<int> or bytes); each row needs >= seq_len + 1 tokens."""
     cache_dir: str = "~/.cache/raytrain"
     """Where the built-in corpus is built once, and where each machine keeps decoded token rows (decoded/)."""
     max_bytes: int = 8_000_000
     """Cap on the source bytes read into the built-in corpus."""
+    text_column: Optional[str] = None
+    """Raw text instead of token ids: the string column of a Parquet data.path, or the key of each line of a
+    JSON lines data.path (``.jsonl``/``.json``). Tokenised with data.tokenizer once per machine and packed
+    into rows of seq_len + 1 tokens (raytrain.text_data); data.column is then unused."""
+    tokenizer: Optional[str] = None
+    """Local Hugging Face tokenizer directory holding ``tokenizer.json``, used with data.text_column only."""
 
     def __post_init__(self):
         _require(not _blank(self.column), "data.column", self.column, "name the token column of data.path")
         _require(not _blank(self.cache_dir), "data.cache_dir", self.cache_dir,
                  "give a directory (default ~/.cache/raytrain)")
         _require(self.max_bytes >= 1, "data.max_bytes", self.max_bytes, "the built-in corpus needs >= 1 byte")
+        self._check_text()
+
+    def _check_text(self):
+        """data.text_column and data.tokenizer come together, and only with a data.path to read."""
+        _require(not _blank(self.text_column), "data.text_column", self.text_column,
+                 "name the text column (Parquet) or key (JSON lines) of data.path, or unset it")
+        _require(not _blank(self.tokenizer), "data.tokenizer", self.tokenizer,
+                 "give a directory holding tokenizer.json, or unset it")
+        _require(self.tokenizer is not None or self.text_column is None, "data.text_column", self.text_column,
+                 "text needs a tokenizer: set data.tokenizer to a directory holding tokenizer.json, "
+                 "or unset data.text_column to read token ids from data.column")
+        _require(self.text_column is not None or self.tokenizer is None, "data.tokenizer", self.tokenizer,
+                 "a tokenizer is used only on text: set data.text_column to the text column of data.path, "
+                 "or unset data.tokenizer")
+        _require(self.text_column is None or self.path is not None, "data.text_column", self.text_column,
+                 "the built-in corpus (data.path unset) is bytes, not text: point data.path at a Parquet or "
+                 "JSON lines file holding the text")
 
 
 @dataclass

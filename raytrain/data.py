@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 if TYPE_CHECKING:
     import torch
 
-from raytrain import token_cache
+from raytrain import text_data, token_cache
 from raytrain.atomic import atomic_path
 from raytrain.config import Config, DataConfig
 
@@ -243,6 +243,7 @@ class TokenDataset:
     Columns: a list of integer ids per row, or bytes (``binary``/``fixed_size_binary``: one token per
     byte, as the built-in corpus). With ``cache_dir`` (what workers use) the rows are decoded once per
     machine and memory-mapped (raytrain.token_cache); without it they are decoded into this process.
+    ``of_rows`` wraps rows made elsewhere (text packed by raytrain.text_data; see ``open_dataset``).
     """
 
     def __init__(self, path: str, column: str, seq_len: int, cache_dir: Optional[str] = None):
@@ -257,6 +258,14 @@ class TokenDataset:
             self.rows = _decode_rows(table, column, width)
         self.seq_len = seq_len
 
+    @classmethod
+    def of_rows(cls, rows: np.ndarray, seq_len: int) -> "TokenDataset":
+        """A dataset over rows already decoded (e.g. raytrain.text_data's packed rows), (N, seq_len + 1)."""
+        assert rows.ndim == 2 and rows.shape[1] == seq_len + 1, (rows.shape, seq_len)
+        dataset = cls.__new__(cls)
+        dataset.rows, dataset.seq_len = rows, seq_len
+        return dataset
+
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -266,6 +275,16 @@ class TokenDataset:
 
         rows = torch.from_numpy(self.rows[np.asarray(sample_ids)].astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
+
+
+def open_dataset(path: str, cfg: Config) -> TokenDataset:
+    """The run's samples from the file at ``path`` (resolve_data_path): data.column's token rows, or with
+    data.text_column its text, tokenised and packed once per machine (raytrain.text_data)."""
+    d, seq_len = cfg.data, cfg.model.seq_len
+    if d.text_column is None:
+        return TokenDataset(path, d.column, seq_len, d.cache_dir)
+    rows = text_data.packed_rows(path, d.text_column, d.tokenizer, seq_len + 1, d.cache_dir)
+    return TokenDataset.of_rows(rows, seq_len)
 
 
 def _decode_rows(table: pa.Table, column: str, width: int) -> np.ndarray:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from raytrain import checkpoint, data
+from raytrain import checkpoint, data, text_data
 from raytrain.config import Config
 from raytrain.connect import run_root
 from raytrain.layout import Layout
@@ -30,9 +30,9 @@ class RunPlan:
     layout: Layout
     """The layout, with the model's layer count and each stage's layers."""
     data_path: str
-    """The Parquet file the run reads (the built-in corpus: built on this machine)."""
+    """The file the run reads (the built-in corpus: built on this machine)."""
     num_samples: int
-    """Samples (rows) in data_path."""
+    """Samples in data_path: its rows, or with data.text_column its text's packed rows."""
     resume: Optional[str]
     """The checkpoint to resume from, checked; None to start fresh."""
 
@@ -54,8 +54,7 @@ def prepare(cfg: Config) -> RunPlan:
 
         cfg = resolve_cut(with_hf_architecture(cfg))
     data_path = data.resolve_data_path(cfg)
-    num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch,
-                                     cfg.model.vocab_size)
+    num_samples = _check_data(cfg, data_path)
     layout = plan_layout(cfg)
     root = run_root(cfg.run.dir)  # under ~/raytrain in a Ray job: the job's working dir is temporary
     run_name = cfg.run.name or _new_run_name(root, layout)
@@ -74,12 +73,26 @@ def prepare(cfg: Config) -> RunPlan:
     return RunPlan(cfg=cfg, layout=layout, data_path=data_path, num_samples=num_samples, resume=resume)
 
 
+def _check_data(cfg: Config, data_path: str) -> int:
+    """The samples in the run's data, checked: token rows (data.column), or text packed into rows
+    (data.text_column: tokenised here, into this machine's cache, to count them)."""
+    m, d = cfg.model, cfg.data
+    if d.text_column is not None:
+        return text_data.check_text_dataset(data_path, d, m.seq_len, cfg.train.global_batch, m.vocab_size)
+    if text_data.is_json_lines(data_path):
+        raise ValueError(f"data.path={d.path!r} is JSON lines, read as text: set data.text_column to the key "
+                         "holding the text and data.tokenizer to a directory holding tokenizer.json")
+    return data.check_dataset(data_path, d.column, m.seq_len, cfg.train.global_batch, m.vocab_size)
+
+
 def check_inputs(cfg: Config) -> None:
     """What the config names on this machine: data.path exists, model.factory imports and has its function."""
     path = cfg.data.path
     if path is not None and "://" not in path and not os.path.exists(os.path.expanduser(path)):
-        raise ValueError(f"data.path={path!r}: no such file; point it at a Parquet file with a "
-                         f"'{cfg.data.column}' column, or unset it to use the built-in corpus")
+        holding = (f"a Parquet or JSON lines file with text under {cfg.data.text_column!r}" if cfg.data.text_column
+                   else f"a Parquet file with a {cfg.data.column!r} token column")
+        raise ValueError(f"data.path={path!r}: no such file; point it at {holding}, or unset it to use the "
+                         "built-in corpus")
     if cfg.model.hf is not None and not os.path.isdir(os.path.expanduser(cfg.model.hf)):
         raise ValueError(f"model.hf={cfg.model.hf!r}: no such directory; point it at a local Hugging Face model "
                          "directory (config.json, and *.safetensors for pretrained weights)")

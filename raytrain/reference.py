@@ -35,7 +35,7 @@ def train_reference(
         checkpoint.load_optimizer_state(optimizer, names, state["optim"])
         start = checkpoint.read_manifest(resume_from)["step"]
     path = data.resolve_data_path(cfg)
-    dataset = data.TokenDataset(path, cfg.data.column, cfg.model.seq_len, cfg.data.cache_dir)
+    dataset = data.open_dataset(path, cfg)
     B = cfg.train.global_batch
     losses = []
     for step in range(start, cfg.train.steps if steps is None else steps):

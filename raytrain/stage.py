@@ -90,8 +90,7 @@ class Stage:
         if generation > 0:  # generation 0 is the start; a join fault names a repair's
             self.hook("join", self.committed)
         if self.dataset is None and stage in (0, mesh.pp - 1):
-            cfg = self.cfg
-            self.dataset = data.TokenDataset(self.data_path, cfg.data.column, cfg.model.seq_len, cfg.data.cache_dir)
+            self.dataset = data.open_dataset(self.data_path, self.cfg)
         self.gen = form_generation(self.cfg, rank, mesh, shares, store, generation, self.executor.output_of,
                                    self.device)
         self.grads.group = self.gen.groups.dp_group

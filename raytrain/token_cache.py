@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+from typing import Callable
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -23,24 +24,33 @@ import pyarrow.parquet as pq
 from raytrain.atomic import atomic_path
 
 
-def cache_path(source: str, column: str, width: int, cache_dir: str) -> str:
-    """Where the decoded rows of ``source``'s ``column`` (first ``width`` tokens of each row) live."""
+def cache_path(source: str, column: str, width: int, cache_dir: str, variant: str = "") -> str:
+    """Where the decoded rows of ``source``'s ``column`` (first ``width`` tokens of each row) live.
+
+    ``variant`` names anything else the rows depend on (raytrain.text_data: the tokenizer's hash)."""
     source = os.path.abspath(source)
     st = os.stat(source)
-    key = hashlib.sha1(f"{source}|{st.st_size}|{st.st_mtime_ns}|{column}|{width}".encode()).hexdigest()[:16]
-    return os.path.join(os.path.expanduser(cache_dir), "decoded", f"{os.path.basename(source)}-{key}.npy")
+    key = f"{source}|{st.st_size}|{st.st_mtime_ns}|{column}|{width}" + (f"|{variant}" if variant else "")
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return os.path.join(os.path.expanduser(cache_dir), "decoded", f"{os.path.basename(source)}-{digest}.npy")
 
 
 def open_rows(source: str, column: str, width: int, cache_dir: str, decode) -> np.ndarray:
     """The (N, width) token rows of ``source``, memory-mapped read-only; built with ``decode(table)``
     (one row group's table -> its rows) the first time on this machine."""
     path = cache_path(source, column, width, cache_dir)
+    return open_built(path, lambda out: _build(source, column, width, out, decode))
+
+
+def open_built(path: str, build: Callable[[str], None]) -> np.ndarray:
+    """The ``.npy`` array at ``path``, memory-mapped read-only; when this machine lacks it, ``build(path)``
+    writes it first (atomically: raytrain.atomic), one builder at a time while the others wait."""
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
             if not os.path.exists(path):  # another worker may have built it while this one waited
-                _build(source, column, width, path, decode)
+                build(path)
     return np.load(path, mmap_mode="r")
 
 

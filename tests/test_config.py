@@ -164,6 +164,8 @@ BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give 
     ("data.column=''", "name the token column"),
     ("data.cache_dir=''", "a directory"),
     ("data.max_bytes=0", ">= 1"),
+    ("data.text_column=''", "name the text column"),
+    ("data.tokenizer=''", "holding tokenizer.json"),
     ("checkpoint.dir=''", "a directory or URI"),
     ("checkpoint.every=-1", ">= 0"),
     ("checkpoint.resume=''", "latest"),
