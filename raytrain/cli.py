@@ -21,6 +21,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a base key (train.steps=20) or a sweep setting (sweep.scheduler=asha)")
     s.add_argument("--resume", metavar="EXPERIMENT_DIR", help="resume an interrupted sweep from its experiment directory")
+    e = sub.add_parser("export", help="write a model.hf run's checkpoint as a Hugging Face model directory")
+    e.add_argument("--checkpoint", required=True, help="a step directory, or a checkpoint directory (its latest)")
+    e.add_argument("--out", required=True, help="the directory to create (config.json + model.safetensors)")
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="tensor dtype (default: the model's own, from its config.json; else float32)")
     return parser
 
 
@@ -34,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "sweep":
         return _sweep(args)
+    if args.command == "export":
+        return _export(args)
     from raytrain.api import ResourcesUnavailable, train
     from raytrain.coordinator import CapacityLost, NonFiniteLoss, StepFailed
     from raytrain.signals import exit_code
@@ -58,6 +65,17 @@ def main(argv: list[str] | None = None) -> int:
 def _fail(message: str, code: int) -> int:
     print(f"raytrain: {message}", file=sys.stderr)
     return code
+
+
+def _export(args) -> int:
+    from raytrain.export import export_hf
+
+    try:
+        step_dir = export_hf(args.checkpoint, args.out, args.dtype)
+    except ValueError as e:  # a CheckpointError too
+        return _fail(f"export: {e}", 2)
+    print(json.dumps({"exported": step_dir, "out": args.out}))
+    return 0
 
 
 def _sweep(args) -> int:

@@ -99,7 +99,7 @@ class TrainConfig:
     global_batch: int = 8
     """Samples per optimizer step, whatever the layout: dp and micro-batches only divide it."""
     lr: float = 3e-4
-    """AdamW learning rate."""
+    """AdamW learning rate (0: the parameters stay as they are)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     fused_optimizer: bool = True
@@ -127,8 +127,7 @@ class TrainConfig:
             raise ValueError(f"train.steps must be >= 1, got {self.steps}")
         if self.global_batch < 1:
             raise ValueError(f"train.global_batch must be >= 1, got {self.global_batch}")
-        if self.lr <= 0:
-            raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        _require(self.lr >= 0, "train.lr", self.lr, "use >= 0 (0 changes nothing: a dry run, or an export round trip)")
         if self.grad_clip < 0:
             raise ValueError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
         _require(self.skip_nonfinite >= 0, "train.skip_nonfinite", self.skip_nonfinite,

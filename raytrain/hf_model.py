@@ -42,9 +42,7 @@ def load_hf_config(path: str):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model.hf={path!r}: no config.json there; point model.hf at a local Hugging Face "
                          "model directory (save_pretrained writes one)")
-    config = transformers_module().AutoConfig.from_pretrained(path, local_files_only=True)
-    config.use_cache = False
-    return config
+    return transformers_module().AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def meta_model(config) -> nn.Module:

@@ -138,7 +138,7 @@ BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give 
     ("model.hf_cut=halves", "auto, layers, whole"),
     ("train.steps=0", ">= 1"),
     ("train.global_batch=0", ">= 1"),
-    ("train.lr=0", "> 0"),
+    ("train.lr=-1", ">= 0"),
     ("train.weight_decay=-0.1", ">= 0"),
     ("train.fused_optimizer=maybe", "true or false"),
     ("train.seed=-1", "0..2**32-1"),

@@ -125,3 +125,48 @@ def test_bad_hf_input_is_refused_before_any_actor(hf_dirs, tmp_path, overrides, 
         prepare(load_config(None, [f"model.hf={hf_dirs['llama']}", f"run.dir={tmp_path}", *overrides]))
     for text in must_mention:
         assert text in str(err.value), f"{text!r} missing from: {err.value}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_import_train_at_lr_0_and_export_round_trips_bit_for_bit(ray_session, make_config, tmp_path, dtype):
+    import subprocess
+    import sys
+
+    import transformers
+    from safetensors.torch import load_file
+
+    source = write_hf_model(tmp_path / "source", "llama", dtype=dtype)
+    cfg = hf_config(make_config, source, "parallel.pp=2", "parallel.microbatches=2", "train.lr=0", "train.steps=2")
+    result = train(cfg)
+    out = tmp_path / "exported"
+    done = subprocess.run([sys.executable, "-m", "raytrain", "export", "--checkpoint", result.checkpoint,
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    want, got = load_file(f"{source}/model.safetensors"), load_file(out / "model.safetensors")
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == dtype and torch.equal(got[name], want[name]), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    original = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, original(input_ids=ids).logits)
+    again = subprocess.run([sys.executable, "-m", "raytrain", "export", "--checkpoint", result.checkpoint,
+                            "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_export_of_a_trained_tied_model_loads_in_transformers(ray_session, make_config, tmp_path):
+    import transformers
+
+    from raytrain.export import export_hf
+
+    source = write_hf_model(tmp_path / "source", "gpt2", tied=True)
+    result = train(hf_config(make_config, source, "train.steps=2"))
+    state = checkpoint.load_state_dict(result.checkpoint)
+    export_hf(result.checkpoint, str(tmp_path / "out"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert torch.equal(model.transformer.wte.weight, state["0.embed.weight"])
+    assert torch.equal(model.transformer.h[1].mlp.c_fc.weight, state["2.layer.mlp.c_fc.weight"])
+    assert not torch.equal(state["0.embed.weight"], transformers.AutoModelForCausalLM.from_pretrained(source).transformer.wte.weight)
