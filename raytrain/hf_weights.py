@@ -93,21 +93,24 @@ def weight_files(path: str) -> dict[str, str]:
 
 @torch.no_grad()
 def load_layer(layer: nn.Module, index: int, names: dict[str, str], weights: dict[str, str], path: str) -> None:
-    """Copy this layer's parameters, and only them, from the model's safetensors."""
+    """Copy this layer's parameters, and only them, from the model's safetensors (each file opened once)."""
     from safetensors import safe_open
 
+    wanted: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for child_name, child in layer.named_children():
         for local, param in child.named_parameters():
-            global_name = f"{index}.{child_name}.{local}"
-            if global_name not in names:
+            hf_name = names.get(f"{index}.{child_name}.{local}")
+            if hf_name is None:
                 continue  # a tied parameter, loaded under its first name
-            hf_name = names[global_name]
             if hf_name not in weights:
                 raise ValueError(f"model.hf={path!r}: the weights have no tensor {hf_name!r}; the directory's "
                                  "safetensors do not match its config.json")
-            with safe_open(weights[hf_name], framework="pt") as f:
+            wanted.setdefault(weights[hf_name], []).append((hf_name, param))
+    for file, params in wanted.items():
+        with safe_open(file, framework="pt") as f:
+            for hf_name, param in params:
                 tensor = f.get_tensor(hf_name)
-            if tensor.shape != param.shape:
-                raise ValueError(f"model.hf={path!r}: {hf_name!r} has shape {tuple(tensor.shape)}, the config "
-                                 f"says {tuple(param.shape)}")
-            param.copy_(tensor.to(param.dtype))
+                if tensor.shape != param.shape:
+                    raise ValueError(f"model.hf={path!r}: {hf_name!r} has shape {tuple(tensor.shape)}, the config "
+                                     f"says {tuple(param.shape)}")
+                param.copy_(tensor.to(param.dtype))

@@ -79,6 +79,15 @@ def test_every_family_trains_to_the_single_process_parameters(ray_session, make_
     assert result.metrics[-1]["loss"] < result.metrics[0]["loss"]
 
 
+@pytest.mark.parametrize("overrides", [
+    ("parallel.dp=2", "parallel.pp=2", "parallel.schedule=gpipe", "parallel.split_backward=true"),
+    ("parallel.pp=2", "train.activation_checkpointing=true"),
+], ids=["dp2-pp2-gpipe-split-backward", "pp2-activation-checkpointing"])
+def test_hybrid_layouts_and_recomputed_layers(ray_session, make_config, hf_dirs, overrides):
+    cfg = hf_config(make_config, hf_dirs["llama"], "parallel.microbatches=2", *overrides)
+    assert_same_hf_params(checkpoint.load_state_dict(train(cfg).checkpoint), reference_state(cfg))
+
+
 def test_a_config_without_weights_initialises_the_same_in_every_layout(ray_session, make_config, tmp_path):
     path = write_hf_model(tmp_path, "llama", weights=False)
     cfg = hf_config(make_config, path, "parallel.pp=2", "train.steps=2")
