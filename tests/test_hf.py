@@ -179,3 +179,18 @@ def test_export_of_a_trained_tied_model_loads_in_transformers(ray_session, make_
     assert torch.equal(model.transformer.wte.weight, state["0.embed.weight"])
     assert torch.equal(model.transformer.h[1].mlp.c_fc.weight, state["2.layer.mlp.c_fc.weight"])
     assert not torch.equal(state["0.embed.weight"], transformers.AutoModelForCausalLM.from_pretrained(source).transformer.wte.weight)
+
+
+def test_sharded_safetensors_load_and_a_directory_without_config_is_named(tmp_path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(write_hf_model(tmp_path / "one", "llama"))
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    layers, _ = build_hf_stage(str(tmp_path / "sharded"), "layers", 0, None)
+    ids = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(nn.Sequential(*layers)(ids), model.eval()(input_ids=ids).logits)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="model.hf=.*no config.json"):
+        prepare(load_config(None, [f"model.hf={tmp_path / 'empty'}", f"run.dir={tmp_path}/runs"]))
