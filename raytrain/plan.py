@@ -32,9 +32,11 @@ class RunPlan:
     data_path: str
     """The Parquet file the run reads (the built-in corpus: built on this machine)."""
     num_samples: int
-    """Samples (rows) in data_path."""
+    """Training samples: the rows of data_path before those data.eval_fraction holds out."""
     resume: Optional[str]
     """The checkpoint to resume from, checked; None to start fresh."""
+    held_out: int = 0
+    """Held-out rows (data.eval_fraction's of data_path, or data.eval_path's); never trained on."""
 
     @property
     def run_dir(self) -> str:
@@ -50,8 +52,9 @@ def prepare(cfg: Config) -> RunPlan:
     """Check ``cfg`` against this machine and plan the run; a ValueError naming the key when it cannot run."""
     check_inputs(cfg)
     data_path = data.resolve_data_path(cfg)
-    num_samples = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch,
-                                     cfg.model.vocab_size)
+    rows = data.check_dataset(data_path, cfg.data.column, cfg.model.seq_len, cfg.train.global_batch,
+                              cfg.model.vocab_size)
+    num_samples, held_out = split_held_out(cfg, rows)
     layout = plan_layout(cfg)
     root = run_root(cfg.run.dir)  # under ~/raytrain in a Ray job: the job's working dir is temporary
     run_name = cfg.run.name or _new_run_name(root, layout)
@@ -67,7 +70,33 @@ def prepare(cfg: Config) -> RunPlan:
         run=dataclasses.replace(cfg.run, dir=root, name=run_name),
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir),
     )
-    return RunPlan(cfg=cfg, layout=layout, data_path=data_path, num_samples=num_samples, resume=resume)
+    return RunPlan(cfg=cfg, layout=layout, data_path=data_path, num_samples=num_samples, resume=resume,
+                   held_out=held_out)
+
+
+def split_held_out(cfg: Config, rows: int) -> tuple[int, int]:
+    """(training rows, held-out rows) of a dataset of ``rows``: data.eval_fraction holds out its last rows,
+    data.eval_path (checked here like data.path) holds its own. A ValueError naming the keys when too few
+    rows are left to train on, or (with eval.every) too few held out for eval.batches: an error, not a
+    clamp, so that every evaluation reads exactly eval.batches x train.global_batch rows."""
+    d, B = cfg.data, cfg.train.global_batch
+    if d.eval_path is not None:
+        held = data.check_dataset(os.path.expanduser(d.eval_path), d.column, cfg.model.seq_len, 0,
+                                  cfg.model.vocab_size, key="data.eval_path")
+        where, fix = f"data.eval_path={d.eval_path!r} has {held} rows", "add rows to it"
+    else:
+        held = data.held_out_count(rows, d.eval_fraction)
+        where = f"data.eval_fraction={d.eval_fraction:g} holds out the last {held} of the {rows} rows"
+        fix = f"raise data.eval_fraction to >= {cfg.eval.batches * B / rows:.3g}"
+        if rows - held < B:
+            raise ValueError(f"{where}, leaving {rows - held} to train on, fewer than train.global_batch={B}; "
+                             "lower data.eval_fraction, or use data.eval_path")
+    need = cfg.eval.batches * B
+    if cfg.eval.every and held < need:
+        raise ValueError(f"{where}, fewer than the eval.batches={cfg.eval.batches} x train.global_batch={B} = "
+                         f"{need} that each evaluation reads (it refuses rather than reading fewer); {fix}, "
+                         "or lower eval.batches")
+    return data.training_rows(cfg, rows), held
 
 
 def check_inputs(cfg: Config) -> None:
@@ -76,6 +105,10 @@ def check_inputs(cfg: Config) -> None:
     if path is not None and "://" not in path and not os.path.exists(os.path.expanduser(path)):
         raise ValueError(f"data.path={path!r}: no such file; point it at a Parquet file with a "
                          f"'{cfg.data.column}' column, or unset it to use the built-in corpus")
+    eval_path = cfg.data.eval_path
+    if eval_path is not None and "://" not in eval_path and not os.path.exists(os.path.expanduser(eval_path)):
+        raise ValueError(f"data.eval_path={eval_path!r}: no such file; point it at a Parquet file of held-out rows "
+                         f"with a '{cfg.data.column}' column, or unset it")
     if cfg.model.factory is None:
         return
     module_name, _, fn_name = cfg.model.factory.partition(":")
