@@ -64,6 +64,7 @@ def choose_layout(cfg: Config, layers: int, stream: TextIO) -> tuple[Config, dic
     base["checkpoint"].update(every=0, resume=None, dir=None)
     base["run"].update(trace_steps=0, name=None)
     base["elastic"]["faults"] = []
+    base["eval"]["every"] = 0  # a probe measures steps: evaluations would only make it longer
     stream.write(f"[raytrain] parallel.auto: probing {len(layouts)} layout(s) of {workers} worker(s), "
                  f"{cfg.parallel.auto_steps} steps each\n")
     sweep = rt_tune.SweepConfig(

@@ -222,6 +222,12 @@ class DataConfig:
     into rows of seq_len + 1 tokens (raytrain.text_data); data.column is then unused."""
     tokenizer: Optional[str] = None
     """Local Hugging Face tokenizer directory holding ``tokenizer.json``, used with data.text_column only."""
+    eval_fraction: float = 0.0
+    """Hold out the last floor(rows x eval_fraction) rows of the data for the held-out loss (eval.every):
+    they are never trained on (the sample order covers only the rows before them). 0: none."""
+    eval_path: Optional[str] = None
+    """A separate file of held-out rows in the data's format (token column, or text with data.text_column),
+    instead of data.eval_fraction; checked like data.path."""
 
     def __post_init__(self):
         _require(not _blank(self.column), "data.column", self.column, "name the token column of data.path")
@@ -229,6 +235,13 @@ class DataConfig:
                  "give a directory (default ~/.cache/raytrain)")
         _require(self.max_bytes >= 1, "data.max_bytes", self.max_bytes, "the built-in corpus needs >= 1 byte")
         self._check_text()
+        _require(0 <= self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction,
+                 "use a fraction in [0, 1): the share of the rows held out for eval (0: none)")
+        _require(not _blank(self.eval_path), "data.eval_path", self.eval_path,
+                 "give a Parquet file of held-out rows, or unset it")
+        _require(self.eval_path is None or self.eval_fraction == 0, "data.eval_path", self.eval_path,
+                 f"held-out rows come from data.eval_fraction={self.eval_fraction:g} or data.eval_path, "
+                 "not both: unset one of them")
 
     def _check_text(self):
         """data.text_column and data.tokenizer come together, and only with a data.path to read."""
@@ -338,6 +351,20 @@ class ResourcesConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = 0
+    """Compute the held-out loss (eval_loss) after every this many steps and after the last; 0: never.
+    Needs held-out rows: data.eval_fraction or data.eval_path."""
+    batches: int = 4
+    """Global batches (of train.global_batch rows) of held-out rows each evaluation reads: always the
+    same first eval.batches x train.global_batch held-out rows."""
+
+    def __post_init__(self):
+        _require(self.every >= 0, "eval.every", self.every, "use a count of steps >= 0 (0: no evaluation)")
+        _require(self.batches >= 1, "eval.batches", self.batches, "an evaluation needs >= 1 batch")
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs"
     """Parent directory of run directories (metrics.jsonl, loss.png, trace.json)."""
@@ -367,6 +394,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self):
@@ -389,6 +417,10 @@ class Config:
             self.gpt_layout()  # a model.factory's or model.hf's layers are counted by raytrain.plan.plan_layout
         if self.data.path is None:
             self._check_builtin_corpus()
+        d = self.data
+        _require(self.eval.every == 0 or d.eval_fraction > 0 or d.eval_path is not None, "eval.every", self.eval.every,
+                 "the held-out loss needs held-out rows: set data.eval_fraction (e.g. 0.05: the last 5% of the rows, "
+                 "never trained on) or data.eval_path (a Parquet file of the same token format); or set eval.every=0")
         e = self.elastic
         if p.auto and (e.min_dp is not None or e.max_dp is not None):
             raise ValueError("parallel.auto=true chooses parallel.dp, so elastic.min_dp / elastic.max_dp cannot be "

@@ -1,10 +1,10 @@
-"""The actor that owns a run, as a small state machine: starting, running, checkpointing,
-repairing, growing, stopping, finished (a failure raises out of ``run``).
+"""The actor that owns a run, as a small state machine: starting, running, evaluating,
+checkpointing, repairing, growing, stopping, finished (a failure raises out of ``run``).
 
 It sends one small message per worker per step (``run_step(step)``) and gets metrics back; no tensor
 passes through it. The next step's message is sent before the current step's replies arrive (when
-no checkpoint or membership change falls between them), so a worker goes from one step to the next
-without waiting a round trip. The driver polls ``poll()`` for new metric rows while ``run()`` runs.
+no evaluation, checkpoint or membership change falls between them), so a worker goes from one step
+to the next without waiting a round trip. The driver polls ``poll()`` for new metric rows while ``run()`` runs.
 
 Who is in the run is one ``Membership``; what to do after a loss, while short of workers, when a
 stage has no up-to-date copy or a step is not finite is an ``ElasticPolicy`` decision, recorded in
@@ -31,8 +31,10 @@ import ray
 from raytrain import checkpoint, steps
 from raytrain.config import Config
 from raytrain.data import even_shares
+from raytrain.evaluation import Evaluation
 from raytrain.layout import Layout
 from raytrain.membership import Member, Membership
+from raytrain.mesh import Mesh
 from raytrain.policy import Action, Decision, ElasticPolicy
 from raytrain.rendezvous import StoreAddress
 from raytrain.repair import Repairs
@@ -86,6 +88,7 @@ class Coordinator:
         self.first_step, self.failures, self.committed_steps = 0, 0, []
         self.recovery_s, self.skipped_steps, self.original_pids = [], [], []
         self.repairs = Repairs(self)  # the states that change membership: repairing, growing
+        self.evaluation = Evaluation(self)  # the held-out loss between two steps (eval.every)
         self.team.pending = self._spawn_first_workers()  # they start while the driver finishes its own set-up
 
     # --- driver-facing ----------------------------------------------------------------------------
@@ -108,7 +111,8 @@ class Coordinator:
         self.store = store
         handlers = {RunState.STARTING: self._starting, RunState.RUNNING: self._running,
                     RunState.CHECKPOINTING: self._checkpointing, RunState.REPAIRING: self.repairs.repairing,
-                    RunState.GROWING: self.repairs.growing, RunState.STOPPING: self._stopping}
+                    RunState.GROWING: self.repairs.growing, RunState.STOPPING: self._stopping,
+                    RunState.EVALUATING: self.evaluation.evaluating}
         try:
             while self.state is not RunState.FINISHED:
                 self.state = handlers[self.state]()
@@ -218,8 +222,10 @@ class Coordinator:
         p.call = ahead
         return self.after_commit()
 
-    def after_commit(self) -> RunState:
-        """A step was committed (run, rolled forward or skipped): checkpoint it if one is due."""
+    def after_commit(self, evaluated: bool = False) -> RunState:
+        """A step was committed (run, rolled forward or skipped): evaluate it, then checkpoint it, if due."""
+        if not evaluated and self.evaluation.due(self.progress.step):
+            return RunState.EVALUATING
         if steps.checkpoint_due(self.progress.step, self.cfg.train.steps, self.cfg.checkpoint.every):
             return RunState.CHECKPOINTING
         self.flush_row(None)
@@ -238,7 +244,8 @@ class Coordinator:
     def _may_send_ahead(self, step: int) -> bool:
         changing = bool(self.unused_placements or self.team.pending or self.team.spares)
         stopping = self._stop_reason is not None
-        return may_send_ahead(step, self.cfg.train.steps, self.cfg.checkpoint.every, changing or stopping)
+        return may_send_ahead(step, self.cfg.train.steps, self.cfg.checkpoint.every, changing or stopping,
+                              self.cfg.eval.every)
 
     def _drain(self, call: Optional[steps.StepCall]) -> list[Member]:
         return steps.drain(self.group, call, self.cfg.elastic.detect_timeout_s + 5)
@@ -279,13 +286,7 @@ class Coordinator:
         except WorkersLost as lost:
             self.progress.lost, self.progress.reports, self.progress.during = lost.dead, [], "checkpoint"
             return RunState.REPAIRING
-        mesh = self.team.mesh()
-        checkpoint.publish(ckpt_dir, {
-            "step": step, "samples_seen": step * self.cfg.train.global_batch,
-            "finite": all(s["finite"] for s in shards),
-            "layout": {"dp": mesh.dp, "pp": mesh.pp, "stage_layers": self.stage_layers},
-            "shards": shards, "config": self.cfg.to_dict(),
-        })
+        checkpoint.publish(ckpt_dir, manifest(step, shards, self.cfg, self.team.mesh(), self.stage_layers))
         checkpoint.prune(base, self.cfg.checkpoint.keep)
         self.last_checkpoint = ckpt_dir
         self.emit({"event": "checkpoint", "step": step, "path": ckpt_dir, "seconds": round(time.perf_counter() - t0, 3)})
@@ -304,6 +305,7 @@ class Coordinator:
         return RunState.FINISHED
 
     def give_up(self, decision: Decision) -> None:
+        self.flush_row(None)  # a committed step's held row is kept however the run ends
         raise capacity_lost(decision, self.last_checkpoint)
 
 
@@ -312,6 +314,16 @@ def capacity_lost(decision: Decision, last_checkpoint: Optional[str]) -> Capacit
     kept = (f"the last checkpoint ({last_checkpoint}) is intact" if last_checkpoint
             else "no checkpoint was written yet (checkpoint.every keeps some)")
     return CapacityLost(f"{decision.reason} (config: {decision.config_key}); {kept}")
+
+
+def manifest(step: int, shards: list[dict], cfg: Config, mesh: Mesh, stage_layers: list[list[int]]) -> dict:
+    """A checkpoint's manifest: its step, the layout it was saved from, its shards and the run's config."""
+    return {
+        "step": step, "samples_seen": step * cfg.train.global_batch,
+        "finite": all(s["finite"] for s in shards),
+        "layout": {"dp": mesh.dp, "pp": mesh.pp, "stage_layers": stage_layers},
+        "shards": shards, "config": cfg.to_dict(),
+    }
 
 
 def _worker_options(cfg: Config) -> dict:

@@ -3,7 +3,8 @@
 Invariant (DESIGN 5): the order of samples is a pure function of (seed, epoch); step s consumes
 global positions [s*B, (s+1)*B), and each data-parallel replica takes a contiguous slice of them.
 So every sample is seen exactly once per epoch whatever the layout, and a resumed run needs only
-the step number to continue where it stopped.
+the step number to continue where it stopped. The samples are the file's first ``num_samples`` rows:
+the rows data.eval_fraction holds out for the held-out loss are its last ones, outside the order.
 """
 
 from __future__ import annotations
@@ -91,32 +92,35 @@ SCAN_BUFFER_BYTES = 1 << 20
 """check_dataset reads pages through a buffer of this size instead of loading whole column chunks."""
 
 
-def check_dataset(path: str, column: str, seq_len: int, global_batch: int, vocab_size: int) -> int:
-    """Validate a dataset before any actor starts; returns the number of samples.
+def check_dataset(path: str, column: str, seq_len: int, global_batch: int, vocab_size: int,
+                  key: str = "data.path") -> int:
+    """Validate a dataset before any actor starts; returns the number of samples. ``key`` is the config
+    key that names the file (data.path, or data.eval_path for held-out rows), for the messages.
 
     Schema and size come from the metadata; nulls, row lengths and token ids in [0, vocab_size) from
     one streaming pass over the column, skipped where a fixed row width and the Parquet statistics
     already answer (the built-in corpus needs no pass at all).
     """
+    source = f"{key}={path!r}"
     try:
         meta = pq.ParquetFile(path, buffer_size=SCAN_BUFFER_BYTES, pre_buffer=False)
     except (OSError, pa.ArrowInvalid) as e:
-        raise ValueError(f"data.path={path!r} is not a readable Parquet file ({e})") from e
+        raise ValueError(f"{source} is not a readable Parquet file ({e})") from e
     names = meta.schema_arrow.names
     if column not in names:
-        raise ValueError(f"data.path={path!r} has no column {column!r} (columns: {names}); set data.column")
+        raise ValueError(f"{source} has no column {column!r} (columns: {names}); set data.column")
     n = meta.metadata.num_rows
     if n < global_batch:
-        raise ValueError(f"data.path={path!r} has {n} samples, fewer than train.global_batch={global_batch}")
+        raise ValueError(f"{source} has {n} samples, fewer than train.global_batch={global_batch}")
     kind = meta.schema_arrow.field(column).type
-    _check_token_type(path, column, kind, vocab_size)
-    _check_rows(meta, path, column, seq_len + 1, vocab_size)
+    _check_token_type(source, column, kind, vocab_size)
+    _check_rows(meta, source, column, seq_len + 1, vocab_size)
     return n
 
 
-def _check_token_type(path: str, column: str, kind: pa.DataType, vocab_size: int) -> None:
+def _check_token_type(source: str, column: str, kind: pa.DataType, vocab_size: int) -> None:
     """A list of integer ids per row, or bytes: ids 0..255, so they need model.vocab_size >= 256."""
-    where = f"data.path={path!r}: column {column!r} is {kind}"
+    where = f"{source}: column {column!r} is {kind}"
     if _is_bytes(kind):
         if vocab_size < 256:
             raise ValueError(f"{where}, one token per byte (ids 0..255), but model.vocab_size={vocab_size}; "
@@ -140,19 +144,19 @@ def _fixed_width(kind: pa.DataType) -> Optional[int]:
     return None
 
 
-def _check_rows(meta: pq.ParquetFile, path: str, column: str, width: int, vocab_size: int) -> None:
+def _check_rows(meta: pq.ParquetFile, source: str, column: str, width: int, vocab_size: int) -> None:
     """No null rows or ids, every row >= ``width`` tokens, every id in [0, vocab_size)."""
     kind = meta.schema_arrow.field(column).type
     fixed = _fixed_width(kind)
     if fixed is not None and fixed < width:
-        raise _short_row(path, column, 0, fixed, width)
+        raise _short_row(source, column, 0, fixed, width)
     nulls, id_range = _column_statistics(meta, column)
     ids = not _is_bytes(kind)  # bytes are 0..255, checked against vocab_size with the type
     if fixed is None or nulls != 0 or (ids and id_range is None):
-        scanned = _scan_rows(meta, path, column, width, want_range=ids and id_range is None)
+        scanned = _scan_rows(meta, source, column, width, want_range=ids and id_range is None)
         id_range = id_range or scanned
     if ids and id_range is not None:
-        _check_id_range(path, column, *id_range, vocab_size)
+        _check_id_range(source, column, *id_range, vocab_size)
 
 
 def _column_statistics(meta: pq.ParquetFile, column: str) -> tuple[Optional[int], Optional[tuple[int, int]]]:
@@ -174,7 +178,7 @@ def _is_leaf_of(leaf_path: str, column: str) -> bool:
     return leaf_path == column or leaf_path.startswith(column + ".")
 
 
-def _scan_rows(meta: pq.ParquetFile, path: str, column: str, width: int,
+def _scan_rows(meta: pq.ParquetFile, source: str, column: str, width: int,
                want_range: bool) -> Optional[tuple[int, int]]:
     """Read the column SCAN_BATCH_ROWS rows at a time; raise at the first null or short row, and
     return the (min, max) id when ``want_range`` (None if there are no ids)."""
@@ -184,7 +188,7 @@ def _scan_rows(meta: pq.ParquetFile, path: str, column: str, width: int,
     first = 0
     for batch in meta.iter_batches(batch_size=SCAN_BATCH_ROWS, columns=[column], use_threads=False):
         rows = batch.column(0)
-        _check_batch(rows, first, path, column, width)
+        _check_batch(rows, first, source, column, width)
         if want_range:
             bounds = pc.min_max(rows.flatten()).as_py()
             if bounds["min"] is not None:
@@ -194,7 +198,7 @@ def _scan_rows(meta: pq.ParquetFile, path: str, column: str, width: int,
     return None if lo is None else (lo, hi)
 
 
-def _check_batch(rows: pa.Array, first: int, path: str, column: str, width: int) -> None:
+def _check_batch(rows: pa.Array, first: int, source: str, column: str, width: int) -> None:
     """Null rows, short rows and null ids of one batch, whose first row is row ``first`` of the file."""
     import pyarrow.compute as pc
 
@@ -202,29 +206,29 @@ def _check_batch(rows: pa.Array, first: int, path: str, column: str, width: int)
         return
     if rows.null_count:
         row = first + pc.index(rows.is_null(), True).as_py()
-        raise ValueError(f"data.path={path!r}: row {row} of column {column!r} is null; every row needs "
+        raise ValueError(f"{source}: row {row} of column {column!r} is null; every row needs "
                          f">= {width} token ids: drop or fill the null rows")
     if _fixed_width(rows.type) is None:
         lengths = pc.binary_length(rows) if _is_bytes(rows.type) else pc.list_value_length(rows)
         if pc.min(lengths).as_py() < width:
             i = pc.index(pc.less(lengths, width), True).as_py()
-            raise _short_row(path, column, first + i, lengths[i].as_py(), width)
+            raise _short_row(source, column, first + i, lengths[i].as_py(), width)
     if not _is_bytes(rows.type):
         ids = rows.flatten()
         if ids.null_count:
             row = first + pc.list_parent_indices(rows)[pc.index(ids.is_null(), True).as_py()].as_py()
-            raise ValueError(f"data.path={path!r}: row {row} of column {column!r} holds a null token id; "
+            raise ValueError(f"{source}: row {row} of column {column!r} holds a null token id; "
                              "every id must be an integer: fix the data")
 
 
-def _short_row(path: str, column: str, row: int, length: int, width: int) -> ValueError:
+def _short_row(source: str, column: str, row: int, length: int, width: int) -> ValueError:
     return ValueError(
-        f"data.path={path!r}: rows of column {column!r} need >= model.seq_len + 1 = {width} tokens, "
+        f"{source}: rows of column {column!r} need >= model.seq_len + 1 = {width} tokens, "
         f"row {row} has {length}; lower model.seq_len or fix the data"
     )
 
 
-def _check_id_range(path: str, column: str, lo: int, hi: int, vocab_size: int) -> None:
+def _check_id_range(source: str, column: str, lo: int, hi: int, vocab_size: int) -> None:
     """Every id must index the embedding: 0 <= id < model.vocab_size."""
     if 0 <= lo and hi < vocab_size:
         return
@@ -233,7 +237,7 @@ def _check_id_range(path: str, column: str, lo: int, hi: int, vocab_size: int) -
             f" (and raise model.vocab_size to {hi + 1}, or lower the largest id)" if hi >= vocab_size else "")
     else:
         fix = f"raise model.vocab_size to {hi + 1} or fix the data"
-    raise ValueError(f"data.path={path!r}: column {column!r} holds token ids from {lo} to {hi}, outside "
+    raise ValueError(f"{source}: column {column!r} holds token ids from {lo} to {hi}, outside "
                      f"[0, model.vocab_size={vocab_size}); {fix}")
 
 
@@ -361,6 +365,39 @@ def microbatch_bounds(count: int, num_microbatches: int) -> list[tuple[int, int]
     sizes = even_shares(count, num_microbatches)
     bounds = np.cumsum([0, *sizes]).tolist()
     return [(bounds[i], bounds[i + 1]) for i in range(num_microbatches)]
+
+
+# --- held-out rows (eval.every) --------------------------------------------------------------
+
+
+def held_out_count(rows: int, eval_fraction: float) -> int:
+    """Rows of a dataset of ``rows`` that data.eval_fraction holds out: floor(rows x eval_fraction),
+    its last ones (the tolerance keeps 0.29 x 100 at 29, not 28)."""
+    return int(rows * eval_fraction + 1e-9)
+
+
+def training_rows(cfg: Config, rows: int) -> int:
+    """The rows of a dataset of ``rows`` that are trained on (the run's ``num_samples``): all but the
+    last ones data.eval_fraction holds out."""
+    return rows - (0 if cfg.data.eval_path is not None else held_out_count(rows, cfg.data.eval_fraction))
+
+
+def held_out_source(cfg: Config, data_path: str, num_samples: int) -> tuple[str, int]:
+    """Where the held-out rows are: (Parquet file, id of the first row an evaluation reads).
+
+    data.eval_path: that file from its first row; else data.eval_fraction's rows of the training
+    file, which follow its ``num_samples`` training rows.
+    """
+    if cfg.data.eval_path is not None:
+        return os.path.expanduser(cfg.data.eval_path), 0
+    return data_path, num_samples
+
+
+def held_out_ids(first: int, batch: int, global_batch: int, begin: int, end: int) -> list[int]:
+    """Row ids of held-out batch ``batch`` that a replica with batch offsets [begin, end) evaluates:
+    the held-out rows are read in order, ``global_batch`` per batch, split across replicas as a step is."""
+    start = first + batch * global_batch
+    return list(range(start + begin, start + end))
 
 
 def write_token_parquet(path: str, rows: np.ndarray, column: str = BUILTIN_COLUMN) -> None:

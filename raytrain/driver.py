@@ -61,6 +61,9 @@ class Result:
     state_digests: dict[str, str] = field(default_factory=dict, repr=False)
     """With run.record_samples: ``"replica:stage"`` -> a digest of that worker's parameters and
     optimizer state at the end (the replicas of a stage must be identical)."""
+    eval_loss: Optional[float] = None
+    """With eval.every: the last held-out loss (computed after the last step, so of the final
+    parameters, unless the run stopped early); None without evaluation."""
 
     def summary(self) -> dict:
         """The JSON object printed as the last line of ``python -m raytrain train``."""
@@ -68,7 +71,7 @@ class Result:
                 "checkpoint": self.checkpoint, "run_dir": self.run_dir, "layout": self.layout,
                 "failures": self.failures, "recovery_s": self.recovery_s,
                 "coordinator_restarts": self.coordinator_restarts, "stopped": self.stopped,
-                "skipped_steps": self.skipped_steps,
+                "skipped_steps": self.skipped_steps, "eval_loss": self.eval_loss,
                 **({"auto_layout": self.auto_layout["chosen"]} if self.auto_layout else {})}
 
 
@@ -90,7 +93,8 @@ def run(plan: RunPlan, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
         reporter = RunReporter(plan.run_dir, cfg.train.steps, plan.layout, stream)
         stream.write(f"[raytrain] {plan.layout.label}, {len(stages)} stage(s) "
                      f"{[f'{s[0]}-{s[-1]}' for s in stages]}, global batch {cfg.train.global_batch}, "
-                     f"{plan.num_samples} samples; run dir {plan.run_dir}\n")
+                     f"{plan.num_samples} samples" + (f" (+{plan.held_out} held out)" if plan.held_out else "")
+                     + f"; run dir {plan.run_dir}\n")
         with StopOnSignal(stream) as stop:
             summary, restarts = _run_coordinators(plan, placement, reporter, on_rows, stop)
     finally:
@@ -103,6 +107,7 @@ def _result(plan: RunPlan, summary: dict, restarts: int, reporter: RunReporter) 
     timed = [r for r in steps[1:] if "step_s" in r]  # the first step pays for warm-up
     batch = plan.cfg.train.global_batch
     samples_per_s = len(timed) * batch / sum(r["step_s"] for r in timed) if timed else 0.0
+    evaluated = [r["eval_loss"] for r in steps if "eval_loss" in r]
     return Result(
         steps=summary["steps"], final_loss=steps[-1]["loss"] if steps else float("nan"),
         samples_per_s=samples_per_s, checkpoint=summary["checkpoint"], run_dir=plan.run_dir,
@@ -110,6 +115,7 @@ def _result(plan: RunPlan, summary: dict, restarts: int, reporter: RunReporter) 
         final_pids=summary["final_pids"], committed_steps=summary["committed_steps"], failures=summary["failures"],
         recovery_s=summary["recovery_s"], coordinator_restarts=restarts, stopped=summary["stopped"],
         skipped_steps=[s + 1 for s in summary["skipped_steps"]], state_digests=summary["digests"],
+        eval_loss=evaluated[-1] if evaluated else None,
     )
 
 

@@ -8,7 +8,8 @@ repair the coordinator drops the faults at or before the step that failed.
 Phases: ``forward`` (before the first forward of the step), ``backward`` (before the first
 backward), ``allreduce`` (while its dp peers are all-reducing gradients), ``optimizer`` (after all
 workers voted to commit, before this one stepped), ``checkpoint`` (half-way through writing its
-shard; ``step`` is then the checkpoint's step), ``join`` (while re-forming groups during a repair:
+shard; ``step`` is then the checkpoint's step), ``eval`` (at the start of the held-out loss computed
+once ``step`` steps are committed, eval.every), ``join`` (while re-forming groups during a repair:
 a failure during repair; ``step`` is the step the run resumes at). ``pause`` does not kill: the
 worker stops itself (SIGSTOP) at the start of the step, as a hung machine would, until something
 sends it SIGCONT; tests use it to hold a run at a known step while they act from outside.
@@ -25,7 +26,7 @@ import socket
 from dataclasses import dataclass
 from typing import Optional
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "join", "pause")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "eval", "join", "pause")
 STEP_PHASES = ("pause", "forward", "backward", "allreduce", "optimizer")
 """The phases inside ``run_step``: a step the coordinator may have sent ahead of the previous reply."""
 

@@ -8,6 +8,7 @@ for a generation and changes only when the coordinator forms a new one. A worker
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -79,6 +80,13 @@ def form_generation(cfg: Config, rank: int, mesh: Mesh, shares: list[int], store
         mb_bounds=tuple(data.microbatch_bounds(shares[replica], par.microbatches)),
         groups=groups, input_tail=tail, input_dtype=dtype,
     )
+
+
+def for_evaluation(gen: Generation) -> Generation:
+    """The same place in the run with a forward-only plan over the same micro-batches: no backward, no
+    split backward, and no action arms the gradient buckets (``last_grad_action`` matches none)."""
+    plan = tuple(schedule.forward_only(gen.mesh.pp, len(gen.mb_bounds))[gen.stage])
+    return dataclasses.replace(gen, plan=plan, split_mbs=frozenset(), last_grad_action=-1)
 
 
 def _exchange_shapes(seq_len: int, prev_rank: Optional[int], next_rank: Optional[int],

@@ -32,9 +32,12 @@ class RunPlan:
     data_path: str
     """The file the run reads (the built-in corpus: built on this machine)."""
     num_samples: int
-    """Samples in data_path: its rows, or with data.text_column its text's packed rows."""
+    """Training samples: the rows of data_path (or with data.text_column its text's packed rows) before
+    those data.eval_fraction holds out."""
     resume: Optional[str]
     """The checkpoint to resume from, checked; None to start fresh."""
+    held_out: int = 0
+    """Held-out rows (data.eval_fraction's of data_path, or data.eval_path's); never trained on."""
 
     @property
     def run_dir(self) -> str:
@@ -54,7 +57,8 @@ def prepare(cfg: Config) -> RunPlan:
 
         cfg = resolve_cut(with_hf_architecture(cfg))
     data_path = data.resolve_data_path(cfg)
-    num_samples = _check_data(cfg, data_path)
+    rows = _check_data(cfg, data_path)
+    num_samples, held_out = split_held_out(cfg, rows)
     layout = plan_layout(cfg)
     root = run_root(cfg.run.dir)  # under ~/raytrain in a Ray job: the job's working dir is temporary
     run_name = cfg.run.name or _new_run_name(root, layout)
@@ -70,19 +74,46 @@ def prepare(cfg: Config) -> RunPlan:
         run=dataclasses.replace(cfg.run, dir=root, name=run_name),
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir),
     )
-    return RunPlan(cfg=cfg, layout=layout, data_path=data_path, num_samples=num_samples, resume=resume)
+    return RunPlan(cfg=cfg, layout=layout, data_path=data_path, num_samples=num_samples, resume=resume,
+                   held_out=held_out)
 
 
-def _check_data(cfg: Config, data_path: str) -> int:
-    """The samples in the run's data, checked: token rows (data.column), or text packed into rows
-    (data.text_column: tokenised here, into this machine's cache, to count them)."""
+def split_held_out(cfg: Config, rows: int) -> tuple[int, int]:
+    """(training rows, held-out rows) of a dataset of ``rows``: data.eval_fraction holds out its last rows,
+    data.eval_path (checked here like data.path) holds its own. A ValueError naming the keys when too few
+    rows are left to train on, or (with eval.every) too few held out for eval.batches: an error, not a
+    clamp, so that every evaluation reads exactly eval.batches x train.global_batch rows."""
+    d, B = cfg.data, cfg.train.global_batch
+    if d.eval_path is not None:
+        held = _check_data(cfg, os.path.expanduser(d.eval_path), key="data.eval_path")
+        where, fix = f"data.eval_path={d.eval_path!r} has {held} rows", "add rows to it"
+    else:
+        held = data.held_out_count(rows, d.eval_fraction)
+        where = f"data.eval_fraction={d.eval_fraction:g} holds out the last {held} of the {rows} rows"
+        fix = f"raise data.eval_fraction to >= {cfg.eval.batches * B / rows:.3g}"
+        if rows - held < B:
+            raise ValueError(f"{where}, leaving {rows - held} to train on, fewer than train.global_batch={B}; "
+                             "lower data.eval_fraction, or use data.eval_path")
+    need = cfg.eval.batches * B
+    if cfg.eval.every and held < need:
+        raise ValueError(f"{where}, fewer than the eval.batches={cfg.eval.batches} x train.global_batch={B} = "
+                         f"{need} that each evaluation reads (it refuses rather than reading fewer); {fix}, "
+                         "or lower eval.batches")
+    return data.training_rows(cfg, rows), held
+
+
+def _check_data(cfg: Config, data_path: str, key: str = "data.path") -> int:
+    """The samples in a file of the run's data (``key`` names it), checked: token rows (data.column), or
+    text packed into rows (data.text_column: tokenised here, into this machine's cache, to count them).
+    The held-out file (data.eval_path) need not fill a global batch."""
     m, d = cfg.model, cfg.data
+    batch = cfg.train.global_batch if key == "data.path" else 0
     if d.text_column is not None:
-        return text_data.check_text_dataset(data_path, d, m.seq_len, cfg.train.global_batch, m.vocab_size)
+        return text_data.check_text_dataset(data_path, d, m.seq_len, batch, m.vocab_size)
     if text_data.is_json_lines(data_path):
-        raise ValueError(f"data.path={d.path!r} is JSON lines, read as text: set data.text_column to the key "
+        raise ValueError(f"{key}={data_path!r} is JSON lines, read as text: set data.text_column to the key "
                          "holding the text and data.tokenizer to a directory holding tokenizer.json")
-    return data.check_dataset(data_path, d.column, m.seq_len, cfg.train.global_batch, m.vocab_size)
+    return data.check_dataset(data_path, d.column, m.seq_len, batch, m.vocab_size, key=key)
 
 
 def check_inputs(cfg: Config) -> None:
@@ -96,6 +127,10 @@ def check_inputs(cfg: Config) -> None:
     if cfg.model.hf is not None and not os.path.isdir(os.path.expanduser(cfg.model.hf)):
         raise ValueError(f"model.hf={cfg.model.hf!r}: no such directory; point it at a local Hugging Face model "
                          "directory (config.json, and *.safetensors for pretrained weights)")
+    eval_path = cfg.data.eval_path
+    if eval_path is not None and "://" not in eval_path and not os.path.exists(os.path.expanduser(eval_path)):
+        raise ValueError(f"data.eval_path={eval_path!r}: no such file; point it at a Parquet file of held-out rows "
+                         f"with a '{cfg.data.column}' column, or unset it")
     if cfg.model.factory is None:
         return
     module_name, _, fn_name = cfg.model.factory.partition(":")

@@ -36,10 +36,11 @@ def train_reference(
         start = checkpoint.read_manifest(resume_from)["step"]
     path = data.resolve_data_path(cfg)
     dataset = data.open_dataset(path, cfg)
+    num_samples = data.training_rows(cfg, len(dataset))
     B = cfg.train.global_batch
     losses = []
     for step in range(start, cfg.train.steps if steps is None else steps):
-        x, y = dataset.batch(data.sample_ids(cfg.train.seed, len(dataset), step * B, (step + 1) * B))
+        x, y = dataset.batch(data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B))
         optimizer.zero_grad(set_to_none=True)
         loss = spec.loss_fn(model(x), y)
         loss.backward()
@@ -48,3 +49,18 @@ def train_reference(
         apply_step(optimizer, cfg.train, step)
         losses.append(loss.item())
     return model, losses
+
+
+def reference_eval_loss(cfg: Config, model: nn.Module) -> float:
+    """The held-out loss of ``model`` (eval.every): the mean loss over the first eval.batches x
+    train.global_batch held-out rows, one full batch at a time in this process."""
+    path, d, T = data.resolve_data_path(cfg), cfg.data, cfg.model.seq_len
+    num_samples = data.training_rows(cfg, len(data.TokenDataset(path, d.column, T, d.cache_dir)))
+    source, first = data.held_out_source(cfg, path, num_samples)
+    held_out = data.TokenDataset(source, d.column, T, d.cache_dir)
+    loss_fn, B, total = build_model(cfg.model, cfg.train.seed, []).loss_fn, cfg.train.global_batch, 0.0
+    with torch.no_grad():
+        for batch in range(cfg.eval.batches):
+            x, y = held_out.batch(data.held_out_ids(first, batch, B, 0, B))
+            total += float(loss_fn(model(x), y)) * B
+    return total / (cfg.eval.batches * B)

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 CAPACITY_POLL_S = 1.0
 """How often a run below elastic.min_dp checks whether replacements have started."""
+RETRIED = {"checkpoint": RunState.CHECKPOINTING, "eval": RunState.EVALUATING}
+"""What a repair at the same step goes back to, by what the lost workers were doing."""
 
 
 class Repairs:
@@ -59,8 +61,8 @@ class Repairs:
                 "decisions": [d.record() for d in (settle, capacity) if d is not None],
                 "reason": "lost worker(s); survivors kept, groups re-formed, batch re-divided"})
         p.lost, p.reports = [], []
-        if during == "checkpoint" and p.step == failed_step:
-            return RunState.CHECKPOINTING  # save again, into a new directory
+        if during in RETRIED and p.step == failed_step:
+            return RETRIED[during]  # save again (into a new directory), or evaluate again
         if p.step == failed_step + 1:  # rolled forward: its checkpoint may be due
             return c.after_commit()
         c.flush_row(None)
@@ -85,7 +87,8 @@ class Repairs:
                 o.member.committed = o.value
         c.committed_steps.append(step)
         c.progress.step = step + 1
-        c.emit(steps.rolled_forward_row(step, reports, c.cfg, c.team.mesh(), c.num_samples, c.layout()))
+        # Held like any committed step's row: its held-out loss and checkpoint path may follow.
+        c.progress.row = steps.rolled_forward_row(step, reports, c.cfg, c.team.mesh(), c.num_samples, c.layout())
         return lost_members(c.group, outcomes)
 
     def reform(self, dead: list[Member], step: int) -> tuple[int, Decision]:

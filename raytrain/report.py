@@ -1,5 +1,8 @@
 """What a person sees of a run: a progress line, metrics.jsonl, loss.png and a Chrome trace.
 
+With eval.every, the step rows where the held-out loss was computed carry ``eval_loss``: the
+progress line shows the latest value (and its step), loss.png draws it as a second curve.
+
 Runs in the driver, fed with the coordinator's metric rows.
 """
 
@@ -9,7 +12,7 @@ import json
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Optional, TextIO
 
 from raytrain.schedule import COMPUTE
 
@@ -36,6 +39,7 @@ class RunReporter:
         self.steps: list[dict] = []
         self.events: list[dict] = []
         self.traces: dict[int, dict] = {}  # step -> rank -> events
+        self.last_eval: Optional[tuple[int, float]] = None  # (step, eval_loss) of the latest held-out loss
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self._last_print = 0.0
         self._tty = stream.isatty()
@@ -51,6 +55,8 @@ class RunReporter:
                     self._print(f"[raytrain] {row['event']}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k != "event"))
             else:
                 self.steps.append(row)
+                if "eval_loss" in row:
+                    self.last_eval = (row["step"], row["eval_loss"])
         self._metrics.flush()
         if self.steps and rows and self.steps[-1].get("loss") is not None and "samples_per_s" in self.steps[-1]:
             self._progress(self.steps[-1])
@@ -68,13 +74,20 @@ class RunReporter:
         layout = self._current_layout(row)
         bubble = f" | bubble {row['bubble']:.0%}" if layout.pp > 1 else ""
         lr = f" | lr {row['lr']:.2e}" if "lr" in row else ""
-        line = (f"step {row['step']}/{self.total_steps} | loss {row['loss']:.4f}{lr} | "
+        line = (f"step {row['step']}/{self.total_steps} | loss {row['loss']:.4f}{self._eval_text(row)}{lr} | "
                 f"{row['samples_per_s']:.1f} samples/s | {layout.label}{bubble}")
         if self._tty:
             self.stream.write("\r" + line + ("\n" if last else ""))
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+    def _eval_text(self, row: dict) -> str:
+        """The latest held-out loss, and the step it is of when that is not this row's."""
+        if self.last_eval is None:
+            return ""
+        step, loss = self.last_eval
+        return f" | eval_loss {loss:.4f}" + ("" if step == row["step"] else f" (step {step})")
 
     def _print(self, text: str) -> None:
         self.stream.write(("\n" if self._tty else "") + text + "\n")
@@ -98,9 +111,14 @@ def plot_loss(steps: list[dict], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     known = [r for r in steps if r.get("loss") is not None]
-    ax.plot([r["step"] for r in known], [r["loss"] for r in known], lw=1.5)
+    ax.plot([r["step"] for r in known], [r["loss"] for r in known], lw=1.5, label="training loss")
+    evaluated = [r for r in steps if "eval_loss" in r]
+    if evaluated:  # eval.every: the held-out loss at the steps it was computed
+        ax.plot([r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated], "o-", lw=1.5, ms=4,
+                label="held-out loss (eval_loss)")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss" if evaluated else "training loss")
     ax.set_title(f"raytrain {title}")
     ax.grid(alpha=0.3)
     fig.tight_layout()

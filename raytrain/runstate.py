@@ -14,6 +14,7 @@ class RunState(str, Enum):
     STARTING = "starting"
     RUNNING = "running"
     CHECKPOINTING = "checkpointing"
+    EVALUATING = "evaluating"
     REPAIRING = "repairing"
     GROWING = "growing"
     STOPPING = "stopping"
@@ -30,9 +31,9 @@ class Progress:
     call: Optional[StepCall] = None
     """The step in flight, if any."""
     row: Optional[dict] = None
-    """A committed step's metrics row, held until its checkpoint's path is known."""
+    """A committed step's metrics row, held until its held-out loss (if due) and its checkpoint's path are known."""
     lost: list[Member] = field(default_factory=list)
     """Workers lost, for REPAIRING; ``reports`` are the survivors' replies of the failed step."""
     reports: list[dict] = field(default_factory=list)
     during: str = "step"
-    """What the lost workers were doing: step, checkpoint or grow."""
+    """What the lost workers were doing: step, checkpoint, eval or grow."""

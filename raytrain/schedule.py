@@ -139,6 +139,12 @@ def one_f_one_b(num_stages: int, num_microbatches: int, split_backward: bool = F
     return plan
 
 
+def forward_only(num_stages: int, num_microbatches: int) -> Plan:
+    """Every micro-batch's forward in order, no backward: the held-out loss (raytrain.evaluation).
+    Not a training plan (``check_plan`` wants backwards); ``simulate`` runs it."""
+    return [[a for mb in range(num_microbatches) for a in _forward_unit(s, num_stages, mb)] for s in range(num_stages)]
+
+
 SCHEDULE_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 

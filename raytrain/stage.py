@@ -2,9 +2,10 @@
 
 Hosted by the ``StageWorker`` actor (raytrain.worker). A worker's stage is fixed for its life; its
 place in the grid is not. Contract: ``join`` a generation (collective over its members) -> optional
-``load`` or ``sync_state`` -> ``run_step(step)`` for every step in order -> ``save`` on replica 0 of
-each stage when asked. After a failure the coordinator may ``commit_prepared`` and call ``join``
-again with a new generation; the worker keeps its parameters and optimizer state in memory.
+``load`` or ``sync_state`` -> ``run_step(step)`` for every step in order (``evaluate`` between two
+steps when asked) -> ``save`` on replica 0 of each stage when asked. After a failure the coordinator
+may ``commit_prepared`` and call ``join`` again with a new generation; the worker keeps its
+parameters and optimizer state in memory.
 
 Commit protocol (DESIGN invariant 4): a step's optimizer update happens only after every worker of
 the generation has reduced and clipped its gradients and said so in a world-wide vote. A worker
@@ -42,6 +43,7 @@ from raytrain.mesh import Mesh
 from raytrain.model import Recomputed, build_model
 from raytrain.optim import apply_step, make_optimizer
 from raytrain.rendezvous import StoreAddress
+from raytrain.stage_eval import HeldOutLoss
 from raytrain.stage_state import StageState, all_finite
 
 HookFactory = Callable[[list[str], int, int], PhaseHook]
@@ -69,6 +71,7 @@ class Stage:
         self.state = StageState(spec.param_names(), self.params, self.optimizer, self.device, cfg.train.fused_optimizer)
         self.executor = PlanExecutor(module, spec.loss_fn, self.grads, self.device, self._autocast, cfg.train.global_batch)
         self.dataset: Optional[data.TokenDataset] = None  # loaded on the first join (first and last stages)
+        self.held_out = HeldOutLoss(cfg, data_path, num_samples, self.executor, self.device)
         self.committed = 0  # steps applied so far; the next step to run
         self.prepared: Optional[int] = None  # a step whose gradients are reduced but not yet applied
         self.gen: Optional[Generation] = None  # the generation this worker is a member of (None after leave)
@@ -220,6 +223,25 @@ class Stage:
         if cfg.run.record_samples and gen.is_first:
             result["sample_ids"] = ids
         return result
+
+    def evaluate(self) -> dict[str, Any]:
+        """The held-out loss of the committed parameters, between two steps (raytrain.stage_eval): the
+        last stage reports ``loss_sum`` over its replica's ``rows``. A failed collective returns
+        ``ok=False`` and leaves the groups, as in run_step; no training state changes either way."""
+        result = {"rank": self.rank, "step": self.committed, "ok": False}
+        if self.gen is None:
+            return {**result, "error": "skipped: this worker is in no generation (its groups broke)"}
+        self.hook("eval", self.committed)
+        try:
+            loss_sum, rows = self.held_out.loss_sum(self.gen, self.committed, self.dataset)
+        except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
+            result["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            e.__traceback__ = None
+            self.leave()
+            return result
+        if self.gen.is_last:
+            result.update(loss_sum=loss_sum, rows=rows)
+        return {**result, "ok": True}
 
     def _peak_memory_mb(self) -> float:
         """Peak device memory (GPU) or peak resident set (CPU) of this worker so far."""

@@ -92,18 +92,26 @@ def drain(group, call: Optional[StepCall], timeout_s: float) -> list[Member]:
     return lost_members(group, outcomes)
 
 
-def may_send_ahead(step: int, steps: int, checkpoint_every: int, membership_changing: bool) -> bool:
+def may_send_ahead(step: int, steps: int, checkpoint_every: int, membership_changing: bool,
+                   eval_every: int = 0) -> bool:
     """Whether ``step`` may be queued on the workers before the step before it has finished.
 
-    Only when nothing happens between the two: no checkpoint after the previous step (nor the end of
-    the run), and no replica that may join (a granted placement or a replacement starting).
+    Only when nothing happens between the two: no checkpoint or evaluation after the previous step
+    (nor the end of the run), and no replica that may join (a granted placement or a replacement starting).
     """
-    return step < steps and not checkpoint_due(step, steps, checkpoint_every) and not membership_changing
+    return (step < steps and not checkpoint_due(step, steps, checkpoint_every)
+            and not eval_due(step, steps, eval_every) and not membership_changing)
 
 
 def checkpoint_due(committed: int, steps: int, checkpoint_every: int) -> bool:
     """Whether a checkpoint is written once ``committed`` steps are done: every checkpoint.every, and at the end."""
     return committed == steps or bool(checkpoint_every and committed % checkpoint_every == 0)
+
+
+def eval_due(committed: int, steps: int, eval_every: int) -> bool:
+    """Whether the held-out loss is computed once ``committed`` steps are done: every eval.every, and
+    at the end (so the run ends with the final parameters' value); never with eval.every=0."""
+    return eval_every > 0 and committed > 0 and checkpoint_due(committed, steps, eval_every)
 
 
 def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, mesh: Mesh, layout: str) -> dict:

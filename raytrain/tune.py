@@ -3,15 +3,17 @@
 Each trial runs one raytrain coordinator inside the trial's own placement group: one bundle per
 worker, and an empty head bundle for the trial's driver, which only polls. So a trial either gets all its devices
 or waits; trials never over-subscribe the cluster. Trials report every step with
-``ray.tune.report`` (loss, samples/s) and attach each checkpoint as a ``ray.tune.Checkpoint``, so
-ASHA can stop trials early, PBT can exploit (clone a better trial's checkpoint) and explore
-(mutate ``train.lr``), and ``Tuner.restore`` resumes a sweep.
+``ray.tune.report`` (loss, samples/s; with eval.every also the latest held-out ``eval_loss``, so a
+sweep can rank trials by it: ``sweep.metric: eval_loss``) and attach each checkpoint as a
+``ray.tune.Checkpoint``, so ASHA can stop trials early, PBT can exploit (clone a better trial's
+checkpoint) and explore (mutate ``train.lr``), and ``Tuner.restore`` resumes a sweep.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ LAYOUT_KEYS = ("parallel.dp", "parallel.pp", "parallel.microbatches", "parallel.
 LAYOUTS = "layouts"
 """Space key for an explicit list of layouts, each a mapping of parallel.* keys (a grid over them)."""
 SCHEDULERS = ("none", "asha", "pbt")
+METRICS = ("samples_per_s", "loss", "eval_loss")
 
 
 @dataclass
@@ -39,7 +42,8 @@ class SweepConfig:
     """Config key -> list (grid search) or {choice|uniform|loguniform|randint: [...]}; and optionally
     ``layouts: [{parallel.dp: 2}, {parallel.pp: 2, parallel.microbatches: 4}, ...]``."""
     metric: str = "samples_per_s"
-    """What to rank trials by: samples_per_s (steady throughput) or loss."""
+    """What to rank trials by: samples_per_s (steady throughput), loss, or eval_loss (the held-out
+    loss after the last step; needs eval.every > 0 in the base config)."""
     mode: str = "max"
     """max or min."""
     num_samples: int = 1
@@ -63,8 +67,11 @@ class SweepConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.metric not in ("samples_per_s", "loss"):
-            raise ValueError(f"sweep.metric={self.metric!r}: use samples_per_s or loss")
+        if self.metric not in METRICS:
+            raise ValueError(f"sweep.metric={self.metric!r}: use one of {', '.join(METRICS)}")
+        if self.metric == "eval_loss" and not build_config(flatten_sections(self.base, "sweep base")).eval.every:
+            raise ValueError("sweep.metric=eval_loss needs eval.every > 0 in the base config (and held-out rows: "
+                             "data.eval_fraction or data.eval_path), so that every trial computes it")
         if self.mode not in ("max", "min"):
             raise ValueError(f"sweep.mode={self.mode!r}: use max or min")
         if self.scheduler not in SCHEDULERS:
@@ -235,7 +242,7 @@ def raytrain_trainable(params: dict) -> None:
         if checkpoint.read_manifest(local_ckpt)["step"] >= trial_config(base, overrides).train.steps:
             return  # paused (PBT) or interrupted at its last step: nothing is left to train
     cfg = trial_config(base, overrides)
-    state = {"first_step_s": None, "samples": 0, "seconds": 0.0}
+    state = {"first_step_s": None, "samples": 0, "seconds": 0.0, "eval_loss": float("nan"), "eval_step": 0}
 
     def report(rows: list[dict]) -> None:
         for row in rows:
@@ -252,6 +259,10 @@ def raytrain_trainable(params: dict) -> None:
                 "samples_per_s": state["samples"] / state["seconds"] if state["seconds"] else row.get("samples_per_s", 0.0),
                 "bubble": row.get("bubble"), "layout": cfg.layout(), "first_step_s": state["first_step_s"],
             }
+            if "eval_loss" in row:
+                state["eval_loss"], state["eval_step"] = row["eval_loss"], row["step"]
+            if cfg.eval.every:  # every report has the latest value (NaN before the first): Tune wants its metric in each
+                metrics.update(eval_loss=state["eval_loss"], eval_step=state["eval_step"])
             ckpt = tune.Checkpoint.from_directory(row["checkpoint"]) if row.get("checkpoint") else None
             tune.report(metrics, checkpoint=ckpt)
 
@@ -337,6 +348,8 @@ class TrialRow:
     loss: float
     samples_per_s: float
     first_step_s: float
+    eval_loss: float = float("nan")
+    """The last held-out loss the trial reported (NaN without eval.every)."""
 
 
 def summarize(grid, sweep: SweepConfig) -> list[TrialRow]:
@@ -350,17 +363,24 @@ def summarize(grid, sweep: SweepConfig) -> list[TrialRow]:
         rows.append(TrialRow(
             trial_id=m.get("trial_id", "?"), layout=m.get("layout", "?"), params=params, status=status,
             steps=m.get("step", 0), loss=m.get("loss", float("nan")), samples_per_s=m.get("samples_per_s", 0.0),
-            first_step_s=m.get("first_step_s") or float("nan"),
+            first_step_s=m.get("first_step_s") or float("nan"), eval_loss=m.get("eval_loss", float("nan")),
         ))
-    key = (lambda r: r.samples_per_s) if sweep.metric == "samples_per_s" else (lambda r: r.loss)
-    return sorted(rows, key=key, reverse=sweep.mode == "max")
+    return sorted(rows, key=lambda r: _rank_value(getattr(r, sweep.metric), sweep.mode), reverse=sweep.mode == "max")
+
+
+def _rank_value(value: float, mode: str) -> float:
+    """A trial's metric for sorting: NaN (never computed) ranks last either way."""
+    if value != value:
+        return -math.inf if mode == "max" else math.inf
+    return value
 
 
 def format_table(rows: list[TrialRow]) -> str:
-    lines = [f"{'trial':<12} {'layout':<24} {'status':<14} {'steps':>5} {'loss':>8} {'samples/s':>10} {'first step s':>12}  params"]
+    lines = [f"{'trial':<12} {'layout':<24} {'status':<14} {'steps':>5} {'loss':>8} {'eval_loss':>9} {'samples/s':>10} "
+             f"{'first step s':>12}  params"]
     for r in rows:
-        lines.append(f"{r.trial_id:<12} {r.layout:<24} {r.status:<14} {r.steps:>5} {r.loss:>8.4f} {r.samples_per_s:>10.1f} "
-                     f"{r.first_step_s:>12.1f}  {r.params}")
+        lines.append(f"{r.trial_id:<12} {r.layout:<24} {r.status:<14} {r.steps:>5} {r.loss:>8.4f} {r.eval_loss:>9.4f} "
+                     f"{r.samples_per_s:>10.1f} {r.first_step_s:>12.1f}  {r.params}")
     return "\n".join(lines)
 
 
@@ -377,9 +397,11 @@ def write_reports(grid, rows: list[TrialRow], out_dir: str) -> tuple[str, str]:
     csv_path, png_path = os.path.join(out_dir, "results.csv"), os.path.join(out_dir, "layouts.png")
     with open(csv_path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["trial_id", "layout", "status", "steps", "loss", "samples_per_s", "first_step_s", "params"])
+        writer.writerow(["trial_id", "layout", "status", "steps", "loss", "eval_loss", "samples_per_s", "first_step_s",
+                         "params"])
         for r in rows:
-            writer.writerow([r.trial_id, r.layout, r.status, r.steps, r.loss, r.samples_per_s, r.first_step_s, r.params])
+            writer.writerow([r.trial_id, r.layout, r.status, r.steps, r.loss, r.eval_loss, r.samples_per_s,
+                             r.first_step_s, r.params])
     fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = [f"{r.layout}\n{r.trial_id}" for r in rows]
     bars.barh(labels, [r.samples_per_s for r in rows], color="#4C72B0")

@@ -47,6 +47,9 @@ class StageWorker:
         # The hook sees the reply: a fault due in the next step waits until the caller has read it.
         return self.stage.hook.reply(step, self.stage.run_step(step, trace))
 
+    def evaluate(self) -> dict:
+        return self.stage.evaluate()
+
     def save(self, ckpt_dir: str) -> dict:
         return self.stage.save(ckpt_dir)
 

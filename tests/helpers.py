@@ -40,6 +40,11 @@ def chain(steps: range, start: int = 0) -> int:
     return value
 
 
+def fake_eval_loss(value: int) -> float:
+    """The held-out loss a fake worker reports when its state is ``value``."""
+    return (value % 1000) / 100
+
+
 @dataclass
 class FakeWorker:
     stage: int
@@ -53,6 +58,7 @@ class FakeWorker:
     replica: Optional[int] = None
     joined: bool = False
     faults: list = field(default_factory=list)
+    share: int = 0  # rows of each global batch its replica takes (set by join)
 
     def fault(self, step: int, phase: str) -> bool:
         return any((f.replica, f.stage, f.step, f.phase) == (self.replica, self.stage, step, phase)
@@ -133,8 +139,9 @@ class FakeWorkerGroup:
             self.hangs_in = None
             return Outcome(member, silent=True)
         if method == "join":
-            rank, mesh, _shares, _store, generation, faults = args
+            rank, mesh, shares, _store, generation, faults = args
             w.rank, (w.replica, _), w.faults, w.joined = rank, mesh.coords(rank), list(faults), True
+            w.share = shares[w.replica]
             if generation > 0 and w.fault(w.committed, "join"):
                 w.alive = False
                 return Outcome(member, dead=True)
@@ -163,6 +170,17 @@ class FakeWorkerGroup:
         source = next(o for o in self.workers if o.alive and o.joined and o.rank == src_rank)
         w.value, w.committed, w.prepared = source.value, source.committed, None
         return w.committed
+
+    def _evaluate(self, w: FakeWorker) -> dict:
+        """A held-out loss that is a function of the steps the worker applied (``fake_eval_loss``), so
+        that an evaluation of any other state shows; summed over its replica's rows, as a last stage does."""
+        if w.fault(w.committed, "eval"):
+            w.alive = False
+            raise _Died()
+        report = {"rank": w.rank, "step": w.committed, "ok": True}
+        if w.stage == self.pp - 1:
+            report.update(loss_sum=w.share * fake_eval_loss(w.value), rows=w.share)
+        return report
 
     def _save(self, w: FakeWorker, ckpt_dir: str) -> dict:
         if w.fault(w.committed, "checkpoint"):

@@ -1,6 +1,7 @@
 """The progress line a person watches: it names the layout each step actually ran on."""
 
 import io
+import os
 
 from raytrain.layout import Layout
 from raytrain.report import RunReporter
@@ -31,3 +32,25 @@ def test_a_deep_pipeline_shows_its_bubble(tmp_path):
     reporter = RunReporter(str(tmp_path), total_steps=1, layout=Layout(dp=1, pp=12, microbatches=12), stream=out)
     reporter.add([{"step": 1, "loss": 2.5, "samples_per_s": 100.0, "layout": "dp=1 pp=12", "dp": 1, "bubble": 0.5}])
     assert out.getvalue().splitlines() == ["step 1/1 | loss 2.5000 | 100.0 samples/s | dp=1 pp=12 m=12 1f1b | bubble 50%"]
+
+
+def test_the_progress_line_shows_the_latest_held_out_loss_and_its_step(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    curves, plot = [], Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda ax, x, y, *a, **kw: curves.append((kw.get("label"), list(x), list(y)))
+                        or plot(ax, x, y, *a, **kw))
+    out = io.StringIO()
+    reporter = RunReporter(str(tmp_path), total_steps=3, layout=Layout(dp=1, pp=1, microbatches=1), stream=out)
+    reporter.add([_step(1, dp=1)])
+    reporter._last_print = 0.0
+    reporter.add([_step(2, dp=1, eval_loss=2.25)])
+    reporter._last_print = 0.0
+    reporter.add([_step(3, dp=1)])
+    reporter.finish()
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step")]
+    assert lines == ["step 1/3 | loss 2.5000 | 100.0 samples/s | dp=1 pp=1 m=1",
+                     "step 2/3 | loss 2.5000 | eval_loss 2.2500 | 100.0 samples/s | dp=1 pp=1 m=1",
+                     "step 3/3 | loss 2.5000 | eval_loss 2.2500 (step 2) | 100.0 samples/s | dp=1 pp=1 m=1"]
+    assert os.path.getsize(tmp_path / "loss.png") > 0
+    assert curves == [("training loss", [1, 2, 3], [2.5, 2.5, 2.5]), ("held-out loss (eval_loss)", [2], [2.25])]

@@ -129,3 +129,26 @@ def test_pbt_needs_checkpoints(base, tmp_path):
     base = {**base, "checkpoint": {"every": 0}}
     with pytest.raises(ValueError, match="sweep.scheduler=pbt needs checkpoint.every > 0"):
         rt_tune.SweepConfig(base=base, storage_path=str(tmp_path), scheduler="pbt", space={"train.lr": [0.1]})
+
+
+def test_a_sweep_ranks_trials_by_their_held_out_loss(ray_session, base, tmp_path):
+    base = {**base, "train": {**base["train"], "steps": 4}, "eval": {"every": 2, "batches": 2},
+            "data": {**base["data"], "eval_fraction": 0.05}}
+    sweep = rt_tune.SweepConfig(base=base, storage_path=str(tmp_path), metric="eval_loss", mode="min",
+                                space={"train.lr": [1.0e-7, 1.0e-2]})
+    grid = rt_tune.run_sweep(sweep)
+    rows = rt_tune.summarize(grid, sweep)
+    assert [r.params["train.lr"] for r in rows] == [1.0e-2, 1.0e-7], rt_tune.format_table(rows)  # learning lowers it
+    assert rows[0].eval_loss < rows[1].eval_loss
+    assert grid.get_best_result().config["train.lr"] == 1.0e-2  # Tune itself selects on it
+    for result in grid:
+        frame = result.metrics_dataframe  # every step reports the latest value, and the step it is of
+        assert list(frame["eval_step"]) == [0, 2, 2, 4] and frame["eval_loss"].iloc[0] != frame["eval_loss"].iloc[0]
+        assert result.metrics["eval_loss"] == pytest.approx(rows[0].eval_loss if result.config["train.lr"] == 1.0e-2
+                                                            else rows[1].eval_loss)
+
+
+def test_ranking_by_eval_loss_needs_evaluations(base, tmp_path):
+    with pytest.raises(ValueError, match="sweep.metric=eval_loss needs eval.every > 0"):
+        rt_tune.SweepConfig(base=base, storage_path=str(tmp_path), metric="eval_loss", mode="min",
+                            space={"train.lr": [0.1]})
