@@ -291,3 +291,22 @@ def test_dp2_trains_on_text(ray_session, make_config, tmp_path, tokenizer_dir):
     losses = [r["loss"] for r in result.metrics]
     assert result.steps == 2 and len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     assert losses == pytest.approx(train_reference(cfg)[1], rel=1e-5)  # the workers read the driver's rows
+
+
+def test_the_tiny_llama_example_trains_on_text_and_its_held_out_loss_falls(ray_session, tmp_path, tokenizer_dir):
+    """experiments/configs/tiny_llama.yaml as written, on a small text and tokenizer: a Hugging Face
+    Llama from the shipped config.json, pp=2, warm-up + cosine, eval every few steps."""
+    pytest.importorskip("transformers")
+    from raytrain import load_config, train
+
+    repo = Path(__file__).resolve().parents[1]
+    path = write_jsonl(tmp_path / "d.jsonl", make_documents(count=1500))
+    cfg = load_config(str(repo / "experiments" / "configs" / "tiny_llama.yaml"), [
+        f"model.hf={repo / 'experiments' / 'configs' / 'tiny_llama'}", f"data.path={path}",
+        f"data.tokenizer={tokenizer_dir}", "model.seq_len=32", "train.steps=12", "train.warmup_steps=3",
+        "eval.every=4", "eval.batches=2", "data.eval_fraction=0.1", "checkpoint.every=0",
+        f"run.dir={tmp_path / 'runs'}", "run.trace_steps=0"])
+    result = train(cfg)
+    evals = [r["eval_loss"] for r in result.metrics if "eval_loss" in r]
+    assert len(evals) == 3 and evals[-1] < evals[0] and result.eval_loss == evals[-1]
+    assert [round(r["lr"], 8) for r in result.metrics][:3] == [1e-3, 2e-3, 3e-3]  # warm-up to train.lr=3e-3
