@@ -2,8 +2,10 @@
 Hugging Face model directory (config.json + model.safetensors) that ``from_pretrained`` loads.
 
 The tensors are the checkpoint's parameters under the model's own names, cast to the model's dtype
-(config.json's ``dtype``, else float32): a model imported and trained at lr 0 comes back bit for bit.
-The directory appears whole or not at all.
+(that of the directory's safetensors, else config.json's ``dtype``, else float32; ``--dtype``
+overrides it and config.json says which): a model imported and trained at lr 0 comes back bit for
+bit. The export reads the run's model.hf directory for its config. The directory appears whole or
+not at all.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import torch
 from raytrain import checkpoint
 from raytrain.config import config_from_dict
 from raytrain.hf_model import load_hf_config
-from raytrain.hf_weights import SAFETENSORS_FILE, hf_layers, hf_names
+from raytrain.hf_weights import SAFETENSORS_FILE, hf_layers, hf_names, stored_dtype, weight_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
 """Files of the model.hf directory the export carries over when they exist."""
 
 
@@ -35,18 +38,25 @@ def export_hf(ckpt: str, out_dir: str, dtype: Optional[str] = None) -> str:
                          "model, not a model.hf directory; export writes Hugging Face models only")
     if os.path.exists(out_dir):
         raise ValueError(f"--out {out_dir}: already exists; name a new directory")
+    if not os.path.isdir(os.path.expanduser(cfg.model.hf)):
+        raise ValueError(f"--checkpoint {ckpt}: its run's model.hf directory {cfg.model.hf!r} is gone; the export "
+                         "needs its config.json there: restore it")
     config = load_hf_config(cfg.model.hf)
     model, layers = hf_layers(cfg.model.hf, cfg.model.hf_cut)
-    tensors = _hf_tensors(checkpoint.load_state_dict(step_dir), hf_names(model, layers), _dtype(config, dtype))
+    config.dtype = _dtype(config, dtype, stored_dtype(weight_files(cfg.model.hf)))
+    tensors = _hf_tensors(checkpoint.load_state_dict(step_dir), hf_names(model, layers), config.dtype)
     _write_atomically(out_dir, config, tensors, cfg.model.hf)
     return step_dir
 
 
-def _dtype(config, name: Optional[str]) -> torch.dtype:
+def _dtype(config, name: Optional[str], stored: Optional[torch.dtype]) -> torch.dtype:
+    """--dtype, else the source weights' dtype, else config.json's, else float32."""
     if name is not None:
         return DTYPES[name]
-    stored = getattr(config, "dtype", None)
-    return stored if isinstance(stored, torch.dtype) else DTYPES.get(str(stored), torch.float32)
+    if stored is not None:
+        return stored
+    declared = getattr(config, "dtype", None)
+    return declared if isinstance(declared, torch.dtype) else DTYPES.get(str(declared), torch.float32)
 
 
 def _hf_tensors(state: dict[str, torch.Tensor], names: dict[str, str], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -130,7 +130,7 @@ class HFDecoderLayer(nn.Module):
     def __init__(self, layer: nn.Module, rotary: Optional[nn.Module], config, index: int):
         super().__init__()
         self.layer, self.rotary, self.config = layer, rotary, config
-        self.sliding = _attention_type(config, index) == "sliding_attention"
+        self.sliding = _attention_type(layer, config, index) == "sliding_attention"
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
         from transformers import masking_utils
@@ -144,7 +144,10 @@ class HFDecoderLayer(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def _attention_type(config, index: int) -> str:
+def _attention_type(layer: nn.Module, config, index: int) -> str:
+    own = getattr(layer, "attention_type", None)  # what the layer itself says, where it says it
+    if isinstance(own, str):
+        return own
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return layer_types[index]

@@ -10,10 +10,13 @@ from torch import nn
 
 from raytrain.config import Config
 from raytrain.hf_model import UncuttableModel, WholeModel, cut_layers, load_hf_config, meta_model, transformers_module
+from raytrain.hf_weights import hf_layers, missing_weights, weight_files
 from raytrain.layout import Layout
 
 VERIFY_MAX_PARAMS = 500_000_000
 """The largest two-layer copy ``resolve_cut`` builds to check the cut (2 GB in float32)."""
+VERIFY_VOCAB = 1024
+"""The two-layer copy's vocabulary at most: the vocabulary's size does not change how the model cuts."""
 
 
 def with_hf_architecture(cfg: Config) -> Config:
@@ -54,25 +57,44 @@ def check_ties(cfg: Config, layers: list[nn.Module], layout: Layout) -> None:
 
 def resolve_cut(cfg: Config) -> Config:
     """``cfg`` with model.hf_cut=auto resolved, so every worker cuts the same way: ``layers`` when the
-    cut reproduces the model's own forward on a two-layer copy of its config, else ``whole`` (pp=1
-    only: a ValueError naming the family for pp > 1)."""
-    if cfg.model.hf_cut != "auto":
+    cut reproduces the model's own forward on a two-layer copy of its config and the directory's
+    weights name every parameter as the modules do; else ``whole``, loaded by transformers itself
+    (pp=1 only: a ValueError naming the family for pp > 1, or with model.hf_cut=layers)."""
+    weights = weight_files(cfg.model.hf)  # refuses weights it cannot read, whatever the cut
+    if cfg.model.hf_cut == "whole":
         return cfg
-    small = _two_layer_config(load_hf_config(cfg.model.hf))
-    problem = _cut_problem(small, cfg.model.seq_len)
-    if problem is not None and cfg.parallel.pp > 1:
-        raise ValueError(f"model.hf={cfg.model.hf!r}: {problem}, so parallel.pp={cfg.parallel.pp} cannot cut it; "
-                         "use parallel.pp=1 (data parallel trains any causal LM)")
-    cut = "whole" if problem is not None else "layers"
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_cut=cut))
+    problem = None
+    if cfg.model.hf_cut == "auto":
+        problem = _cut_problem(_two_layer_config(load_hf_config(cfg.model.hf)), cfg.model.seq_len)
+    if problem is None and weights:
+        model, layers = hf_layers(cfg.model.hf, "layers")
+        missing = missing_weights(model, layers, weights)
+        if missing:
+            problem = (f"its safetensors name parameters unlike its modules (no {missing[0]!r}), which only "
+                       "transformers' own loading converts")
+    if problem is None:
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_cut="layers"))
+    if cfg.parallel.pp > 1 or cfg.model.hf_cut == "layers":
+        raise ValueError(f"model.hf={cfg.model.hf!r}: {problem}, so it cannot be cut into pipeline layers; use "
+                         "parallel.pp=1 with model.hf_cut=auto or whole (data parallel trains any causal LM)")
+    print(f"raytrain: model.hf: {problem}; it trains whole (data parallel)", file=sys.stderr)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_cut="whole"))
 
 
 def _two_layer_config(config):
+    """The config with at most two decoder layers and a small vocabulary: the same layer structure at a
+    size the driver can build and run."""
     small = type(config).from_dict(config.to_dict())
     text = small.get_text_config()
     text.num_hidden_layers = min(text.num_hidden_layers, 2)
     if getattr(text, "layer_types", None):
         text.layer_types = text.layer_types[: text.num_hidden_layers]
+    if text.vocab_size > VERIFY_VOCAB:
+        text.vocab_size = VERIFY_VOCAB
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(text, key, None)
+            if any(isinstance(i, int) and i >= VERIFY_VOCAB for i in (value if isinstance(value, list) else [value])):
+                setattr(text, key, None)
     return small
 
 
@@ -91,7 +113,9 @@ def _cut_problem(config, seq_len: int):
         layers = nn.Sequential(*cut_layers(model))
     except UncuttableModel as e:
         return str(e)
-    ids = torch.randint(0, config.get_text_config().vocab_size, (2, min(seq_len, 16)))
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None) or 0  # longer than any window, so masks are checked
+    ids = torch.randint(0, text.vocab_size, (2, min(seq_len, max(16, window + 1))))
     try:
         want, got = model(input_ids=ids, use_cache=False).logits, layers(ids)
     except Exception as e:  # a layer that needs what the cut does not give it (alibi, per-layer rotary)

@@ -14,10 +14,13 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from raytrain.hf_model import layers_of, load_hf_config, meta_model
+from raytrain.hf_model import WholeModel, layers_of, load_hf_config, meta_model, transformers_module
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
+OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+"""Weight files raytrain does not read: a directory holding them (and no safetensors) is refused."""
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 def hf_layers(path: str, cut: str) -> tuple[nn.Module, list[nn.Module]]:
@@ -28,7 +31,9 @@ def hf_layers(path: str, cut: str) -> tuple[nn.Module, list[nn.Module]]:
 
 def hf_names(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, str]:
     """Global raytrain parameter name -> the model's own name, for every parameter (tied ones once)."""
-    qualified = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    qualified: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        qualified.setdefault(id(module), name)  # a module reachable twice keeps its first name, as save_pretrained
     names, seen = {}, set()
     for index, layer in enumerate(layers):
         for child_name, child in layer.named_children():
@@ -41,23 +46,27 @@ def hf_names(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, str]:
 
 
 def build_hf_stage(path: str, cut: str, seed: int, layer_ids: Optional[Sequence[int]]) -> tuple[list[nn.Module], int]:
-    """The layers ``layer_ids`` (all when None) with real tensors, and the model's layer count."""
+    """The layers ``layer_ids`` (all when None) with real tensors, and the model's layer count.
+
+    Every owned layer is first initialised by the family's own initialiser under ``(seed, layer
+    index)``, which also computes its buffers (rotary frequencies, embedding scales); the directory's
+    weights, when it has any, then overwrite the parameters. A whole (uncut) model with weights is
+    loaded by ``from_pretrained`` itself, with every key conversion transformers knows."""
     model, layers = hf_layers(path, cut)
+    weights = weight_files(path)
+    if isinstance(layers[0], WholeModel) and weights:
+        auto = transformers_module().AutoModelForCausalLM
+        return [WholeModel(auto.from_pretrained(os.path.expanduser(path), dtype=torch.float32), layers[0].reason)], 1
     ids = list(range(len(layers))) if layer_ids is None else list(layer_ids)
     owned = [layers[i] for i in ids]
     materialise(owned)
-    weights = weight_files(path)
-    names = hf_names(model, layers)
     for index, layer in zip(ids, owned):
-        if weights:
-            load_layer(layer, index, names, weights, path)
-        else:
-            torch.manual_seed(seed * 100_003 + index)
-            layer.apply(model._init_weights)  # HF's per-module initialiser: the one each family defines
-    for layer in owned:  # computed buffers (rotary frequencies) are not in the weights: recompute them
-        for module in layer.modules():
-            if any(True for _ in module.buffers(recurse=False)) and not any(True for _ in module.parameters(recurse=False)):
-                model._init_weights(module)
+        torch.manual_seed(seed * 100_003 + index)
+        layer.apply(model._init_weights)  # HF's per-module initialiser: the one each family defines
+    if weights:
+        names = hf_names(model, layers)
+        for index, layer in zip(ids, owned):
+            load_layer(layer, index, names, weights, path, model.base_model_prefix)
     return owned, len(layers)
 
 
@@ -76,23 +85,46 @@ def materialise(layers: Sequence[nn.Module]) -> None:
 
 
 def weight_files(path: str) -> dict[str, str]:
-    """Parameter name -> the safetensors file holding it; empty when the directory has no weights."""
+    """Tensor name in the files -> the safetensors file holding it; empty when the directory has no
+    weights. A ValueError naming model.hf for weights raytrain cannot read."""
     path = os.path.expanduser(path)
     index = os.path.join(path, SAFETENSORS_INDEX)
     if os.path.isfile(index):
         with open(index) as f:
             return {name: os.path.join(path, file) for name, file in json.load(f)["weight_map"].items()}
     single = os.path.join(path, SAFETENSORS_FILE)
-    if not os.path.isfile(single):
-        return {}
-    from safetensors import safe_open
+    if os.path.isfile(single):
+        from safetensors import safe_open
 
-    with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    unread = sorted(f for f in os.listdir(path) if f.endswith(OTHER_WEIGHTS + (".safetensors",)))
+    if unread:
+        raise ValueError(f"model.hf={path!r} holds {unread[0]}, which raytrain does not read: it reads "
+                         f"{SAFETENSORS_FILE} or {SAFETENSORS_INDEX} with its shards; convert with transformers "
+                         "(from_pretrained, then save_pretrained) into a new directory")
+    return {}
+
+
+def file_key(hf_name: str, weights: dict[str, str], prefix: str) -> Optional[str]:
+    """The name ``hf_name`` has in the files: as is, or without / with the base model's prefix
+    (``transformer.h.0...`` is ``h.0...`` in some checkpoints); None when it is not there."""
+    stripped = hf_name[len(prefix) + 1:] if hf_name.startswith(f"{prefix}.") else None
+    for key in (hf_name, stripped, f"{prefix}.{hf_name}"):
+        if key is not None and key in weights:
+            return key
+    return None
+
+
+def missing_weights(model: nn.Module, layers: Sequence[nn.Module], weights: dict[str, str]) -> list[str]:
+    """The model's parameter names the files do not hold (tied ones count once)."""
+    prefix = model.base_model_prefix
+    return [hf for hf in hf_names(model, layers).values() if file_key(hf, weights, prefix) is None]
 
 
 @torch.no_grad()
-def load_layer(layer: nn.Module, index: int, names: dict[str, str], weights: dict[str, str], path: str) -> None:
+def load_layer(layer: nn.Module, index: int, names: dict[str, str], weights: dict[str, str], path: str,
+               prefix: str) -> None:
     """Copy this layer's parameters, and only them, from the model's safetensors (each file opened once)."""
     from safetensors import safe_open
 
@@ -102,15 +134,27 @@ def load_layer(layer: nn.Module, index: int, names: dict[str, str], weights: dic
             hf_name = names.get(f"{index}.{child_name}.{local}")
             if hf_name is None:
                 continue  # a tied parameter, loaded under its first name
-            if hf_name not in weights:
+            key = file_key(hf_name, weights, prefix)
+            if key is None:
                 raise ValueError(f"model.hf={path!r}: the weights have no tensor {hf_name!r}; the directory's "
                                  "safetensors do not match its config.json")
-            wanted.setdefault(weights[hf_name], []).append((hf_name, param))
+            wanted.setdefault(weights[key], []).append((key, param))
     for file, params in wanted.items():
         with safe_open(file, framework="pt") as f:
-            for hf_name, param in params:
-                tensor = f.get_tensor(hf_name)
+            for key, param in params:
+                tensor = f.get_tensor(key)
                 if tensor.shape != param.shape:
-                    raise ValueError(f"model.hf={path!r}: {hf_name!r} has shape {tuple(tensor.shape)}, the config "
+                    raise ValueError(f"model.hf={path!r}: {key!r} has shape {tuple(tensor.shape)}, the config "
                                      f"says {tuple(param.shape)}")
                 param.copy_(tensor.to(param.dtype))
+
+
+def stored_dtype(weights: dict[str, str]) -> Optional[torch.dtype]:
+    """The dtype the directory's weights are stored in (of its first tensor); None without weights."""
+    if not weights:
+        return None
+    from safetensors import safe_open
+
+    name, file = next(iter(weights.items()))
+    with safe_open(file, framework="pt") as f:
+        return SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())

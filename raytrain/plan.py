@@ -176,8 +176,10 @@ def _hf_layout(cfg: Config) -> Layout:
     _, layers = hf_layers(cfg.model.hf, cfg.model.hf_cut)
     layout = hf_layout(cfg, layers)
     if layout.needs_cuts:
-        timed = _layers(cfg) if cfg.parallel.balance == "time" else layers
-        layout = dataclasses.replace(layout, cuts=tuple(plan_cuts(timed, layout.num_chunks, _timing_input(cfg))))
+        if cfg.parallel.balance == "time":
+            raise ValueError("parallel.balance=time builds the whole model on the driver to time its layers, which "
+                             "model.hf does not do; use parallel.balance=params or parallel.split_points")
+        layout = dataclasses.replace(layout, cuts=tuple(plan_cuts(layers, layout.num_chunks)))
     check_ties(cfg, layers, layout)
     return layout
 

@@ -128,6 +128,7 @@ def test_a_family_that_cannot_be_cut_is_named_for_pp_and_trains_whole_for_dp(ray
     (["model.seq_len=128"], ["model.seq_len=128", "64 positions"]),
     (["model.hf_cut=sideways"], ["model.hf_cut", "auto, layers, whole"]),
     (["model.factory=tests.factories:forward_raises"], ["model.hf", "not both"]),
+    (["parallel.pp=2", "parallel.balance=time"], ["parallel.balance=time", "parallel.balance=params"]),
 ])
 def test_bad_hf_input_is_refused_before_any_actor(hf_dirs, tmp_path, overrides, must_mention):
     with pytest.raises(ValueError) as err:
@@ -136,8 +137,11 @@ def test_bad_hf_input_is_refused_before_any_actor(hf_dirs, tmp_path, overrides, 
         assert text in str(err.value), f"{text!r} missing from: {err.value}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_import_train_at_lr_0_and_export_round_trips_bit_for_bit(ray_session, make_config, tmp_path, dtype):
+@pytest.mark.parametrize("dtype, declared", [(torch.float32, None), (torch.bfloat16, None),
+                                             (torch.float32, "bfloat16")],
+                         ids=["float32", "bfloat16", "float32-weights-bfloat16-config"])
+def test_import_train_at_lr_0_and_export_round_trips_bit_for_bit(ray_session, make_config, tmp_path, dtype, declared):
+    import json
     import subprocess
     import sys
 
@@ -145,6 +149,9 @@ def test_import_train_at_lr_0_and_export_round_trips_bit_for_bit(ray_session, ma
     from safetensors.torch import load_file
 
     source = write_hf_model(tmp_path / "source", "llama", dtype=dtype)
+    if declared:  # the weights' own dtype wins over what config.json declares
+        config = json.loads((tmp_path / "source" / "config.json").read_text())
+        (tmp_path / "source" / "config.json").write_text(json.dumps({**config, "dtype": declared}))
     cfg = hf_config(make_config, source, "parallel.pp=2", "parallel.microbatches=2", "train.lr=0", "train.steps=2")
     result = train(cfg)
     out = tmp_path / "exported"
@@ -194,3 +201,45 @@ def test_sharded_safetensors_load_and_a_directory_without_config_is_named(tmp_pa
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="model.hf=.*no config.json"):
         prepare(load_config(None, [f"model.hf={tmp_path / 'empty'}", f"run.dir={tmp_path}/runs"]))
+
+
+def test_a_pretrained_gemma_keeps_its_computed_embedding_scale(tmp_path):
+    import transformers
+
+    config = transformers.GemmaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    layers, _ = build_hf_stage(str(tmp_path), "layers", 0, None)  # embed_scale is a buffer beside a weight
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(nn.Sequential(*layers)(ids), model(input_ids=ids).logits)
+
+
+def test_weights_named_unlike_the_modules_train_whole_and_refuse_a_pipeline(tmp_path):
+    """GPT-NeoX's files say embed_out.weight for its lm_head module: only transformers converts that."""
+    import transformers
+
+    config = transformers.GPTNeoXConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "neox")
+    path = str(tmp_path / "neox")
+    with pytest.raises(ValueError, match="name parameters unlike its modules.*parallel.pp=1"):
+        prepare(load_config(None, [f"model.hf={path}", "parallel.pp=2", f"run.dir={tmp_path}/runs"]))
+    plan = prepare(load_config(None, [f"model.hf={path}", f"run.dir={tmp_path}/runs", "model.seq_len=16"]))
+    assert plan.cfg.model.hf_cut == "whole"
+    layers, _ = build_hf_stage(path, "whole", 0, None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(layers[0].eval()(ids), model(input_ids=ids).logits)
+
+
+def test_weights_raytrain_cannot_read_are_refused_not_ignored(tmp_path):
+    write_hf_model(tmp_path, "llama", weights=False)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="pytorch_model.bin.*does not read.*save_pretrained"):
+        prepare(load_config(None, [f"model.hf={tmp_path}", f"run.dir={tmp_path}/runs"]))
