@@ -150,6 +150,7 @@ def _fully_shard_stage(layers: list[nn.Module], mesh: DeviceMesh, owner: Sharded
     for first, second in zip(units, units[1:]):
         first.set_modules_to_forward_prefetch([second])
         second.set_modules_to_backward_prefetch([first])
+    root._set_unshard_async_op(True)  # prefetched all-gathers run while this unit computes (gloo: a thread)
     return root
 
 
@@ -240,5 +241,11 @@ class TracedReduceScatter(ReduceScatter):
 
 
 def _log(log: CommLog, name: str, t0: float, work) -> None:
-    if log is not None:
-        log.append((name if work is None else f"{name} (issued)", t0, time.perf_counter()))
+    """Record a collective from its start to its end: now for a blocking one, when its future
+    completes for an asynchronous one (a prefetched all-gather)."""
+    if log is None:
+        return
+    if work is None:
+        log.append((name, t0, time.perf_counter()))
+    else:
+        work.get_future().add_done_callback(lambda _: log.append((name, t0, time.perf_counter())))
