@@ -11,7 +11,7 @@ dp=2's, and how far each layout's final parameters are from dp=2's (the same mat
 
 dp=2 x fsdp=2 runs 4 workers: on a machine with fewer than 4 cores its speed is not comparable.
 
-    python experiments/bench_memory.py              # about 10 minutes on 2 cores
+    python experiments/bench_memory.py              # about 5 minutes on 2 cores
     python experiments/bench_memory.py --repeats 1 --steps 6
 """
 
