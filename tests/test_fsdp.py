@@ -44,6 +44,17 @@ def test_fsdp2_on_actors_matches_single_process(ray_session, make_config):
     assert {"all-gather", "reduce-scatter", "F0", "B0"} <= names, names
 
 
+def test_fsdp2_pp2_on_actors_matches_single_process(ray_session, make_config):
+    # four workers: shard s of stage 0 feeds shard s of stage 1; each shard of each stage saves its rows
+    cfg = make_config("parallel.fsdp=2", "parallel.pp=2", "parallel.microbatches=2", "train.steps=3",
+                      "run.record_samples=true")
+    result = train(cfg)
+    assert sorted(result.state_digests) == ["0:0:0", "0:0:1", "0:1:0", "0:1:1"]
+    files = [s["file"] for s in checkpoint.read_manifest(result.checkpoint)["shards"]]
+    assert sorted(files) == [f"stage-{s}-shard-{f}.pt" for s in (0, 1) for f in (0, 1)]
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
 @pytest.mark.parametrize("layout", [
     ("parallel.dp=2", "parallel.fsdp=2"),  # HSDP: shard in a replica, all-reduce across replicas
     ("parallel.fsdp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=1f1b"),
