@@ -65,7 +65,7 @@ class ShardedLayers:
 
     def __init__(self, cfg: Config, layer_ids: list[int], shard: int, fsdp: int, device: torch.device):
         self.cfg, self.shard, self.fsdp, self.device = cfg, shard, fsdp, device
-        self.meta_layers, self.names, self.loss_fn, full_values = _meta_stage(cfg, layer_ids)
+        self.meta_layers, self.names, self.loss_fn, full_values, buffers = _meta_stage(cfg, layer_ids)
         self.rows: list[tuple[int, int, int]] = []
         """(start, stop, total rows) of each parameter that this shard owns."""
         self.params: list[torch.Tensor] = []
@@ -73,6 +73,8 @@ class ShardedLayers:
             start, stop = shard_rows(value.shape[0], fsdp, shard)
             self.rows.append((start, stop, value.shape[0]))
             self.params.append(value[start:stop].clone().to(device))
+        self.buffers = [b.to(device) for b in buffers]
+        """The stage's buffers (rotary tables, masks: not sharded), in module order."""
         self.module: Optional[nn.Module] = None
         self.comm_log: CommLog = None
 
@@ -87,6 +89,8 @@ class ShardedLayers:
         module.to_empty(device=self.device)
         dparams = list(module.parameters())
         with torch.no_grad():
+            for buffer, value in zip(module.buffers(), self.buffers):  # to_empty left them uninitialised
+                buffer.copy_(value)
             local = [p.to_local() for p in dparams]  # views of FSDP's sharded storage
             for new, old in zip(local, self.params):
                 assert new.shape == old.shape, (new.shape, old.shape)
@@ -108,10 +112,11 @@ class ShardedLayers:
 
 
 def _meta_stage(cfg: Config, layer_ids: list[int]):
-    """The stage's layers on the meta device, their global parameter names, the loss, and a
-    generator of each parameter's full initial value in that order (one layer's at a time for the
-    built-in GPT; a model.factory or model.hf stage is built whole, once)."""
-    seed = cfg.train.seed
+    """The stage's layers on the meta device, their global parameter names, the loss, a generator of
+    each parameter's full initial value in that order (one layer's at a time for the built-in GPT; a
+    model.factory or model.hf stage is built whole, once) and the stage's buffers (filled in as the
+    generator runs)."""
+    seed, buffers = cfg.train.seed, []
     if cfg.model.factory is None and cfg.model.hf is None:
         with torch.device("meta"):
             spec = build_model(cfg.model, seed, layer_ids)
@@ -119,17 +124,30 @@ def _meta_stage(cfg: Config, layer_ids: list[int]):
         def values():
             for layer_id in layer_ids:
                 layer = build_model(cfg.model, seed, [layer_id]).layers[0]
+                buffers.extend(b.detach().clone() for b in layer.buffers())
                 yield from (p.detach() for p in layer.parameters())
     else:
         spec = build_model(cfg.model, seed, layer_ids)
-        built = [p.detach().clone() for p in nn.Sequential(*spec.layers).parameters()]
-        for layer in spec.layers:
-            layer.to_empty(device="meta")
+        stage = nn.Sequential(*spec.layers)
+        built = [p.detach().clone() for p in stage.parameters()]
+        buffers += [b.detach().clone() for b in stage.buffers()]
+        _to_meta_keeping_ties(stage)
 
         def values():
             while built:
                 yield built.pop(0)
-    return spec.layers, spec.param_names(), spec.loss_fn, values
+    return spec.layers, spec.param_names(), spec.loss_fn, values, buffers
+
+
+def _to_meta_keeping_ties(module: nn.Module) -> None:
+    """Free ``module``'s storage, leaving it on the meta device with its parameter objects (and so a
+    parameter two layers share stays one): swapped, not replaced."""
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to_empty(device="meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
 
 
 def _fully_shard_stage(layers: list[nn.Module], mesh: DeviceMesh, owner: ShardedLayers) -> nn.Module:

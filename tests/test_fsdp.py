@@ -13,7 +13,7 @@ from raytrain import checkpoint, train
 from raytrain.reference import train_reference
 from raytrain.sharded import shard_rows
 from tests.forked_stages import run_stages
-from tests.helpers import (WhenPaused, assert_replicas_identical, assert_same_params, hold_until_a_new_worker_starts,
+from tests.helpers import (LONG_RUN_LR, WhenPaused, assert_replicas_identical, assert_same_params, hold_until_a_new_worker_starts,
                            reference_state, stopped)
 
 
@@ -64,6 +64,17 @@ def test_fsdp2_pp2_on_actors_matches_single_process(ray_session, make_config):
 def test_sharded_layouts_match_single_process(make_config, tmp_path, layout):
     cfg = make_config(*layout, "train.steps=4")
     model, _ = run_stages(cfg, str(tmp_path))
+    assert_same_params(model, reference_state(cfg))
+
+
+def test_a_hugging_face_model_shards_with_its_buffers(make_config, tmp_path):
+    # Llama's rotary tables are buffers: not sharded, and kept across the meta-device wrapping
+    pytest.importorskip("transformers")
+    from tests.hf_models import write_hf_model
+
+    path = write_hf_model(tmp_path / "llama", "llama")
+    cfg = make_config(f"model.hf={path}", "parallel.fsdp=2", "train.steps=3", LONG_RUN_LR)
+    model, _ = run_stages(cfg, str(tmp_path / "run"))
     assert_same_params(model, reference_state(cfg))
 
 
