@@ -97,13 +97,39 @@ def test_checkpoint_of_dp2_fsdp2_resumes_in_any_layout(ray_session, make_config,
     assert optim["1.fc.weight"]["exp_avg"].shape == (128, 32) and float(optim["1.fc.weight"]["step"]) == 3
 
 
+def test_dp2_fsdp2_pp2_shards_resume_in_a_plain_process_and_as_fsdp4(make_config, tmp_path):
+    # all three axes at once (eight forked workers), its shard files published as a checkpoint
+    first_dir = str(tmp_path / "grid")
+    model, _ = run_stages(make_config("parallel.dp=2", "parallel.fsdp=2", "parallel.pp=2", "parallel.microbatches=2",
+                                      "train.steps=2"), first_dir)
+    assert_same_params(model, reference_state(make_config("train.steps=2")))
+    ckpt = _publish_forked(first_dir, str(tmp_path / "ckpts"), step=2, files=[(s, f) for s in (0, 1) for f in (0, 1)])
+    want = reference_state(make_config("train.steps=4"))
+    resumed, _ = run_stages(make_config("parallel.fsdp=4", "train.steps=4", f"checkpoint.resume={ckpt}"),
+                            str(tmp_path / "fsdp4"))
+    assert_same_params(resumed, want)
+    plain, _ = train_reference(make_config("train.steps=4"), resume_from=ckpt)
+    assert_same_params(dict(plain.state_dict()), want)
+
+
+def _publish_forked(run_dir: str, base: str, step: int, files: list[tuple[int, int]]) -> str:
+    """A checkpoint of the shard files tests.forked_stages left (``stage<s>-<f>.pt``), as a run publishes one."""
+    ckpt = checkpoint.step_dir(base, step)
+    shards = []
+    for stage, part in files:
+        state = torch.load(os.path.join(run_dir, f"stage{stage}-{part}.pt"), weights_only=True)
+        part = part if "rows" in state else None
+        size = checkpoint.save_shard(ckpt, stage, state, part)
+        shards.append({"file": checkpoint.shard_name(stage, part), "bytes": size})
+    checkpoint.publish(ckpt, {"step": step, "shards": shards})
+    return ckpt
+
+
 def test_a_replica_checkpoint_loads_into_shards(make_config, tmp_path):
     # the other direction: written whole (dp=1), resumed sharded
     first_dir = str(tmp_path / "whole")
-    model, _ = run_stages(make_config("train.steps=2"), first_dir)
-    ckpt = checkpoint.step_dir(str(tmp_path / "ckpts"), 2)
-    size = checkpoint.save_shard(ckpt, 0, torch.load(os.path.join(first_dir, "stage0-0.pt"), weights_only=True))
-    checkpoint.publish(ckpt, {"step": 2, "shards": [{"file": "stage-0.pt", "bytes": size}]})
+    run_stages(make_config("train.steps=2"), first_dir)
+    ckpt = _publish_forked(first_dir, str(tmp_path / "ckpts"), step=2, files=[(0, 0)])
     resumed, _ = run_stages(make_config("parallel.fsdp=2", "train.steps=4", f"checkpoint.resume={ckpt}"),
                             str(tmp_path / "sharded"))
     assert_same_params(resumed, reference_state(make_config("train.steps=4")))
