@@ -2,7 +2,11 @@
 
 A checkpoint is a directory ``<dir>/step_<NNNNNNNN>/`` holding one shard per pipeline stage
 (``stage-<s>.pt``: model parameters and AdamW state keyed by *global* parameter name) and
-``manifest.json``, written last through a temporary name. A directory without a manifest is not a
+``manifest.json``, written last through a temporary name. A sharded stage (parallel.fsdp > 1) is
+written by each of its shards, each file holding its rows of every tensor
+(``stage-<s>-shard-<f>.pt``, whose ``rows`` say ``[start, stop, total]`` of dim 0 per name): no
+worker gathers the whole model to save it, and readers reassemble or re-cut the rows, so any
+layout (or a plain process) loads any checkpoint. A directory without a manifest is not a
 checkpoint: a save killed half-way is invisible, and the previous checkpoint stays the latest.
 Shards are loaded with ``torch.load(weights_only=True)``: a checkpoint is data, not code.
 
@@ -19,7 +23,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import pyarrow.fs as pafs
 
@@ -30,7 +34,9 @@ if TYPE_CHECKING:
 # manifests and publish checkpoints without paying for a torch import.
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: shards may hold row slices (``rows``); 1 (still read) had whole tensors only."""
+READABLE_FORMATS = (1, 2)
 _STEP_DIR = re.compile(r"^step_(\d{8})(?:\.(\d+))?$")
 
 
@@ -87,8 +93,9 @@ def _entries(fs: pafs.FileSystem, path: str) -> list[pafs.FileInfo]:
         return []
 
 
-def shard_name(stage: int) -> str:
-    return f"stage-{stage}.pt"
+def shard_name(stage: int, part: Optional[int] = None) -> str:
+    """A stage's file, or the file of shard ``part`` of a sharded stage."""
+    return f"stage-{stage}.pt" if part is None else f"stage-{stage}-shard-{part}.pt"
 
 
 def write_bytes(uri: str, data: bytes) -> None:
@@ -107,14 +114,14 @@ def read_bytes(uri: str) -> bytes:
         raise CheckpointError(f"cannot read checkpoint file {uri}: {e}") from e
 
 
-def save_shard(ckpt_dir: str, stage: int, shard: dict[str, Any]) -> int:
-    """Write one stage's shard; returns its size in bytes (recorded in the manifest)."""
+def save_shard(ckpt_dir: str, stage: int, shard: dict[str, Any], part: Optional[int] = None) -> int:
+    """Write one stage's shard (or shard ``part`` of its rows); returns its size in bytes (recorded in the manifest)."""
     import torch
 
     buf = io.BytesIO()
     torch.save(shard, buf)
     data = buf.getvalue()
-    write_bytes(join_uri(ckpt_dir, shard_name(stage)), data)
+    write_bytes(join_uri(ckpt_dir, shard_name(stage, part)), data)
     return len(data)
 
 
@@ -137,39 +144,103 @@ def read_manifest(ckpt_dir: str) -> dict[str, Any]:
         manifest = json.loads(read_bytes(join_uri(ckpt_dir, MANIFEST)))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{join_uri(ckpt_dir, MANIFEST)} is not valid JSON ({e})") from e
-    if manifest.get("format") != FORMAT_VERSION:
+    if manifest.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"{ckpt_dir}: unsupported checkpoint format {manifest.get('format')!r}")
     return manifest
 
 
-def load_shards(ckpt_dir: str) -> list[dict[str, Any]]:
-    """Every shard of a published checkpoint, each checked against the size in the manifest."""
+def iter_shards(ckpt_dir: str) -> Iterator[dict[str, Any]]:
+    """Every shard of a published checkpoint, one at a time, each checked against the size in the manifest."""
     import torch
 
     manifest = read_manifest(ckpt_dir)
-    shards = []
     for entry in manifest["shards"]:
         uri = join_uri(ckpt_dir, entry["file"])
         data = read_bytes(uri)
         if len(data) != entry["bytes"]:
             raise CheckpointError(f"{uri} has {len(data)} bytes, the manifest says {entry['bytes']}: truncated or replaced")
         try:
-            shards.append(torch.load(io.BytesIO(data), weights_only=True, map_location="cpu"))
+            shard = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         except Exception as e:  # torch raises several types for corrupt pickles/zips
             raise CheckpointError(f"{uri} is corrupt ({type(e).__name__}: {e})") from e
-    return shards
+        del data
+        yield shard
+
+
+def load_shards(ckpt_dir: str) -> list[dict[str, Any]]:
+    """Every shard of a published checkpoint, each checked against the size in the manifest."""
+    return list(iter_shards(ckpt_dir))
 
 
 def merged_state(ckpt_dir: str) -> dict[str, Any]:
-    """Model, optimizer state and RNG of the whole model, keyed by global parameter name."""
-    model: dict[str, torch.Tensor] = {}
-    optim: dict[str, dict[str, torch.Tensor]] = {}
+    """Model, optimizer state and RNG of the whole model, keyed by global parameter name (row-sharded
+    tensors reassembled)."""
+    return load_rows(ckpt_dir, None)
+
+
+def load_rows(ckpt_dir: str, wanted: Optional[dict[str, Optional[tuple[int, int]]]]) -> dict[str, Any]:
+    """Model and optimizer state of the parameters in ``wanted`` (all when None), each cut to rows
+    [start, stop) of dim 0 (whole when None), whatever layout wrote them, and the RNG. Reads one
+    file at a time and keeps only the wanted rows of it: a sharded worker loads its slice alone.
+    A parameter missing from the checkpoint is absent from the result; one with missing rows is a
+    CheckpointError."""
+    rows = RowAssembler(wanted)
     rng = None
-    for shard in load_shards(ckpt_dir):
-        model.update(shard["model"])
-        optim.update(shard["optim"])
-        rng = shard.get("rng", rng) if rng is None else rng
-    return {"model": model, "optim": optim, "rng": rng}
+    for shard in iter_shards(ckpt_dir):
+        rows.add(shard)
+        rng = shard.get("rng") if rng is None else rng
+    return {**rows.result(ckpt_dir), "rng": rng}
+
+
+class RowAssembler:
+    """Pieces of named tensors from shard files, cut to the wanted rows and joined in row order."""
+
+    def __init__(self, wanted: Optional[dict[str, Optional[tuple[int, int]]]]):
+        self.wanted = wanted
+        self.pieces: dict[tuple[str, Optional[str]], list[tuple[int, torch.Tensor]]] = {}
+        self.span: dict[str, tuple[int, int]] = {}  # name -> the rows [start, stop) to assemble
+
+    def add(self, shard: dict[str, Any]) -> None:
+        rows = shard.get("rows", {})
+        for name, tensor in shard["model"].items():
+            if self.wanted is not None and name not in self.wanted:
+                continue
+            start, stop, total = rows.get(name, (0, tensor.shape[0] if tensor.dim() else 1, None))
+            want = self.wanted.get(name) if self.wanted is not None else None
+            self.span[name] = want or (0, total if total is not None else stop)
+            self._put((name, None), tensor, start, stop)
+            for key, value in shard["optim"].get(name, {}).items():  # AdamW: moments shaped as the parameter, a step
+                self._put((name, key), value, start if value.shape == tensor.shape else None, stop)
+
+    def _put(self, key: tuple[str, Optional[str]], tensor: torch.Tensor, start: Optional[int], stop: int) -> None:
+        """Keep the part of a piece (rows [start, stop), or a whole tensor when ``start`` is None) that is wanted."""
+        if start is None or tensor.dim() == 0:
+            self.pieces.setdefault(key, [(-1, tensor)])
+            return
+        lo, hi = self.span[key[0]]
+        a, b = max(lo, start), min(hi, stop)
+        if a <= b:  # an empty overlap too: a shard may own no rows of a small parameter
+            self.pieces.setdefault(key, []).append((a, tensor[a - start:b - start].clone()))
+
+    def result(self, ckpt_dir: str) -> dict[str, Any]:
+        import torch
+
+        model: dict[str, torch.Tensor] = {}
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        for (name, key), pieces in sorted(self.pieces.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+            pieces.sort(key=lambda p: p[0])
+            lo, hi = self.span[name]
+            if pieces[0][0] >= 0:
+                covered = sum(t.shape[0] for _, t in pieces)
+                if pieces[0][0] != lo or covered != hi - lo:
+                    raise CheckpointError(f"{ckpt_dir} holds rows of {name} ({key or 'parameter'}) that do not cover "
+                                          f"[{lo}, {hi}): a shard file is missing or from another layout")
+            value = pieces[0][1] if pieces[0][0] < 0 or len(pieces) == 1 else torch.cat([t for _, t in pieces])
+            if key is None:
+                model[name] = value
+            else:
+                optim.setdefault(name, {})[key] = value
+        return {"model": model, "optim": optim}
 
 
 def load_state_dict(path: str) -> dict[str, torch.Tensor]:

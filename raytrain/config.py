@@ -143,7 +143,9 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     dp: int = 1
-    """Data-parallel replicas (each a worker actor per pipeline stage)."""
+    """Data-parallel replicas (each fsdp x pp worker actors)."""
+    fsdp: int = 1
+    """Workers that shard one replica's parameters, gradients and optimizer state (FSDP2; HSDP with dp > 1)."""
     pp: int = 1
     """Pipeline stages the model is cut into."""
     microbatches: int = 1
@@ -169,7 +171,7 @@ class ParallelConfig:
     """Schedules probed for pipeline layouts (1F1B has GPipe's bubble with less memory)."""
 
     def __post_init__(self):
-        for name in ("dp", "pp", "microbatches"):
+        for name in ("dp", "fsdp", "pp", "microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.schedule not in SCHEDULES:
@@ -186,6 +188,8 @@ class ParallelConfig:
                 )
             if list(self.split_points) != sorted(set(self.split_points)):
                 raise ValueError(f"parallel.split_points must be strictly increasing, got {self.split_points}")
+        _require(self.fsdp == 1 or not self.split_backward, "parallel.split_backward", True,
+                 "sharded stages (parallel.fsdp > 1) reduce-scatter in the whole backward: turn it off")
         if self.auto and self.split_points is not None:
             raise ValueError("parallel.auto=true chooses pp, so parallel.split_points cannot be set; drop one")
         self._check_auto()
@@ -402,19 +406,12 @@ class Config:
         p, t = self.parallel, self.train
         _require(not (t.activation_checkpointing and p.split_backward), "train.activation_checkpointing", True,
                  "recomputed layers cannot be split into input and weight halves: turn off parallel.split_backward")
-        if t.global_batch % p.dp:
-            raise ValueError(
-                f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp}; "
-                f"use a multiple of {p.dp} (e.g. {p.dp * max(1, t.global_batch // p.dp)})"
-            )
-        share = t.global_batch // p.dp
-        if share % p.microbatches:
-            raise ValueError(
-                f"parallel.microbatches={p.microbatches} does not divide the per-replica batch "
-                f"{share} (train.global_batch / parallel.dp); pick a divisor of {share}"
-            )
+        self._check_batch_division()
         if self.model.factory is None and self.model.hf is None:
             self.gpt_layout()  # a model.factory's or model.hf's layers are counted by raytrain.plan.plan_layout
+            rows = min(self.model.d_model, self.model.seq_len, self.model.vocab_size)
+            check_shardable(p.fsdp, rows, "the built-in GPT's smallest parameter (model.d_model, model.seq_len or "
+                                          "model.vocab_size rows)")
         if self.data.path is None:
             self._check_builtin_corpus()
         d = self.data
@@ -430,9 +427,33 @@ class Config:
         if e.max_dp is not None and e.max_dp < p.dp:
             raise ValueError(f"elastic.max_dp={e.max_dp} is below parallel.dp={p.dp}, where the run starts; "
                              f"set elastic.max_dp >= {p.dp} (or lower parallel.dp)")
-        if e.max_dp is not None and e.max_dp * p.microbatches > t.global_batch:
-            raise ValueError(f"elastic.max_dp={e.max_dp} replicas x parallel.microbatches={p.microbatches} exceed "
-                             f"train.global_batch={t.global_batch}: some micro-batch would be empty; lower elastic.max_dp")
+        if e.max_dp is not None and e.max_dp * p.fsdp * p.microbatches > t.global_batch:
+            shards = f" x parallel.fsdp={p.fsdp}" if p.fsdp > 1 else ""
+            raise ValueError(f"elastic.max_dp={e.max_dp} replicas{shards} x parallel.microbatches={p.microbatches} "
+                             f"exceed train.global_batch={t.global_batch}: some micro-batch would be empty; lower "
+                             "elastic.max_dp")
+
+    def _check_batch_division(self):
+        """The global batch divides over dp x fsdp data-parallel workers, and each one's share over its micro-batches."""
+        p, t = self.parallel, self.train
+        if t.global_batch % p.dp:
+            raise ValueError(
+                f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp}; "
+                f"use a multiple of {p.dp} (e.g. {p.dp * max(1, t.global_batch // p.dp)})"
+            )
+        ranks = p.dp * p.fsdp
+        if t.global_batch % ranks:
+            raise ValueError(
+                f"train.global_batch={t.global_batch} is not divisible by parallel.dp x parallel.fsdp={ranks} (every "
+                f"shard trains on its own slice of its replica's share); use a multiple of {ranks}, or lower parallel.fsdp"
+            )
+        share = t.global_batch // ranks
+        if share % p.microbatches:
+            per = "train.global_batch / parallel.dp" + (" / parallel.fsdp" if p.fsdp > 1 else "")
+            raise ValueError(
+                f"parallel.microbatches={p.microbatches} does not divide the per-replica batch "
+                f"{share} ({per}); pick a divisor of {share}"
+            )
 
     def gpt_layout(self) -> Layout:
         """The layout over the built-in GPT's layers; a ValueError when parallel.pp or
@@ -461,6 +482,14 @@ class Config:
     def layout(self) -> str:
         """The configured layout's label (``Layout.label``), e.g. ``dp=2 pp=1 m=1``."""
         return Layout.of(self.parallel).label
+
+
+def check_shardable(fsdp: int, rows: int, smallest: str) -> None:
+    """FSDP cuts every parameter into parallel.fsdp row slices: each shard must own rows of every
+    parameter, or it holds nothing of it and the extra worker only adds communication."""
+    _require(fsdp <= rows, "parallel.fsdp", fsdp,
+             f"more shards than the {rows} rows of {smallest}, so some shard would own none of it; use "
+             f"parallel.fsdp <= {rows}")
 
 
 def all_keys() -> list[str]:

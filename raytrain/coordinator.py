@@ -68,13 +68,13 @@ class Coordinator:
                  extra_placements: tuple = (), corpus: Optional[list] = None, group=None):
         self.cfg, self.num_samples, self.stage_layers = config, num_samples, stage_layers
         self.placement, self.first_bundle, self.resume_from = placement, first_bundle, resume_from
-        self.group = group or RayWorkerGroup(worker_cls, _worker_options(self.cfg),
-                                             lambda s: (config, data_path, num_samples, s, stage_layers[s], corpus))
+        self.group = group or RayWorkerGroup(worker_cls, _worker_options(self.cfg), lambda s, f: (
+            config, data_path, num_samples, s, stage_layers[s], corpus, f))
         e = self.cfg.elastic
         self.policy = ElasticPolicy(min_dp=e.min_dp or self.cfg.parallel.dp, target_dp=e.max_dp or self.cfg.parallel.dp,
                                     max_failures=e.max_failures, wait_s=e.wait_s,
                                     skip_nonfinite=self.cfg.train.skip_nonfinite)
-        self.team = Membership(self.cfg.parallel.pp)
+        self.team = Membership(self.cfg.parallel.pp, fsdp=self.cfg.parallel.fsdp)
         # One placement group per replica beyond parallel.dp (the driver requested and removes them).
         self.unused_placements = [(pg, pg.ready()) for pg in extra_placements]
         self.store: Optional[StoreAddress] = None  # given to run(): hosted by the driver, which outlives us all
@@ -132,7 +132,7 @@ class Coordinator:
     def shutdown(self) -> None:
         for m in self.team.everyone():
             self.group.kill(m)
-        self.team = Membership(self.team.pp)
+        self.team = Membership(self.team.pp, fsdp=self.team.fsdp)
 
     def emit(self, row: dict) -> None:
         with self._lock:
@@ -141,9 +141,9 @@ class Coordinator:
     # --- starting ---------------------------------------------------------------------------------
 
     def _spawn_first_workers(self) -> list[Member]:
-        pp = self.team.pp
-        members = [self.group.spawn(s, self.placement, self.first_bundle + r * pp + s)
-                   for r in range(self.cfg.parallel.dp) for s in range(pp)]
+        slots = self.team.slots
+        members = [self.group.spawn(s, self.placement, self.first_bundle + r * len(slots) + i, shard=f)
+                   for r in range(self.cfg.parallel.dp) for i, (f, s) in enumerate(slots)]
         # Replicas beyond parallel.dp that the cluster can hold now start with the rest.
         return members + self.spawn_granted_replicas(timeout=GRANT_AT_START_S)
 
@@ -152,17 +152,17 @@ class Coordinator:
         members = []
         for pg, ready in self.group.granted(self.unused_placements, timeout):
             self.unused_placements.remove((pg, ready))
-            members += [self.group.spawn(s, pg, s) for s in range(self.team.pp)]
+            members += [self.group.spawn(s, pg, i, shard=f) for i, (f, s) in enumerate(self.team.slots)]
         return members
 
     def _starting(self) -> RunState:
-        members, pp = self.team.pending, self.team.pp
+        members, size = self.team.pending, len(self.team.slots)
         for m in members:
             m.pid = self.group.pid(m, SETUP_TIMEOUT_S)
             if m.pid is None:
                 raise WorkersLost([m])  # lost while starting: the driver restarts the coordinator
         self.team.pending, self.original_pids = [], [m.pid for m in members]
-        self.team.replicas = [members[r * pp:(r + 1) * pp] for r in range(len(members) // pp)]
+        self.team.replicas = [members[r * size:(r + 1) * size] for r in range(len(members) // size)]
         step = 0
         if self.resume_from is not None:
             self.group.call([(m, "load", (self.resume_from,)) for m in members], SETUP_TIMEOUT_S)
@@ -186,8 +186,8 @@ class Coordinator:
                          for rank, m in ranked], SETUP_TIMEOUT_S)
         if any(m.committed != step for _, m in ranked):
             sources = self.team.sources(step)
-            assert len(sources) == self.team.pp, "a stage without an up-to-date member must reload a checkpoint first"
-            self.group.call([(m, "sync_state", (sources[m.stage],)) for _, m in ranked], SETUP_TIMEOUT_S)
+            assert len(sources) == len(self.team.slots), "a slot without an up-to-date member must reload a checkpoint first"
+            self.group.call([(m, "sync_state", (sources[m.slot],)) for _, m in ranked], SETUP_TIMEOUT_S)
             self.team.set_committed(step)
 
     # --- running ----------------------------------------------------------------------------------
@@ -253,7 +253,8 @@ class Coordinator:
     def _skip_nonfinite(self, bad: NonFiniteStep) -> RunState:
         """Skip a step whose vote found a non-finite value (nothing of it was applied anywhere), or
         stop when train.skip_nonfinite steps were skipped already."""
-        step, loss, norm = bad.step, steps.loss_of(bad.results, self.cfg, self.team.dp), bad.results[0].get("grad_norm")
+        step, norm = bad.step, bad.results[0].get("grad_norm")
+        loss = steps.loss_of(bad.results, self.cfg, self.team.mesh().columns)
         decision = self.policy.nonfinite(len(self.skipped_steps))
         if decision.action is Action.GIVE_UP:
             last = (f"the last good checkpoint is {self.last_checkpoint}: resume from it"
@@ -276,8 +277,8 @@ class Coordinator:
     # --- checkpointing and stopping -------------------------------------------------------------
 
     def _checkpointing(self) -> RunState:
-        """Save every stage's shard into a new directory and publish the manifest; a worker lost
-        while saving is repaired, and the save retried (REPAIRING comes back here)."""
+        """Save every stage's shard (each fsdp shard's rows by its own worker) into a new directory and
+        publish the manifest; a worker lost while saving is repaired, the save retried (REPAIRING comes back here)."""
         step, base = self.progress.step, self.cfg.checkpoint.dir
         ckpt_dir = checkpoint.new_step_dir(base, step)
         t0 = time.perf_counter()
@@ -321,19 +322,30 @@ def manifest(step: int, shards: list[dict], cfg: Config, mesh: Mesh, stage_layer
     return {
         "step": step, "samples_seen": step * cfg.train.global_batch,
         "finite": all(s["finite"] for s in shards),
-        "layout": {"dp": mesh.dp, "pp": mesh.pp, "stage_layers": stage_layers},
+        "layout": {"dp": mesh.dp, "fsdp": mesh.fsdp, "pp": mesh.pp, "stage_layers": stage_layers},
         "shards": shards, "config": cfg.to_dict(),
     }
 
 
+SHARDED_CPU_MALLOC = "glibc.malloc.mmap_threshold=1048576:glibc.malloc.hugetlb=1"
+"""glibc settings of a sharded worker on CPU. FSDP allocates and frees a layer's unsharded parameters
+and gradients (tens of MB each) per layer and micro-batch; glibc would serve them from its heap and
+keep the freed memory, so the worker's resident set would grow back to a replica's size. Above 1 MiB
+they are mapped and returned on free instead, on huge pages where the kernel allows (fewer faults)."""
+
+
 def _worker_options(cfg: Config) -> dict:
-    return {"num_cpus": cfg.resources.cpus_per_worker, "num_gpus": 1 if cfg.resources.use_gpu else 0}
+    options = {"num_cpus": cfg.resources.cpus_per_worker, "num_gpus": 1 if cfg.resources.use_gpu else 0}
+    if cfg.parallel.fsdp > 1 and not cfg.resources.use_gpu:
+        options["runtime_env"] = {"env_vars": {"GLIBC_TUNABLES": SHARDED_CPU_MALLOC}}
+    return options
 
 
 def state_digests(group, team: Membership) -> dict[str, str]:
-    """``"replica:stage" -> digest`` of every member's parameters and optimizer state (audits: the
-    replicas of a stage must be identical, however many workers were lost on the way)."""
+    """``"replica:stage"`` (``"replica:shard:stage"`` when sharded) ``-> digest`` of every member's
+    parameters and optimizer state (audits: the replicas of a slot must be identical, however many
+    workers were lost on the way)."""
     ranked = team.ranked()
     digests = group.call([(m, "state_digest", ()) for _, m in ranked], SETUP_TIMEOUT_S)
     mesh = team.mesh()
-    return {"%d:%d" % mesh.coords(rank): d for (rank, _), d in zip(ranked, digests)}
+    return {mesh.label(rank): d for (rank, _), d in zip(ranked, digests)}

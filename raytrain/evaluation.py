@@ -3,7 +3,7 @@ are committed and after the last step, computed by every worker between two step
 
 No step is sent ahead across such a boundary (raytrain.steps.may_send_ahead), so the workers
 evaluate exactly the committed parameters. The value is the mean loss over the same
-eval.batches x train.global_batch held-out rows every time: each replica's last stage sums the
+eval.batches x train.global_batch held-out rows every time: each replica's last stage (each shard of it) sums the
 losses of its share of the rows, and the coordinator divides the sum over replicas by the rows
 evaluated, so the value does not depend on the layout (dp, pp, schedule, micro-batches) beyond
 float summation order. It goes into that step's metrics row (``eval_loss``, ``eval_rows``, ``eval_s``).
@@ -52,7 +52,8 @@ class Evaluation:
             raise StepFailed(f"the evaluation after step {p.step} failed with every worker alive "
                              f"(layout {c.layout()}): {failed[0]['error']}")
         last = [r for r in reports if "loss_sum" in r]
-        assert len(last) == c.team.dp and p.row is not None, (len(last), c.team.dp, p.row)
+        columns = c.team.dp * c.team.fsdp  # every shard of every replica evaluates its own rows
+        assert len(last) == columns and p.row is not None, (len(last), columns, p.row)
         rows = sum(r["rows"] for r in last)
         p.row.update(eval_loss=sum(r["loss_sum"] for r in last) / rows, eval_rows=rows,
                      eval_s=round(time.perf_counter() - t0, 3))

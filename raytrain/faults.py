@@ -1,7 +1,8 @@
 """Fault injection for tests and chaos runs: SIGKILL a worker's own process at a chosen point.
 
-A fault names a pipeline slot and a moment: ``replica:stage@step:phase``, e.g. ``1:0@3:backward``
-kills the worker at replica 1, stage 0 when it reaches phase ``backward`` of step 3 (0-based).
+A fault names a worker's slot and a moment: ``replica:stage@step:phase``, e.g. ``1:0@3:backward``
+kills the worker at replica 1, stage 0 when it reaches phase ``backward`` of step 3 (0-based); with
+parallel.fsdp > 1, ``replica:shard:stage@step:phase`` names a shard (``replica:stage`` is shard 0).
 Set them with ``--set elastic.faults='["1:0@3:backward"]'``. Each fault fires at most once: after a
 repair the coordinator drops the faults at or before the step that failed.
 
@@ -43,22 +44,28 @@ class Fault:
     stage: int
     step: int
     phase: str
+    shard: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "Fault":
         try:
             where, _, when = text.partition("@")
-            replica, stage = (int(v) for v in where.split(":"))
+            place = [int(v) for v in where.split(":")]
+            if len(place) not in (2, 3):
+                raise ValueError(where)
+            replica, stage, shard = (place[0], place[1], 0) if len(place) == 2 else (place[0], place[2], place[1])
             step, phase = when.split(":")
-            fault = cls(replica, stage, int(step), phase)
+            fault = cls(replica, stage, int(step), phase, shard)
         except ValueError:
-            raise ValueError(f"elastic.faults entry {text!r} must look like 'replica:stage@step:phase', e.g. '1:0@3:backward'") from None
+            raise ValueError(f"elastic.faults entry {text!r} must look like 'replica:stage@step:phase' (or "
+                             "'replica:shard:stage@step:phase' with parallel.fsdp > 1), e.g. '1:0@3:backward'") from None
         if fault.phase not in PHASES:
             raise ValueError(f"elastic.faults entry {text!r}: phase must be one of {', '.join(PHASES)}")
         return fault
 
     def __str__(self) -> str:
-        return f"{self.replica}:{self.stage}@{self.step}:{self.phase}"
+        where = f"{self.replica}:{self.shard}:{self.stage}" if self.shard else f"{self.replica}:{self.stage}"
+        return f"{where}@{self.step}:{self.phase}"
 
 
 def kill_self() -> None:
@@ -139,9 +146,9 @@ class FaultHook(PhaseHook):
         return ack.attach(result)
 
 
-def phase_hook(faults: list[str], replica: int, stage: int) -> PhaseHook:
-    """The hook for the worker at (replica, stage): one that kills it where ``faults`` say, if any do."""
-    mine = [f for f in map(Fault.parse, faults) if (f.replica, f.stage) == (replica, stage)]
+def phase_hook(faults: list[str], replica: int, stage: int, shard: int = 0) -> PhaseHook:
+    """The hook for the worker at (replica, stage, shard): one that kills it where ``faults`` say, if any do."""
+    mine = [f for f in map(Fault.parse, faults) if (f.replica, f.stage, f.shard) == (replica, stage, shard)]
     return FaultHook(mine) if mine else PhaseHook()
 
 

@@ -1,6 +1,6 @@
 """A worker's place in one generation of the run: one frozen value, formed by ``join``.
 
-Everything that depends on the membership (rank, neighbours, this stage's plan, the replica's share
+Everything that depends on the membership (rank, neighbours, this stage's plan, this worker's share
 of the global batch, the process groups, the shape of the activations this stage receives) is fixed
 for a generation and changes only when the coordinator forms a new one. A worker holds it from
 ``join`` until it leaves; nothing in it is updated in place.
@@ -35,10 +35,12 @@ class Generation:
     rank: int
     replica: int
     stage: int
+    shard: int
+    """This worker's shard of its stage (0 unless parallel.fsdp > 1)."""
     is_first: bool
     is_last: bool
     prev_rank: Optional[int]
-    """Global rank of the previous stage of this replica (None on the first stage)."""
+    """Global rank of the previous stage of this pipeline column (None on the first stage)."""
     next_rank: Optional[int]
     plan: tuple[Action, ...]
     """This stage's actions for every step."""
@@ -47,9 +49,9 @@ class Generation:
     last_grad_action: int
     """Index in ``plan`` of the action that fills the step's last gradients: buckets reduce from then on."""
     share: int
-    """This replica's samples of each global batch."""
+    """This worker's samples of each global batch: its replica's share, divided among its shards."""
     batch_offset: int
-    """Where this replica's share starts within each global batch."""
+    """Where this worker's share starts within each global batch."""
     mb_bounds: tuple[tuple[int, int], ...]
     """[lo, hi) of each micro-batch within the share."""
     groups: Groups
@@ -59,25 +61,31 @@ class Generation:
 
 
 def form_generation(cfg: Config, rank: int, mesh: Mesh, shares: list[int], store: StoreAddress, number: int,
-                    stage_output: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Generation:
+                    stage_output: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
+                    on_groups: Callable[[Groups], None] = lambda groups: None) -> Generation:
     """Form generation ``number``'s process groups and learn this stage's input shape (collective over
-    every member). ``stage_output`` runs this stage's layers on an example input (no grad)."""
+    every member). ``shares`` are the replicas' samples of the global batch; the shards of a replica
+    divide its share. ``stage_output`` runs this stage's layers on an example input (no grad); it is
+    given the generation's groups first (a sharded stage re-forms its FSDP wrapping on them)."""
     replica, stage = mesh.coords(rank)
+    shard = mesh.shard(rank)
     is_first, is_last = stage == 0, stage == mesh.pp - 1
     backend = "nccl" if cfg.resources.use_gpu else "gloo"
     groups = init_groups(mesh, rank, store, number, backend, cfg.elastic.detect_timeout_s)
-    prev_rank = None if is_first else mesh.rank(replica, stage - 1)
-    next_rank = None if is_last else mesh.rank(replica, stage + 1)
+    prev_rank = None if is_first else mesh.rank(replica, stage - 1, shard)
+    next_rank = None if is_last else mesh.rank(replica, stage + 1, shard)
+    on_groups(groups)
     tail, dtype = _exchange_shapes(cfg.model.seq_len, prev_rank, next_rank, stage_output, device)
     par = cfg.parallel
     plan = tuple(schedule.build_plan(par.schedule, mesh.pp, par.microbatches, par.split_backward)[stage])
+    slices = data.even_shares(shares[replica], mesh.fsdp)
     return Generation(
-        number=number, mesh=mesh, rank=rank, replica=replica, stage=stage, is_first=is_first, is_last=is_last,
-        prev_rank=prev_rank, next_rank=next_rank, plan=plan,
+        number=number, mesh=mesh, rank=rank, replica=replica, stage=stage, shard=shard, is_first=is_first,
+        is_last=is_last, prev_rank=prev_rank, next_rank=next_rank, plan=plan,
         split_mbs=frozenset(schedule.split_microbatches(list(plan))),
         last_grad_action=schedule.last_gradient_action(list(plan)),
-        share=shares[replica], batch_offset=sum(shares[:replica]),
-        mb_bounds=tuple(data.microbatch_bounds(shares[replica], par.microbatches)),
+        share=slices[shard], batch_offset=sum(shares[:replica]) + sum(slices[:shard]),
+        mb_bounds=tuple(data.microbatch_bounds(slices[shard], par.microbatches)),
         groups=groups, input_tail=tail, input_dtype=dtype,
     )
 

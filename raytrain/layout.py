@@ -27,7 +27,7 @@ class Layout:
     schedule: str = "1f1b"
     """Pipeline schedule (named in the label only when pp > 1)."""
     fsdp: int = 1
-    """Shards of each stage's parameters within a replica (room for FSDP2: 1 until it lands)."""
+    """Workers that shard each stage's parameters, gradients and optimizer state within a replica (FSDP2)."""
     virtual_stages: int = 1
     """Model chunks per pipeline worker (room for interleaved schedules: 1 until they land)."""
     cuts: Optional[tuple[int, ...]] = None
@@ -41,7 +41,7 @@ class Layout:
         """The layout a ``parallel`` config section sets (hand-set cuts included)."""
         cuts = None if parallel.split_points is None else tuple(parallel.split_points)
         return cls(dp=parallel.dp, pp=parallel.pp, microbatches=parallel.microbatches, schedule=parallel.schedule,
-                   cuts=cuts)
+                   fsdp=parallel.fsdp, cuts=cuts)
 
     @property
     def world_size(self) -> int:
@@ -60,7 +60,8 @@ class Layout:
 
     @property
     def label(self) -> str:
-        """``dp=2 pp=1 m=1``, or ``dp=1 pp=2 m=4 1f1b`` for a pipeline: how runs, rows and trials name it."""
+        """``dp=2 pp=1 m=1``, ``dp=2 fsdp=2 pp=1 m=1``, or ``dp=1 pp=2 m=4 1f1b`` for a pipeline: how runs,
+        rows and trials name it."""
         parts = [f"dp={self.dp}"] + ([f"fsdp={self.fsdp}"] if self.fsdp > 1 else []) + [f"pp={self.pp}"]
         parts += [f"v={self.virtual_stages}"] if self.virtual_stages > 1 else []
         parts += [f"m={self.microbatches}"] + ([self.schedule] if self.pp > 1 else [])

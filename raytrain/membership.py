@@ -1,5 +1,6 @@
 """Who is in the run: one object for the replicas of the current generation, the live workers
-outside it (spares) and the workers still starting (pending).
+outside it (spares) and the workers still starting (pending). A replica is fsdp x pp workers, one
+per slot (shard, stage); it is the unit of repair: losing any of its workers drops it whole.
 
 The coordinator changes the generation only through these verbs (drop the dead, admit the started,
 fill to the target), so every loss and every growth is counted and reported one way.
@@ -15,7 +16,7 @@ from raytrain.mesh import Mesh
 
 @dataclass(eq=False)
 class Member:
-    """A worker actor, the stage it hosts for life, the bundle it occupies and its progress."""
+    """A worker actor, the stage (and shard) it hosts for life, the bundle it occupies and its progress."""
 
     handle: Any
     stage: int
@@ -24,24 +25,36 @@ class Member:
     ready: Any = None  # resolves to the worker's pid once it is up
     pid: Optional[int] = None
     committed: int = 0
+    shard: int = 0
+
+    @property
+    def slot(self) -> tuple[int, int]:
+        """(shard, stage): its place in any replica."""
+        return self.shard, self.stage
 
 
 @dataclass
 class Membership:
     pp: int
     replicas: list[list[Member]] = field(default_factory=list)
-    """The current generation: ``replicas[r][stage]``."""
+    """The current generation: ``replicas[r][shard * pp + stage]``."""
     spares: list[Member] = field(default_factory=list)
     """Live, started workers outside the generation (the rest of a broken replica, a replacement)."""
     pending: list[Member] = field(default_factory=list)
     """Workers still starting."""
+    fsdp: int = 1
 
     @property
     def dp(self) -> int:
         return len(self.replicas)
 
+    @property
+    def slots(self) -> list[tuple[int, int]]:
+        """Every (shard, stage) of a replica, in rank order."""
+        return [(f, s) for f in range(self.fsdp) for s in range(self.pp)]
+
     def mesh(self) -> Mesh:
-        return Mesh(self.dp, self.pp)
+        return Mesh(self.dp, self.pp, self.fsdp)
 
     def members(self) -> list[Member]:
         """The generation's workers in rank order."""
@@ -49,14 +62,14 @@ class Membership:
 
     def ranked(self) -> list[tuple[int, Member]]:
         mesh = self.mesh()
-        return [(mesh.rank(r, m.stage), m) for r, rep in enumerate(self.replicas) for m in rep]
+        return [(mesh.rank(r, m.stage, m.shard), m) for r, rep in enumerate(self.replicas) for m in rep]
 
     def everyone(self) -> list[Member]:
         return self.members() + self.spares + self.pending
 
     def drop_dead(self, dead: list[Member]) -> list[tuple[int, int]]:
         """Remove the dead; a replica that lost a worker leaves the generation and its live workers
-        become spares. Returns the (replica, stage) slots that were lost."""
+        become spares. Returns the (replica, stage) places that were lost."""
         gone = set(map(id, dead))
         lost = [(r, m.stage) for r, rep in enumerate(self.replicas) for m in rep if id(m) in gone]
         broken = [rep for rep in self.replicas if any(id(m) in gone for m in rep)]
@@ -73,32 +86,34 @@ class Membership:
             self.spares.append(m)
 
     def formable(self) -> int:
-        """Replicas the spares could form: one worker of every stage each."""
-        return min(sum(1 for m in self.spares if m.stage == s) for s in range(self.pp))
+        """Replicas the spares could form: one worker of every slot each."""
+        return min(sum(1 for m in self.spares if m.slot == slot) for slot in self.slots)
 
     def fill_to(self, target_dp: int) -> int:
         """Form replicas from spares up to ``target_dp``, most up-to-date spares first (they can be
-        a stage's state source); returns how many were formed."""
+        a slot's state source); returns how many were formed."""
         formed = 0
         while self.dp < target_dp and self.formable() > 0:
-            replica = [max((m for m in self.spares if m.stage == s), key=lambda m: m.committed) for s in range(self.pp)]
+            replica = [max((m for m in self.spares if m.slot == slot), key=lambda m: m.committed)
+                       for slot in self.slots]
             for m in replica:
                 self.spares.remove(m)
             self.replicas.append(replica)
             formed += 1
         return formed
 
-    def stale_stages(self, step: int) -> list[int]:
-        """Stages with no member of the generation at ``step``."""
-        current = {m.stage for m in self.members() if m.committed == step}
-        return [s for s in range(self.pp) if s not in current]
+    def stale_stages(self, step: int) -> list:
+        """Slots with no member of the generation at ``step``: stages, or (shard, stage) pairs when sharded."""
+        current = {m.slot for m in self.members() if m.committed == step}
+        stale = [slot for slot in self.slots if slot not in current]
+        return stale if self.fsdp > 1 else [stage for _, stage in stale]
 
-    def sources(self, step: int) -> dict[int, int]:
-        """For each stage, the rank of a member at ``step`` (the state every other member takes)."""
-        sources: dict[int, int] = {}
+    def sources(self, step: int) -> dict[tuple[int, int], int]:
+        """For each slot, the rank of a member at ``step`` (the state every other member takes)."""
+        sources: dict[tuple[int, int], int] = {}
         for rank, m in self.ranked():
             if m.committed == step:
-                sources.setdefault(m.stage, rank)
+                sources.setdefault(m.slot, rank)
         return sources
 
     def set_committed(self, step: int) -> None:

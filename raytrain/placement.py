@@ -27,8 +27,8 @@ def worker_bundle(cfg: Config) -> dict:
 
 
 def request(cfg: Config, replicas: int) -> PlacementGroup:
-    """Ask (without waiting) for ``replicas`` x ``parallel.pp`` worker bundles."""
-    bundles = [worker_bundle(cfg) for _ in range(replicas * cfg.parallel.pp)]
+    """Ask (without waiting) for ``replicas`` x ``parallel.fsdp`` x ``parallel.pp`` worker bundles."""
+    bundles = [worker_bundle(cfg) for _ in range(replicas * cfg.parallel.fsdp * cfg.parallel.pp)]
     return placement_group(bundles, strategy=cfg.resources.placement_strategy)
 
 
@@ -37,7 +37,7 @@ def reserve(cfg: Config) -> PlacementGroup:
     pg = request(cfg, cfg.parallel.dp)
     if not pg.wait(timeout_seconds=cfg.resources.wait_s):
         remove_placement_group(pg)
-        world = cfg.parallel.dp * cfg.parallel.pp
+        world = cfg.parallel.dp * cfg.parallel.fsdp * cfg.parallel.pp
         total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
         free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
         nodes = sum(1 for n in ray.nodes() if n["Alive"])
@@ -45,6 +45,6 @@ def reserve(cfg: Config) -> PlacementGroup:
             f"layout {cfg.layout()} needs {world} workers x {worker_bundle(cfg)} "
             f"(resources.placement_strategy={cfg.resources.placement_strategy}) but the cluster did not grant "
             f"them within resources.wait_s={cfg.resources.wait_s:g}s (cluster: {nodes} node(s), total {total}, "
-            f"free now {free}); lower parallel.dp / parallel.pp, free resources, or add nodes"
+            f"free now {free}); lower parallel.dp / parallel.fsdp / parallel.pp, free resources, or add nodes"
         )
     return pg

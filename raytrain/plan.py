@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raytrain import checkpoint, data, text_data
-from raytrain.config import Config
+from raytrain.config import Config, check_shardable
 from raytrain.connect import run_root
 from raytrain.layout import Layout
 from raytrain.rendezvous import import_user_module
@@ -160,6 +160,7 @@ def plan_layout(cfg: Config) -> Layout:
     else:
         layers = _layers(cfg)
         layout = Layout.of(cfg.parallel).for_model(len(layers), "model.factory")
+        check_shardable(layout.fsdp, _smallest_rows(layers), "model.factory's smallest parameter")
         if not layout.needs_cuts:
             return layout
     from raytrain.partition import plan_cuts
@@ -175,6 +176,7 @@ def _hf_layout(cfg: Config) -> Layout:
 
     _, layers = hf_layers(cfg.model.hf, cfg.model.hf_cut)
     layout = hf_layout(cfg, layers)
+    check_shardable(layout.fsdp, _smallest_rows(layers), "model.hf's smallest parameter")
     if layout.needs_cuts:
         if cfg.parallel.balance == "time":
             raise ValueError("parallel.balance=time builds the whole model on the driver to time its layers, which "
@@ -196,6 +198,29 @@ def _layers(cfg: Config) -> list:
     return build_model(cfg.model, cfg.train.seed).layers
 
 
+def _smallest_rows(layers: list) -> int:
+    """Rows (dim 0) of the smallest parameter: what parallel.fsdp cuts every parameter along."""
+    return min((p.shape[0] if p.dim() else 1 for layer in layers for p in layer.parameters()), default=1)
+
+
+def layer_param_counts(cfg: Config) -> list[int]:
+    """Parameters of each of the model's cuttable layers (the built-in GPT's counted on the meta device)."""
+    import torch
+
+    from raytrain.model import build_model
+
+    if cfg.model.hf is not None:
+        from raytrain.hf_weights import hf_layers
+
+        layers = hf_layers(cfg.model.hf, cfg.model.hf_cut)[1]
+    elif cfg.model.factory is None:
+        with torch.device("meta"):
+            layers = build_model(cfg.model, cfg.train.seed).layers
+    else:
+        layers = build_model(cfg.model, cfg.train.seed).layers
+    return [sum(p.numel() for p in layer.parameters()) for layer in layers]
+
+
 def _timing_input(cfg: Config):
     """One micro-batch of token ids to time the layers on (parallel.balance=time), else None."""
     if cfg.parallel.balance != "time":
@@ -203,7 +228,7 @@ def _timing_input(cfg: Config):
     import torch
 
     p = cfg.parallel
-    micro_batch = max(1, cfg.train.global_batch // (p.dp * p.microbatches))
+    micro_batch = max(1, cfg.train.global_batch // (p.dp * p.fsdp * p.microbatches))
     return torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)
 
 

@@ -81,15 +81,17 @@ class ElasticPolicy:
                         "elastic.min_dp")
 
     @staticmethod
-    def stale_stages(stages: list[int], last_checkpoint: Optional[str]) -> Optional[Decision]:
-        """Stages with no up-to-date worker: their state survives only in the last checkpoint."""
+    def stale_stages(stages: list, last_checkpoint: Optional[str]) -> Optional[Decision]:
+        """Stages (or (shard, stage) slots of a sharded run) with no up-to-date worker: their state
+        survives only in the last checkpoint. A sharded run at dp=1 has no live copy of a lost shard."""
         if not stages:
             return None
+        what = "stage(s)" if isinstance(stages[0], int) else "(shard, stage) slot(s)"
         if last_checkpoint is None:
-            return Decision(Action.GIVE_UP, f"stage(s) {stages} lost every replica and there is no checkpoint to "
+            return Decision(Action.GIVE_UP, f"{what} {stages} lost every replica and there is no checkpoint to "
                             "reload", "checkpoint.every")
-        return Decision(Action.RELOAD, f"stage(s) {stages} lost every replica: their state survives only in the "
-                        "checkpoint", "parallel.dp")
+        return Decision(Action.RELOAD, f"{what} {stages} lost every replica (no live copy of their state): it "
+                        "survives only in the checkpoint, which every worker reloads", "parallel.dp")
 
     def grow(self, live_replicas: int, formable: int) -> Optional[Decision]:
         """Bring started workers in at a step boundary when they form more replicas, up to the target."""

@@ -43,7 +43,8 @@ class Repairs:
         c, p = self.c, self.c.progress
         t0, detected_at = time.perf_counter(), time.time()
         failed_step, during, lost = p.step, p.during, p.lost
-        slots = [(r, m.stage) for r, rep in enumerate(c.team.replicas) for m in rep if m in lost]
+        mesh = c.team.mesh()
+        slots = [mesh.label(rank) for rank, m in c.team.ranked() if m in lost]
         self.count_failure()
         settle = c.policy.settle_step(failed_step, [r["committed"] for r in p.reports]) if during == "step" else None
         if settle is not None and settle.action is Action.ROLL_FORWARD:
@@ -53,7 +54,7 @@ class Repairs:
         seconds = time.perf_counter() - t0
         c.recovery_s.append(round(seconds, 3))
         c.emit({"event": "repair", "during": during, "step": failed_step, "detected_at": detected_at,
-                "lost": [f"replica {r} stage {s}" for r, s in slots],
+                "lost": [_place(label) for label in slots],
                 "rolled_forward": settle is not None and settle.action is Action.ROLL_FORWARD,
                 "retrying_step": failed_step if settle is not None and settle.action is Action.RETRY else None,
                 "new_layout": c.layout(), "generation": c.generation, "repair_s": round(seconds, 3),
@@ -99,7 +100,7 @@ class Repairs:
         while True:
             dead = list({id(m): m for m in dead}.values())  # a worker can be reported lost twice
             c.team.drop_dead(dead)
-            c.team.pending += [c.group.spawn(m.stage, m.placement, m.bundle) for m in dead]
+            c.team.pending += [c.group.spawn(m.stage, m.placement, m.bundle, shard=m.shard) for m in dead]
             c.group.submit(c.team.spares, "leave")  # close broken groups' connections now
             capacity = self._await_capacity()
             try:
@@ -132,13 +133,14 @@ class Repairs:
             m.pid = c.group.pid(m, timeout=SETUP_TIMEOUT_S)
             if m.pid is None:
                 c.team.pending.remove(m)
-                c.team.pending.append(c.group.spawn(m.stage, m.placement, m.bundle))
+                c.team.pending.append(c.group.spawn(m.stage, m.placement, m.bundle, shard=m.shard))
             else:
                 c.team.admit([m])
         c.team.fill_to(c.policy.target_dp)
 
     def _maybe_reload(self, step: int) -> int:
-        """If some stage has no member at ``step``, every member reloads the last checkpoint."""
+        """If some slot has no member at ``step``, every member reloads the last checkpoint (a sharded
+        run at dp=1 has no live copy of a lost shard)."""
         c = self.c
         decision = c.policy.stale_stages(c.team.stale_stages(step), c.last_checkpoint)
         if decision is None:
@@ -186,3 +188,10 @@ class Repairs:
         c.emit({"event": "grow", "step": p.step, "new_layout": c.layout(), "generation": c.generation,
                 "grow_s": round(time.perf_counter() - t0, 3), **(self._grow.record() if self._grow else {})})
         return RunState.RUNNING
+
+
+def _place(label: str) -> str:
+    """``replica 1 stage 0`` (``replica 1 shard 1 stage 0``) from a worker's label (raytrain.mesh.Mesh.label)."""
+    parts = label.split(":")
+    names = ("replica", "stage") if len(parts) == 2 else ("replica", "shard", "stage")
+    return " ".join(f"{n} {v}" for n, v in zip(names, parts))

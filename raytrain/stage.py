@@ -1,11 +1,14 @@
-"""One pipeline stage of one data-parallel replica: its layers, optimizer, data slice and executor.
+"""One pipeline stage of one data-parallel replica (or one shard of it): its layers, optimizer, data
+slice and executor.
 
-Hosted by the ``StageWorker`` actor (raytrain.worker). A worker's stage is fixed for its life; its
-place in the grid is not. Contract: ``join`` a generation (collective over its members) -> optional
-``load`` or ``sync_state`` -> ``run_step(step)`` for every step in order (``evaluate`` between two
-steps when asked) -> ``save`` on replica 0 of each stage when asked. After a failure the coordinator
-may ``commit_prepared`` and call ``join`` again with a new generation; the worker keeps its
-parameters and optimizer state in memory.
+Hosted by the ``StageWorker`` actor (raytrain.worker). A worker's stage and shard are fixed for its
+life; its place in the grid is not. With parallel.fsdp > 1 the stage's parameters, gradients and
+optimizer state are sharded over its fsdp group with FSDP2 (raytrain.sharded), re-wrapped on the
+groups of every generation it joins. Contract: ``join`` a generation (collective over its members)
+-> optional ``load`` or ``sync_state`` -> ``run_step(step)`` for every step in order (``evaluate``
+between two steps when asked) -> ``save`` on replica 0 of each stage when asked. After a failure the
+coordinator may ``commit_prepared`` and call ``join`` again with a new generation; the worker keeps
+its parameters and optimizer state in memory.
 
 Commit protocol (DESIGN invariant 4): a step's optimizer update happens only after every worker of
 the generation has reduced and clipped its gradients and said so in a world-wide vote. A worker
@@ -13,8 +16,8 @@ whose vote failed keeps its prepared gradients; if any survivor committed, the v
 worker's consent, and the coordinator rolls the others forward with ``commit_prepared``.
 
 Tensors only move through torch.distributed: activations and their gradients point-to-point
-between neighbouring stages, gradients all-reduced in the stage's dp group, state broadcast from a
-live peer to new members.
+between neighbouring stages, gradients all-reduced in the stage's dp group (reduce-scattered in
+its fsdp group first when sharded), state broadcast from a live peer to new members.
 
 At each phase point (raytrain.faults.PHASES) the stage calls its ``hook``, which does nothing
 unless the fault library armed it for this worker.
@@ -39,39 +42,45 @@ from raytrain.executor import PlanExecutor
 from raytrain.faults import PhaseHook, phase_hook
 from raytrain.generation import Generation, form_generation
 from raytrain.gradsync import GradientBuckets
-from raytrain.mesh import Mesh
+from raytrain.mesh import Groups, Mesh
 from raytrain.model import Recomputed, build_model
 from raytrain.optim import apply_step, make_optimizer
 from raytrain.rendezvous import StoreAddress
+from raytrain.sharded import ShardedLayers
 from raytrain.stage_eval import HeldOutLoss
 from raytrain.stage_state import StageState, all_finite
 
-HookFactory = Callable[[list[str], int, int], PhaseHook]
-"""(fault specs, replica, stage) -> the hook of the worker at that slot."""
+HookFactory = Callable[[list[str], int, int, int], PhaseHook]
+"""(fault specs, replica, stage, shard) -> the hook of the worker at that slot."""
 
 
 class Stage:
     """The layers of one stage of one replica, and how to train them; see the module docstring."""
 
     def __init__(self, cfg: Config, data_path: str, num_samples: int, stage: int, layer_ids: list[int],
-                 make_hook: HookFactory = phase_hook):
+                 make_hook: HookFactory = phase_hook, shard: int = 0):
         self.cfg = cfg
         self.data_path, self.num_samples = data_path, num_samples
         torch.set_num_threads(cfg.resources.cpus_per_worker)
         self.device = torch.device("cuda", 0) if cfg.resources.use_gpu else torch.device("cpu")
         if cfg.resources.use_gpu:
             torch.cuda.set_device(self.device)
-        self.stage = stage
-        spec = build_model(cfg.model, cfg.train.seed, layer_ids)
-        layers = [Recomputed(layer) for layer in spec.layers] if cfg.train.activation_checkpointing else spec.layers
-        module = nn.Sequential(*layers).to(self.device)  # parameters in the same order: names stay global
-        self.params = list(module.parameters())
-        self.grads = GradientBuckets(self.params, None)
+        self.stage, self.shard_index = stage, shard
+        self.sharded: Optional[ShardedLayers] = None  # with parallel.fsdp > 1: this shard's rows, wrapped per generation
+        if cfg.parallel.fsdp > 1:
+            self.sharded = ShardedLayers(cfg, layer_ids, shard, cfg.parallel.fsdp, self.device)
+            names, self.params, self.loss_fn = self.sharded.names, self.sharded.params, self.sharded.loss_fn
+            self.grads, self.executor = None, None  # the first join wraps the layers
+        else:
+            module, names, self.loss_fn = _replicated_stage(cfg, layer_ids, self.device)
+            self.params = list(module.parameters())
+            self.grads = GradientBuckets(self.params, None)
+            self.executor = self._executor(module)
         self.optimizer = make_optimizer(self.params, cfg.train)
-        self.state = StageState(spec.param_names(), self.params, self.optimizer, self.device, cfg.train.fused_optimizer)
-        self.executor = PlanExecutor(module, spec.loss_fn, self.grads, self.device, self._autocast, cfg.train.global_batch)
+        self.state = StageState(names, self.params, self.optimizer, self.device, cfg.train.fused_optimizer,
+                                self.sharded.rows if self.sharded is not None else None)
         self.dataset: Optional[data.TokenDataset] = None  # loaded on the first join (first and last stages)
-        self.held_out = HeldOutLoss(cfg, data_path, num_samples, self.executor, self.device)
+        self.held_out = HeldOutLoss(cfg, data_path, num_samples, self.device)
         self.committed = 0  # steps applied so far; the next step to run
         self.prepared: Optional[int] = None  # a step whose gradients are reduced but not yet applied
         self.gen: Optional[Generation] = None  # the generation this worker is a member of (None after leave)
@@ -88,17 +97,29 @@ class Stage:
         self.leave()
         self.joins += 1
         replica, stage = mesh.coords(rank)
-        assert stage == self.stage, f"worker of stage {self.stage} placed at stage {stage}"
-        self.rank, self.hook = rank, self.make_hook(faults, replica, stage)
+        assert (stage, mesh.shard(rank)) == (self.stage, self.shard_index), \
+            f"worker of stage {self.stage} shard {self.shard_index} placed at {mesh.label(rank)}"
+        self.rank, self.hook = rank, self.make_hook(faults, replica, stage, self.shard_index)
         if generation > 0:  # generation 0 is the start; a join fault names a repair's
             self.hook("join", self.committed)
         if self.dataset is None and stage in (0, mesh.pp - 1):
             self.dataset = data.open_dataset(self.data_path, self.cfg)
-        self.gen = form_generation(self.cfg, rank, mesh, shares, store, generation, self.executor.output_of,
-                                   self.device)
-        self.grads.group = self.gen.groups.dp_group
+        self.gen = form_generation(self.cfg, rank, mesh, shares, store, generation,
+                                   lambda example: self.executor.output_of(example), self.device,
+                                   on_groups=lambda groups: self._on_groups(groups, mesh, rank))
         return {"rank": rank, "pid": os.getpid(), "params": sum(p.numel() for p in self.params),
                 "node": os.uname().nodename, "committed": self.committed}
+
+    def _on_groups(self, groups: Groups, mesh: Mesh, rank: int) -> None:
+        """Point the gradient reduction at this generation's groups (a sharded stage re-wraps on them)."""
+        if self.sharded is None:
+            self.grads.group = groups.dp_group
+            return
+        self.grads = self.sharded.wrap(groups, mesh, rank, self.optimizer)
+        self.executor = self._executor(self.sharded.module)
+
+    def _executor(self, module: nn.Module) -> PlanExecutor:
+        return PlanExecutor(module, self.loss_fn, self.grads, self.device, self._autocast, self.cfg.train.global_batch)
 
     def leave(self) -> None:
         """Drop this worker's process groups (after a failure they may be broken); state stays.
@@ -107,7 +128,11 @@ class Stage:
         a collective with this worker fail at once rather than at the timeout.
         """
         self.gen = None
-        self.grads.detach_group()
+        if self.sharded is not None:  # the wrapping holds the groups; the values stay in self.params
+            self.sharded.release()
+            self.executor = self.grads = None
+        else:
+            self.grads.detach_group()
         if dist.is_initialized():
             dist.destroy_process_group()
         else:
@@ -203,6 +228,8 @@ class Stage:
         if self.dataset is not None:
             x, y = (t.to(self.device, non_blocking=True) for t in self.dataset.batch(ids))
         self.grads.zero()
+        if self.sharded is not None:  # FSDP2's all-gathers and reduce-scatters go into the trace too
+            self.sharded.comm_log = [] if trace else None
         buf = self.executor.run(gen, step, x, y, self.hook, trace)
         t_sync = time.perf_counter()
         self.hook("allreduce", step)  # peers are all-reducing now
@@ -213,12 +240,13 @@ class Stage:
         result = {
             "busy_s": buf.busy_s, "wall_s": t_end - t_start,
             "pipeline_s": t_sync - t_start, "peak_live": buf.peak_live, "grad_norm": grad_norm,
-            "samples": len(ids), "positions": (begin, end), "peak_mem_mb": self._peak_memory_mb(),
+            "samples": len(ids), "positions": (begin, end), "peak_mem_mb": peak_memory_mb(self.device),
         }
         if gen.is_last:
             result["loss_sum"] = float(buf.loss_sum)
         if trace:
             events = buf.events + [("allreduce wait", t_sync, t_reduced), ("clip", t_reduced, t_end)]
+            events += self.sharded.comm_log if self.sharded is not None else []
             result["events"] = [(name, a - t_start, b - t_start) for name, a, b in events]
         if cfg.run.record_samples and gen.is_first:
             result["sample_ids"] = ids
@@ -233,7 +261,7 @@ class Stage:
             return {**result, "error": "skipped: this worker is in no generation (its groups broke)"}
         self.hook("eval", self.committed)
         try:
-            loss_sum, rows = self.held_out.loss_sum(self.gen, self.committed, self.dataset)
+            loss_sum, rows = self.held_out.loss_sum(self.executor, self.gen, self.committed, self.dataset)
         except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
             result["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             e.__traceback__ = None
@@ -243,14 +271,9 @@ class Stage:
             result.update(loss_sum=loss_sum, rows=rows)
         return {**result, "ok": True}
 
-    def _peak_memory_mb(self) -> float:
-        """Peak device memory (GPU) or peak resident set (CPU) of this worker so far."""
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
     def _clip_gradients(self) -> Optional[float]:
-        """Global gradient norm over all stages (the dp replicas already agree), clipped to train.grad_clip.
+        """Global gradient norm over all shards and stages (the dp replicas already agree), clipped to
+        train.grad_clip.
 
         With clipping off the global norm is not computed (None): no collective for it; each worker
         still checks its own gradients for the commit vote (``_finite``).
@@ -259,8 +282,9 @@ class Stage:
         if clip == 0:
             return None
         sq = self.grads.squared_norm()
-        if self.gen.groups.pp_group is not None:
-            dist.all_reduce(sq, group=self.gen.groups.pp_group)
+        for group in (self.gen.groups.fsdp_group, self.gen.groups.pp_group):  # shards, then stages
+            if group is not None:
+                dist.all_reduce(sq, group=group)
         norm = float(sq.sqrt())
         coef = clip / (norm + 1e-6)
         if coef < 1.0:
@@ -277,10 +301,12 @@ class Stage:
         return self.state.shard()
 
     def save(self, ckpt_dir: str) -> dict:
-        """Write this stage's shard into ``ckpt_dir``; what the manifest records of it."""
-        shard, name = self.shard(), checkpoint.shard_name(self.stage)
+        """Write this stage's shard (its rows of it, when sharded) into ``ckpt_dir``; what the manifest
+        records of it."""
+        part = self.shard_index if self.sharded is not None else None
+        shard, name = self.shard(), checkpoint.shard_name(self.stage, part)
         self.hook("checkpoint", self.committed, file=checkpoint.join_uri(ckpt_dir, name))
-        size = checkpoint.save_shard(ckpt_dir, self.stage, shard)
+        size = checkpoint.save_shard(ckpt_dir, self.stage, shard, part)
         return {"file": name, "bytes": size, "finite": all_finite(shard)}
 
     def load(self, ckpt_dir: str) -> None:
@@ -294,3 +320,18 @@ class Stage:
 
     def shutdown(self) -> None:
         self.leave()
+
+
+def _replicated_stage(cfg: Config, layer_ids: list[int], device: torch.device):
+    """This stage's whole layers on ``device`` (every replica holds them), their global names, the loss."""
+    spec = build_model(cfg.model, cfg.train.seed, layer_ids)
+    layers = [Recomputed(layer) for layer in spec.layers] if cfg.train.activation_checkpointing else spec.layers
+    module = nn.Sequential(*layers).to(device)  # parameters in the same order: names stay global
+    return module, spec.param_names(), spec.loss_fn
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak device memory (GPU) or peak resident set (CPU) of this process so far."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

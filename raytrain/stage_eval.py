@@ -25,18 +25,19 @@ from raytrain.generation import Generation, for_evaluation
 class HeldOutLoss:
     """One stage's evaluator: where its held-out rows are, and the forward passes over them."""
 
-    def __init__(self, cfg: Config, data_path: str, num_samples: int, executor: PlanExecutor,
-                 device: torch.device):
-        self.cfg, self.executor, self.device = cfg, executor, device
+    def __init__(self, cfg: Config, data_path: str, num_samples: int, device: torch.device):
+        self.cfg, self.device = cfg, device
         self.path, self.first = data.held_out_source(cfg, data_path, num_samples)
         self.dataset: Optional[data.TokenDataset] = None  # data.eval_path's rows, opened on first use
 
-    def loss_sum(self, gen: Generation, step: int, train_rows: Optional[data.TokenDataset]) -> tuple[float, int]:
-        """Sum over this replica's share of the held-out rows of their mean next-token loss (meaningful
-        on the last stage only), and how many rows that share is. ``train_rows``: the stage's training
-        dataset (data.eval_fraction's rows follow its training rows); ``step`` only labels the pass."""
+    def loss_sum(self, executor: PlanExecutor, gen: Generation, step: int,
+                 train_rows: Optional[data.TokenDataset]) -> tuple[float, int]:
+        """Sum over this worker's share of the held-out rows of their mean next-token loss (meaningful
+        on the last stage only), and how many rows that share is, run by the stage's executor of this
+        generation. ``train_rows``: the stage's training dataset (data.eval_fraction's rows follow its
+        training rows); ``step`` only labels the pass."""
         plan, rows, B = for_evaluation(gen), self._rows(gen, train_rows), self.cfg.train.global_batch
-        module, total = self.executor.module, 0.0
+        module, total = executor.module, 0.0
         was_training = module.training
         module.eval()
         try:
@@ -46,7 +47,7 @@ class HeldOutLoss:
                     if rows is not None:
                         ids = data.held_out_ids(self.first, batch, B, gen.batch_offset, gen.batch_offset + gen.share)
                         x, y = (t.to(self.device, non_blocking=True) for t in rows.batch(ids))
-                    total += float(self.executor.run(plan, step, x, y, PhaseHook(), trace=False).loss_sum)
+                    total += float(executor.run(plan, step, x, y, PhaseHook(), trace=False).loss_sum)
         finally:
             module.train(was_training)
         return total, self.cfg.eval.batches * gen.share

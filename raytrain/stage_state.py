@@ -1,13 +1,14 @@
 """A stage's parameters and optimizer state, by global parameter name: broadcast, shards, digest.
 
 What a worker hands to a new peer (``broadcast``), writes to and reads from checkpoints (``shard``,
-``load``), and what must be identical on every replica of a stage (``digest``).
+``load``), and what must be identical on every replica of a stage (``digest``). A sharded stage's
+worker holds rows of each parameter (``rows``); its peer in another replica holds the same rows.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,9 +19,11 @@ from raytrain import checkpoint
 class StageState:
     """Views of one stage's parameters (in module order, with their global names) and its optimizer."""
 
-    def __init__(self, names: list[str], params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-                 device: torch.device, fused_optimizer: bool):
-        self.names, self.params, self.optimizer, self.device = names, params, optimizer, device
+    def __init__(self, names: list[str], params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+                 device: torch.device, fused_optimizer: bool, rows: Optional[list[tuple[int, int, int]]] = None):
+        """``params`` is read at every call (a sharded stage re-points its items each generation);
+        ``rows`` are the (start, stop, total) rows of dim 0 of each that this worker owns, None when whole."""
+        self.names, self.params, self.optimizer, self.device, self.rows = names, params, optimizer, device, rows
         self._step_device = device if fused_optimizer else torch.device("cpu")  # where AdamW keeps ``step``
 
     def broadcast(self, src_rank: int, group, committed: int) -> int:
@@ -55,16 +58,23 @@ class StageState:
                                                exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
     def shard(self) -> dict[str, Any]:
-        """Model and optimizer state keyed by global parameter name, on the CPU (a checkpoint shard)."""
-        return {
+        """Model and optimizer state keyed by global parameter name, on the CPU (a checkpoint shard),
+        with the rows each tensor holds when this worker owns a row slice."""
+        shard = {
             "model": {n: p.detach().cpu().clone() for n, p in zip(self.names, self.params)},
             "optim": checkpoint.optimizer_state_by_name(self.optimizer, self.names),
             "rng": torch.get_rng_state(),
         }
+        if self.rows is not None:
+            shard["rows"] = {n: list(r) for n, r in zip(self.names, self.rows)}
+        return shard
 
     def load(self, ckpt_dir: str) -> int:
-        """Take this stage's parameters and optimizer state from any layout's checkpoint; returns its step."""
-        state = checkpoint.merged_state(ckpt_dir)
+        """Take this stage's parameters and optimizer state (its rows of them, when sharded) from any
+        layout's checkpoint; returns its step."""
+        rows = self.rows or [None] * len(self.names)
+        wanted = {n: None if r is None else (r[0], r[1]) for n, r in zip(self.names, rows)}
+        state = checkpoint.load_rows(ckpt_dir, wanted)
         missing = [n for n in self.names if n not in state["model"]]
         if missing:
             raise checkpoint.CheckpointError(

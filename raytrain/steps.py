@@ -150,17 +150,18 @@ def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, m
 def rolled_forward_row(step: int, results: list[dict], cfg: Config, mesh: Mesh, num_samples: int, layout: str) -> dict:
     """The row of a step committed by roll-forward: every worker voted for it, some died before replying.
 
-    Its loss is known only if the last stage of every replica survived; its samples are the whole
+    Its loss is known only if the last stage of every column survived; its samples are the whole
     global batch of the step (every replica had finished its slice before the vote).
     """
     return _unreported_step_row(step, cfg, num_samples, layout, mesh.dp, rolled_forward=True,
-                                loss=loss_of(results, cfg, mesh.dp), lr=learning_rate(cfg.train, step))
+                                loss=loss_of(results, cfg, mesh.columns), lr=learning_rate(cfg.train, step))
 
 
-def loss_of(results: list[dict], cfg: Config, dp: int) -> Optional[float]:
-    """The step's mean loss when every replica's last stage reported it, else None."""
+def loss_of(results: list[dict], cfg: Config, columns: int) -> Optional[float]:
+    """The step's mean loss when the last stage of every pipeline column (replica, or shard of one:
+    ``Mesh.columns``) reported it, else None."""
     last = [r["loss_sum"] for r in results if "loss_sum" in r]
-    return sum(last) / cfg.train.global_batch if len(last) == dp else None
+    return sum(last) / cfg.train.global_batch if len(last) == columns else None
 
 
 def skipped_row(step: int, loss: Optional[float], grad_norm: Optional[float], cfg: Config, num_samples: int,

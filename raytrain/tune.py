@@ -27,7 +27,7 @@ from raytrain.layout import Layout
 from raytrain.placement import worker_bundle
 from raytrain.plan import check_inputs, plan_layout
 
-LAYOUT_KEYS = ("parallel.dp", "parallel.pp", "parallel.microbatches", "parallel.schedule")
+LAYOUT_KEYS = ("parallel.dp", "parallel.fsdp", "parallel.pp", "parallel.microbatches", "parallel.schedule")
 LAYOUTS = "layouts"
 """Space key for an explicit list of layouts, each a mapping of parallel.* keys (a grid over them)."""
 SCHEDULERS = ("none", "asha", "pbt")

@@ -1,4 +1,5 @@
-"""The Ray actor that owns one device and hosts one pipeline stage of one data-parallel replica.
+"""The Ray actor that owns one device and hosts one pipeline stage (or one shard of it) of one
+data-parallel replica.
 
 Deliberately thin: torch is imported inside the worker process (raytrain.stage), so the driver and
 the coordinator never import it and worker start-up is not serialised behind theirs. The class name
@@ -18,11 +19,11 @@ from raytrain.config import Config
 
 class StageWorker:
     def __init__(self, cfg: Config, data_path: str, num_samples: int, stage: int, layer_ids: list[int],
-                 corpus: Optional[list] = None):
+                 corpus: Optional[list] = None, shard: int = 0):
         from raytrain.stage import Stage
 
         data_path = dataset_here(data_path, corpus, cfg.data.cache_dir)
-        self.stage = Stage(cfg, data_path, num_samples, stage, layer_ids)
+        self.stage = Stage(cfg, data_path, num_samples, stage, layer_ids, shard=shard)
 
     def pid(self) -> int:
         return os.getpid()

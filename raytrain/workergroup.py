@@ -43,16 +43,17 @@ class Outcome:
 class RayWorkerGroup:
     """Worker actors of one class, each on one placement-group bundle."""
 
-    def __init__(self, worker_cls, options: dict, args_for_stage: Callable[[int], tuple]):
+    def __init__(self, worker_cls, options: dict, args_for_slot: Callable[[int, int], tuple]):
+        """``args_for_slot(stage, shard)``: the worker constructor's arguments for that slot."""
         self.worker_cls = ray.remote(worker_cls) if not hasattr(worker_cls, "remote") else worker_cls
-        self.options, self.args_for_stage = options, args_for_stage
+        self.options, self.args_for_slot = options, args_for_slot
 
-    def spawn(self, stage: int, placement, bundle: int) -> Member:
+    def spawn(self, stage: int, placement, bundle: int, shard: int = 0) -> Member:
         handle = self.worker_cls.options(
             **self.options,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle),
-        ).remote(*self.args_for_stage(stage))
-        return Member(handle, stage, placement, bundle, ready=handle.pid.remote())
+        ).remote(*self.args_for_slot(stage, shard))
+        return Member(handle, stage, placement, bundle, ready=handle.pid.remote(), shard=shard)
 
     def started(self, members: list[Member], timeout: float) -> list[Member]:
         """The members whose actor is up (or failed to start) within ``timeout``."""

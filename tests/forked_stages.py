@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from raytrain import checkpoint
 from raytrain.plan import prepare
 from raytrain.config import Config
 from raytrain.data import even_shares
@@ -43,8 +44,9 @@ def _run_worker(cfg, data_path: str, num_samples: int, stage_layers: list[list[i
     from raytrain.stage import Stage
 
     replica, stage_index = mesh.coords(rank)
+    shard = mesh.shard(rank)
     steps = cfg.train.steps
-    stage = Stage(cfg, data_path, num_samples, stage_index, stage_layers[stage_index])
+    stage = Stage(cfg, data_path, num_samples, stage_index, stage_layers[stage_index], shard=shard)
     if resume is not None:
         stage.load(resume)
     stage.join(rank, mesh, even_shares(cfg.train.global_batch, mesh.dp), store, generation=0, faults=[])
@@ -55,17 +57,18 @@ def _run_worker(cfg, data_path: str, num_samples: int, stage_layers: list[list[i
             raise RuntimeError(f"rank {rank} failed step {step}: {result.get('error')}")
         peak_live = max(peak_live, result["peak_live"])
     if replica == 0:
-        torch.save(stage.shard()["model"], os.path.join(out_dir, f"stage{stage_index}.pt"))
-        with open(os.path.join(out_dir, f"stage{stage_index}.json"), "w") as f:
+        torch.save(stage.shard(), os.path.join(out_dir, f"stage{stage_index}-{shard}.pt"))
+        with open(os.path.join(out_dir, f"stage{stage_index}-{shard}.json"), "w") as f:
             json.dump({"peak_live": peak_live}, f)
     stage.shutdown()
 
 
 def run_stages(cfg: Config, out_dir: str) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """Train ``cfg`` (its dp x pp layout, resuming from checkpoint.resume if set) in forked processes;
-    returns the model by global name and the peak number of live activations of each stage (replica 0's)."""
+    """Train ``cfg`` (its dp x fsdp x pp layout, resuming from checkpoint.resume if set) in forked
+    processes; returns the model by global name (shards reassembled) and the peak number of live
+    activations of each stage (replica 0's, shard 0's)."""
     plan = prepare(cfg)
-    mesh = Mesh(plan.layout.dp, plan.layout.pp)
+    mesh = Mesh(plan.layout.dp, plan.layout.pp, plan.layout.fsdp)
     os.makedirs(out_dir, exist_ok=True)
     rendezvous = RendezvousStore()
     store = rendezvous.address("127.0.0.1", namespace=os.path.basename(out_dir))
@@ -87,9 +90,10 @@ def run_stages(cfg: Config, out_dir: str) -> tuple[dict[str, torch.Tensor], list
                 p.kill()
                 p.join(timeout=10)
         rendezvous.close()
-    model, peak_live = {}, []
+    rows, peak_live = checkpoint.RowAssembler(None), []
     for s in range(mesh.pp):
-        model.update(torch.load(os.path.join(out_dir, f"stage{s}.pt"), weights_only=True))
-        with open(os.path.join(out_dir, f"stage{s}.json")) as f:
+        for f in range(mesh.fsdp):
+            rows.add(torch.load(os.path.join(out_dir, f"stage{s}-{f}.pt"), weights_only=True))
+        with open(os.path.join(out_dir, f"stage{s}-0.json")) as f:
             peak_live.append(json.load(f)["peak_live"])
-    return model, peak_live
+    return rows.result(out_dir)["model"], peak_live

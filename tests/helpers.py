@@ -91,13 +91,13 @@ class FakeWorkerGroup:
 
     # --- the RayWorkerGroup interface -----------------------------------------------------------
 
-    def spawn(self, stage: int, placement, bundle: int) -> Member:
+    def spawn(self, stage: int, placement, bundle: int, shard: int = 0) -> Member:
         self.spawned += 1
         worker = FakeWorker(stage, pid=10_000 + self.spawned)
         replacements = sum(1 for w in self.workers[self.initial:] if w.started)
         worker.started = self.spawned <= self.initial or self.capacity is None or replacements < self.capacity
         self.workers.append(worker)
-        return Member(worker, stage, placement, bundle, ready=worker)
+        return Member(worker, stage, placement, bundle, ready=worker, shard=shard)
 
     def started(self, members: list[Member], timeout: float) -> list[Member]:
         return [m for m in members if m.handle.started]
@@ -263,11 +263,11 @@ def fake_config(tmp_path, *overrides: str):
 
 
 def assert_replicas_identical(result, replicas: int) -> None:
-    """Every replica of every stage ends with the same parameters and optimizer state (the digests
-    ``run.record_samples`` collects), and there are ``replicas`` of each."""
+    """Every replica of every stage (of every shard of it) ends with the same parameters and
+    optimizer state (the digests ``run.record_samples`` collects), and there are ``replicas`` of each."""
     by_stage: dict[str, list[str]] = {}
     for slot, digest in result.state_digests.items():
-        by_stage.setdefault(slot.split(":")[1], []).append(digest)
+        by_stage.setdefault(slot.split(":", 1)[1], []).append(digest)
     assert by_stage, "no digests: set run.record_samples=true"
     for stage, digests in by_stage.items():
         assert len(digests) == replicas and len(set(digests)) == 1, f"stage {stage}: {digests}"
@@ -366,21 +366,43 @@ def pid_alive(pid: int) -> bool:
 
 
 def stage_worker_pids() -> set[int]:
-    """Pids of the processes on this machine that host a raytrain StageWorker actor."""
+    """Pids of the processes that host a raytrain StageWorker actor of this test session's Ray."""
     return set(_stage_worker_titles())
 
 
 def _stage_worker_titles() -> dict[int, str]:
-    titles = {}
-    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+    """Title of every StageWorker process descended from this one (the session's Ray runs under
+    it: other test sessions on a shared machine have workers of their own)."""
+    titles, parents = {}, _parents()
+    for pid in parents:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 title = f.read().split(b"\0")[0].decode(errors="replace")
         except OSError:
             continue
-        if title.startswith("ray::StageWorker"):
+        if title.startswith("ray::StageWorker") and _descends_from_us(pid, parents):
             titles[pid] = title
     return titles
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parents[pid] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return parents
+
+
+def _descends_from_us(pid: int, parents: dict[int, int]) -> bool:
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        pid = parents.get(pid, 0)
+    return False
 
 
 def hold_until_a_new_worker_starts(running: list[int], known: set[int], timeout_s: float = 120.0) -> int:

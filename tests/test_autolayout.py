@@ -4,23 +4,39 @@ the fastest and the run trains with it, on the same trajectory as any other layo
 import pytest
 
 from raytrain import checkpoint, train
-from raytrain.autolayout import candidate_layouts
+from raytrain.autolayout import candidate_layouts, layout_of, state_bytes, too_big
 from raytrain.config import load_config
 from tests.helpers import assert_same_params, reference_state
 def _layouts(workers, layers, *overrides):
     cfg = load_config(None, ["parallel.auto=true", *overrides])
-    return [(l["parallel.dp"], l["parallel.pp"], l["parallel.microbatches"], l.get("parallel.schedule"))
-            for l in candidate_layouts(cfg, workers, layers)]
+    return [(l["parallel.dp"], l.get("parallel.fsdp", 1), l["parallel.pp"], l["parallel.microbatches"],
+             l.get("parallel.schedule")) for l in candidate_layouts(cfg, workers, layers)]
 
 
 def test_candidates_use_every_worker_and_fit_batch_and_layers():
-    # global batch 8: dp must divide it; the per-replica batch must divide by m; pp <= layers
+    # global batch 8: dp x fsdp must divide it; each worker's share must divide by m; pp <= layers
     assert _layouts(2, 4, "train.global_batch=8") == [
-        (2, 1, 1, None), (1, 2, 2, "1f1b"), (1, 2, 4, "1f1b"), (1, 2, 8, "1f1b")]
+        (2, 1, 1, 1, None), (1, 2, 1, 1, None), (1, 1, 2, 2, "1f1b"), (1, 1, 2, 4, "1f1b"), (1, 1, 2, 8, "1f1b")]
     assert _layouts(4, 3, "train.global_batch=8", "parallel.auto_microbatches=[2, 8]",
                     "parallel.auto_schedules=[gpipe, 1f1b]") == [
-        (4, 1, 1, None), (2, 2, 2, "gpipe"), (2, 2, 2, "1f1b")]  # m=8 exceeds the share of 4; pp=4 > 3 layers
-    assert _layouts(3, 4, "train.global_batch=8") == [(1, 3, 2, "1f1b"), (1, 3, 4, "1f1b"), (1, 3, 8, "1f1b")]
+        (4, 1, 1, 1, None), (2, 2, 1, 1, None), (1, 4, 1, 1, None),
+        (2, 1, 2, 2, "gpipe"), (2, 1, 2, 2, "1f1b"), (1, 2, 2, 2, "gpipe"), (1, 2, 2, 2, "1f1b")]  # m=8 > share 4
+    assert _layouts(3, 4, "train.global_batch=8") == [
+        (1, 1, 3, 2, "1f1b"), (1, 1, 3, 4, "1f1b"), (1, 1, 3, 8, "1f1b")]  # 8 samples do not divide over 3
+    # fsdp never exceeds the rows of the smallest parameter (model.d_model=2 here)
+    assert (1, 4, 1, 1, None) not in _layouts(4, 6, "train.global_batch=8", "model.d_model=2", "model.n_head=1")
+
+
+def test_layouts_whose_state_does_not_fit_a_worker_are_not_probed():
+    counts = [1000, 4000, 4000, 1000]  # parameters per layer: 160 kB of state in all
+    layouts = [{"parallel.dp": 2, "parallel.pp": 1}, {"parallel.fsdp": 2, "parallel.pp": 1},
+               {"parallel.pp": 2, "parallel.microbatches": 2}]
+    assert state_bytes(layout_of(layouts[0]), counts) == 16 * 10_000
+    assert state_bytes(layout_of(layouts[1]), counts) == 8 * 10_000
+    assert state_bytes(layout_of(layouts[2]), counts) == 16 * 5_000
+    reasons = too_big(layouts, counts, worker_bytes=100_000)
+    assert list(reasons) == [0] and "exceeds" in reasons[0] and "GiB" in reasons[0]
+    assert too_big(layouts, counts, worker_bytes=None) == {}  # unknown (GPUs): probed, not estimated
 
 
 @pytest.mark.parametrize("overrides, must_mention", [
@@ -39,7 +55,7 @@ def test_auto_probes_then_trains_with_the_fastest_layout(ray_session, make_confi
                       "parallel.auto_steps=3", "train.steps=3")
     result = train(cfg)
     probes = result.auto_layout["probes"]
-    assert sorted(p["layout"] for p in probes) == ["dp=1 pp=2 m=2 1f1b", "dp=2 pp=1 m=1"]
+    assert sorted(p["layout"] for p in probes) == ["dp=1 fsdp=2 pp=1 m=1", "dp=1 pp=2 m=2 1f1b", "dp=2 pp=1 m=1"]
     assert all(p["status"] == "finished" and p["samples_per_s"] > 0 for p in probes), probes
     fastest = max(probes, key=lambda p: p["samples_per_s"])["layout"]
     assert result.auto_layout["chosen"] == fastest == result.layout

@@ -22,3 +22,11 @@ def test_too_many_workers_fail_after_bounded_wait(ray_session, make_config):
     while ray_session.available_resources().get("CPU", 0) < TEST_RAY_CPUS and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray_session.available_resources().get("CPU", 0) == TEST_RAY_CPUS
+
+
+def test_a_sharded_world_the_cluster_cannot_hold_names_parallel_fsdp(ray_session, make_config):
+    cfg = make_config("parallel.dp=2", "parallel.fsdp=4", "resources.wait_s=1")
+    with pytest.raises(ResourcesUnavailable) as err:
+        train(cfg)
+    message = str(err.value)
+    assert "dp=2 fsdp=4" in message and "8 workers" in message and "parallel.fsdp" in message

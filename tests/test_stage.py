@@ -63,8 +63,8 @@ def test_the_stage_calls_its_hook_at_every_phase_point(make_config, tmp_path, ke
     cfg, data_path, num_samples, stage_layers = plan.cfg, plan.data_path, plan.num_samples, plan.stage_layers
     recorder, armed = Recorder(), []
 
-    def make_hook(specs, replica, stage_index):
-        armed.append((specs, replica, stage_index))
+    def make_hook(specs, replica, stage_index, shard):
+        armed.append((specs, replica, stage_index, shard))
         return recorder
 
     stage = Stage(cfg, data_path, num_samples, 0, stage_layers[0], make_hook=make_hook)
@@ -77,7 +77,7 @@ def test_the_stage_calls_its_hook_at_every_phase_point(make_config, tmp_path, ke
     finally:
         stage.shutdown()
         rendezvous.close()
-    assert armed == [(["0:0@7:forward"], 0, 0)]
+    assert armed == [(["0:0@7:forward"], 0, 0, 0)]
     shard = os.path.join(str(tmp_path), "stage-0.pt")
     assert recorder.calls == [("join", 0, None), ("forward", 0, None), ("backward", 0, None), ("allreduce", 0, None),
                               ("optimizer", 0, None), ("checkpoint", 1, shard)]
