@@ -66,16 +66,11 @@ class Stage:
         if cfg.resources.use_gpu:
             torch.cuda.set_device(self.device)
         self.stage, self.shard_index = stage, shard
-        self.sharded: Optional[ShardedLayers] = None  # with parallel.fsdp > 1: this shard's rows, wrapped per generation
-        if cfg.parallel.fsdp > 1:
-            self.sharded = ShardedLayers(cfg, layer_ids, shard, cfg.parallel.fsdp, self.device)
-            names, self.params, self.loss_fn = self.sharded.names, self.sharded.params, self.sharded.loss_fn
-            self.grads, self.executor = None, None  # the first join wraps the layers
-        else:
-            module, names, self.loss_fn = _replicated_stage(cfg, layer_ids, self.device)
-            self.params = list(module.parameters())
-            self.grads = GradientBuckets(self.params, None)
-            self.executor = self._executor(module)
+        # with parallel.fsdp > 1: this shard's rows, wrapped per generation (its first join makes the executor)
+        self.sharded, module, names, self.loss_fn = _stage_layers(cfg, layer_ids, shard, self.device)
+        self.params = self.sharded.params if self.sharded is not None else list(module.parameters())
+        self.grads = None if self.sharded is not None else GradientBuckets(self.params, None)
+        self.executor = None if self.sharded is not None else self._executor(module)
         self.optimizer = make_optimizer(self.params, cfg.train)
         self.state = StageState(names, self.params, self.optimizer, self.device, cfg.train.fused_optimizer,
                                 self.sharded.rows if self.sharded is not None else None)
@@ -133,14 +128,7 @@ class Stage:
             self.executor = self.grads = None
         else:
             self.grads.detach_group()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        else:
-            # An init_process_group that failed (its peer died during a repair) leaves torch's
-            # process-global group-name counter advanced, and only destroy_process_group (which
-            # needs a successful init) resets it. Group names key the store, so a stale counter would
-            # make this worker wait under different keys than its peers. No public API does this.
-            dist.distributed_c10d._world.group_count = 0
+        destroy_groups()
         if self.joins:
             gc.collect()  # 0.1 s: worth it only once a join may have left groups behind
 
@@ -253,9 +241,8 @@ class Stage:
         return result
 
     def evaluate(self) -> dict[str, Any]:
-        """The held-out loss of the committed parameters, between two steps (raytrain.stage_eval): the
-        last stage reports ``loss_sum`` over its replica's ``rows``. A failed collective returns
-        ``ok=False`` and leaves the groups, as in run_step; no training state changes either way."""
+        """The held-out loss of the committed parameters (raytrain.stage_eval): the last stage reports
+        ``loss_sum`` over its ``rows``; a failed collective returns ``ok=False`` and leaves the groups."""
         result = {"rank": self.rank, "step": self.committed, "ok": False}
         if self.gen is None:
             return {**result, "error": "skipped: this worker is in no generation (its groups broke)"}
@@ -273,11 +260,7 @@ class Stage:
 
     def _clip_gradients(self) -> Optional[float]:
         """Global gradient norm over all shards and stages (the dp replicas already agree), clipped to
-        train.grad_clip.
-
-        With clipping off the global norm is not computed (None): no collective for it; each worker
-        still checks its own gradients for the commit vote (``_finite``).
-        """
+        train.grad_clip; None with clipping off (no collective: ``_finite`` still checks each worker's)."""
         clip = self.cfg.train.grad_clip
         if clip == 0:
             return None
@@ -320,6 +303,27 @@ class Stage:
 
     def shutdown(self) -> None:
         self.leave()
+
+
+def destroy_groups() -> None:
+    """Destroy this process's torch.distributed groups, whether or not its last init succeeded."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    else:
+        # An init_process_group that failed (its peer died during a repair) leaves torch's
+        # process-global group-name counter advanced, and only destroy_process_group (which
+        # needs a successful init) resets it. Group names key the store, so a stale counter would
+        # make this worker wait under different keys than its peers. No public API does this.
+        dist.distributed_c10d._world.group_count = 0
+
+
+def _stage_layers(cfg: Config, layer_ids: list[int], shard: int, device: torch.device):
+    """(sharded layers or None, the replicated module or None, global parameter names, loss function)."""
+    if cfg.parallel.fsdp > 1:
+        sharded = ShardedLayers(cfg, layer_ids, shard, cfg.parallel.fsdp, device)
+        return sharded, None, sharded.names, sharded.loss_fn
+    module, names, loss_fn = _replicated_stage(cfg, layer_ids, device)
+    return None, module, names, loss_fn
 
 
 def _replicated_stage(cfg: Config, layer_ids: list[int], device: torch.device):

@@ -157,7 +157,7 @@ def test_an_evaluation_changes_no_training_state(make_config):
     plan = prepare(make_config(*EVAL))
     recorder = Recorder()
     stage = Stage(plan.cfg, plan.data_path, plan.num_samples, 0, plan.stage_layers[0],
-                  make_hook=lambda specs, replica, stage_index: recorder)
+                  make_hook=lambda specs, replica, stage_index, shard: recorder)
     rendezvous = RendezvousStore()
     try:
         stage.join(0, Mesh(1, 1), [8], rendezvous.address("127.0.0.1", "eval-state"), generation=0, faults=[])
@@ -186,6 +186,7 @@ LAYOUTS = {
     "pp2-1f1b-m2": ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=2"],
     "pp2-gpipe-m2": ["parallel.pp=2", "parallel.schedule=gpipe", "parallel.microbatches=2"],
     "dp2xpp2-m2": ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"],
+    "fsdp2": ["parallel.fsdp=2"],
 }
 
 
