@@ -168,7 +168,6 @@ def _fully_shard_stage(layers: list[nn.Module], mesh: DeviceMesh, owner: Sharded
     for first, second in zip(units, units[1:]):
         first.set_modules_to_forward_prefetch([second])
         second.set_modules_to_backward_prefetch([first])
-    root._set_unshard_async_op(True)  # prefetched all-gathers run while this unit computes (gloo: a thread)
     return root
 
 
