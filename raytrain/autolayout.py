@@ -29,8 +29,8 @@ STATE_BYTES_PER_PARAM = 16
 def candidate_layouts(cfg: Config, workers: int, layers: int) -> list[dict]:
     """Every layout that uses all ``workers`` workers and that the config can run.
 
-    dp x fsdp data-parallel workers need to divide the global batch (and fsdp not to exceed the
-    smallest parameter's rows); pipelines need pp <= ``layers`` and take each of
+    dp x fsdp data-parallel workers need to divide the global batch (a model.factory's or model.hf's
+    limit on fsdp is applied by ``choose_layout``); pipelines need pp <= ``layers`` and take each of
     parallel.auto_microbatches that divides each worker's share, with each of parallel.auto_schedules.
     """
     p, batch = cfg.parallel, cfg.train.global_batch
@@ -110,14 +110,15 @@ def choose_layout(cfg: Config, layers: int, stream: TextIO) -> tuple[Config, dic
     """Probe every candidate layout; returns the config with the fastest, and what was probed."""
     from raytrain import tune as rt_tune
 
-    from raytrain.plan import layer_param_counts
+    from raytrain.plan import model_layers, shardable_rows
 
-    workers = cluster_workers(cfg)
-    layouts = candidate_layouts(cfg, workers, layers)
+    workers, model = cluster_workers(cfg), model_layers(cfg)
+    max_fsdp = shardable_rows(model)
+    layouts = [c for c in candidate_layouts(cfg, workers, layers) if c.get("parallel.fsdp", 1) <= max_fsdp]
     if not layouts:
         raise ValueError(f"parallel.auto=true: no layout of {workers} worker(s) fits train.global_batch="
                          f"{cfg.train.global_batch} and {layers} layers; set the layout by hand")
-    rejected = too_big(layouts, layer_param_counts(cfg), worker_memory_bytes(cfg))
+    rejected = too_big(layouts, [sum(p.numel() for p in layer.parameters()) for layer in model], worker_memory_bytes(cfg))
     skipped = [_rejected_row(layouts[i], reason) for i, reason in rejected.items()]
     layouts = [params for i, params in enumerate(layouts) if i not in rejected]
     if not layouts:

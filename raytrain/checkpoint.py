@@ -178,7 +178,7 @@ def merged_state(ckpt_dir: str) -> dict[str, Any]:
     return load_rows(ckpt_dir, None)
 
 
-def load_rows(ckpt_dir: str, wanted: Optional[dict[str, Optional[tuple[int, int]]]]) -> dict[str, Any]:
+def load_rows(ckpt_dir: str, wanted: Optional[dict[str, Optional[tuple[int, int, int]]]]) -> dict[str, Any]:
     """Model and optimizer state of the parameters in ``wanted`` (all when None), each cut to rows
     [start, stop) of dim 0 (whole when None), whatever layout wrote them, and the RNG. Reads one
     file at a time and keeps only the wanted rows of it: a sharded worker loads its slice alone.
@@ -195,7 +195,9 @@ def load_rows(ckpt_dir: str, wanted: Optional[dict[str, Optional[tuple[int, int]
 class RowAssembler:
     """Pieces of named tensors from shard files, cut to the wanted rows and joined in row order."""
 
-    def __init__(self, wanted: Optional[dict[str, Optional[tuple[int, int]]]]):
+    def __init__(self, wanted: Optional[dict[str, Optional[tuple[int, int, int]]]]):
+        """``wanted``: name -> (start, stop, total rows the reader's parameter has), or None for the whole
+        tensor; None wants every tensor whole."""
         self.wanted = wanted
         self.pieces: dict[tuple[str, Optional[str]], list[tuple[int, torch.Tensor]]] = {}
         self.span: dict[str, tuple[int, int]] = {}  # name -> the rows [start, stop) to assemble
@@ -206,8 +208,12 @@ class RowAssembler:
             if self.wanted is not None and name not in self.wanted:
                 continue
             start, stop, total = rows.get(name, (0, tensor.shape[0] if tensor.dim() else 1, None))
+            total = stop if total is None else total
             want = self.wanted.get(name) if self.wanted is not None else None
-            self.span[name] = want or (0, total if total is not None else stop)
+            if want is not None and want[2] != total:
+                raise CheckpointError(f"{name} has {total} rows in the checkpoint and {want[2]} in this model: was it "
+                                      "written by another model config?")
+            self.span[name] = (want[0], want[1]) if want is not None else (0, total)
             self._put((name, None), tensor, start, stop)
             for key, value in shard["optim"].get(name, {}).items():  # AdamW: moments shaped as the parameter, a step
                 self._put((name, key), value, start if value.shape == tensor.shape else None, stop)
@@ -228,11 +234,11 @@ class RowAssembler:
         model: dict[str, torch.Tensor] = {}
         optim: dict[str, dict[str, torch.Tensor]] = {}
         for (name, key), pieces in sorted(self.pieces.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
-            pieces.sort(key=lambda p: p[0])
+            pieces.sort(key=lambda p: (p[0], p[1].shape[0] if p[1].dim() else 0))  # empty pieces first
             lo, hi = self.span[name]
             if pieces[0][0] >= 0:
-                covered = sum(t.shape[0] for _, t in pieces)
-                if pieces[0][0] != lo or covered != hi - lo:
+                ends = [start + t.shape[0] for start, t in pieces]  # each piece must start where the last stopped
+                if [start for start, _ in pieces] != [lo, *ends[:-1]] or ends[-1] != hi:
                     raise CheckpointError(f"{ckpt_dir} holds rows of {name} ({key or 'parameter'}) that do not cover "
                                           f"[{lo}, {hi}): a shard file is missing or from another layout")
             value = pieces[0][1] if pieces[0][0] < 0 or len(pieces) == 1 else torch.cat([t for _, t in pieces])

@@ -409,9 +409,8 @@ class Config:
         self._check_batch_division()
         if self.model.factory is None and self.model.hf is None:
             self.gpt_layout()  # a model.factory's or model.hf's layers are counted by raytrain.plan.plan_layout
-            rows = min(self.model.d_model, self.model.seq_len, self.model.vocab_size)
-            check_shardable(p.fsdp, rows, "the built-in GPT's smallest parameter (model.d_model, model.seq_len or "
-                                          "model.vocab_size rows)")
+            rows = max(4 * self.model.d_model, self.model.seq_len, self.model.vocab_size)
+            check_shardable(p.fsdp, rows, "the built-in GPT's largest parameter")
         if self.data.path is None:
             self._check_builtin_corpus()
         d = self.data
@@ -484,11 +483,12 @@ class Config:
         return Layout.of(self.parallel).label
 
 
-def check_shardable(fsdp: int, rows: int, smallest: str) -> None:
-    """FSDP cuts every parameter into parallel.fsdp row slices: each shard must own rows of every
-    parameter, or it holds nothing of it and the extra worker only adds communication."""
+def check_shardable(fsdp: int, rows: int, what: str) -> None:
+    """FSDP cuts every parameter into parallel.fsdp row slices (torch.chunk's cut: a small parameter
+    leaves some shards empty, which works); a shard must own rows of some parameter, or the extra
+    worker holds nothing. ``rows``: the largest parameter's rows (1 when a scalar cannot be cut)."""
     _require(fsdp <= rows, "parallel.fsdp", fsdp,
-             f"more shards than the {rows} rows of {smallest}, so some shard would own none of it; use "
+             f"more shards than the {rows} rows of {what}, so some shard would own nothing; use "
              f"parallel.fsdp <= {rows}")
 
 

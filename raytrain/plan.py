@@ -160,7 +160,7 @@ def plan_layout(cfg: Config) -> Layout:
     else:
         layers = _layers(cfg)
         layout = Layout.of(cfg.parallel).for_model(len(layers), "model.factory")
-        check_shardable(layout.fsdp, _smallest_rows(layers), "model.factory's smallest parameter")
+        check_shardable(layout.fsdp, shardable_rows(layers), "model.factory's largest parameter (or it has a scalar)")
         if not layout.needs_cuts:
             return layout
     from raytrain.partition import plan_cuts
@@ -176,7 +176,7 @@ def _hf_layout(cfg: Config) -> Layout:
 
     _, layers = hf_layers(cfg.model.hf, cfg.model.hf_cut)
     layout = hf_layout(cfg, layers)
-    check_shardable(layout.fsdp, _smallest_rows(layers), "model.hf's smallest parameter")
+    check_shardable(layout.fsdp, shardable_rows(layers), "model.hf's largest parameter (or it has a scalar)")
     if layout.needs_cuts:
         if cfg.parallel.balance == "time":
             raise ValueError("parallel.balance=time builds the whole model on the driver to time its layers, which "
@@ -198,13 +198,15 @@ def _layers(cfg: Config) -> list:
     return build_model(cfg.model, cfg.train.seed).layers
 
 
-def _smallest_rows(layers: list) -> int:
-    """Rows (dim 0) of the smallest parameter: what parallel.fsdp cuts every parameter along."""
-    return min((p.shape[0] if p.dim() else 1 for layer in layers for p in layer.parameters()), default=1)
+def shardable_rows(layers: list) -> int:
+    """The most shards parallel.fsdp may cut these layers into: the rows (dim 0, what FSDP cuts) of the
+    largest parameter, so every shard owns some; 1 when a parameter is a scalar, which FSDP cannot cut."""
+    shapes = [p.shape for layer in layers for p in layer.parameters()]
+    return 1 if any(len(shape) == 0 for shape in shapes) else max((shape[0] for shape in shapes), default=1)
 
 
-def layer_param_counts(cfg: Config) -> list[int]:
-    """Parameters of each of the model's cuttable layers (the built-in GPT's counted on the meta device)."""
+def model_layers(cfg: Config) -> list:
+    """The model's cuttable layers, for counting (on the meta device where raytrain builds them)."""
     import torch
 
     from raytrain.model import build_model
@@ -218,7 +220,7 @@ def layer_param_counts(cfg: Config) -> list[int]:
             layers = build_model(cfg.model, cfg.train.seed).layers
     else:
         layers = build_model(cfg.model, cfg.train.seed).layers
-    return [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    return layers
 
 
 def _timing_input(cfg: Config):

@@ -73,7 +73,7 @@ class StageState:
         """Take this stage's parameters and optimizer state (its rows of them, when sharded) from any
         layout's checkpoint; returns its step."""
         rows = self.rows or [None] * len(self.names)
-        wanted = {n: None if r is None else (r[0], r[1]) for n, r in zip(self.names, rows)}
+        wanted = {n: None if r is None else tuple(r) for n, r in zip(self.names, rows)}
         state = checkpoint.load_rows(ckpt_dir, wanted)
         missing = [n for n in self.names if n not in state["model"]]
         if missing:

@@ -1,6 +1,7 @@
 """User model factories for tests (``model.factory=tests.factories:NAME``): workers import them too."""
 
 import ray
+import torch
 from torch import nn
 
 
@@ -19,3 +20,23 @@ def raises_in_workers(cfg):
     if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
         raise ValueError("boom while building the model in a worker")
     return [nn.Embedding(cfg.vocab_size, 8), nn.Linear(8, cfg.vocab_size)]
+
+
+class Scale(nn.Module):
+    """A learned scalar: a parameter FSDP cannot cut along dim 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def with_a_scalar(cfg):
+    return [nn.Embedding(cfg.vocab_size, 8), Scale(), nn.Linear(8, cfg.vocab_size)]
+
+
+def one_row_head(cfg):
+    """A model whose last layer has a 1-row parameter (a shard of it may be empty)."""
+    return [nn.Embedding(cfg.vocab_size, 8), nn.Linear(8, 1), nn.Linear(1, cfg.vocab_size)]

@@ -6,6 +6,7 @@ import pytest
 from raytrain import checkpoint, train
 from raytrain.autolayout import candidate_layouts, layout_of, state_bytes, too_big
 from raytrain.config import load_config
+from tests.factories import Scale
 from tests.helpers import assert_same_params, reference_state
 def _layouts(workers, layers, *overrides):
     cfg = load_config(None, ["parallel.auto=true", *overrides])
@@ -23,8 +24,6 @@ def test_candidates_use_every_worker_and_fit_batch_and_layers():
         (2, 1, 2, 2, "gpipe"), (2, 1, 2, 2, "1f1b"), (1, 2, 2, 2, "gpipe"), (1, 2, 2, 2, "1f1b")]  # m=8 > share 4
     assert _layouts(3, 4, "train.global_batch=8") == [
         (1, 1, 3, 2, "1f1b"), (1, 1, 3, 4, "1f1b"), (1, 1, 3, 8, "1f1b")]  # 8 samples do not divide over 3
-    # fsdp never exceeds the rows of the smallest parameter (model.d_model=2 here)
-    assert (1, 4, 1, 1, None) not in _layouts(4, 6, "train.global_batch=8", "model.d_model=2", "model.n_head=1")
 
 
 def test_layouts_whose_state_does_not_fit_a_worker_are_not_probed():
@@ -61,3 +60,16 @@ def test_auto_probes_then_trains_with_the_fastest_layout(ray_session, make_confi
     assert result.auto_layout["chosen"] == fastest == result.layout
     assert result.summary()["auto_layout"] == fastest
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
+def test_fsdp_may_leave_a_small_parameter_empty_but_never_cut_a_scalar(tmp_path):
+    from torch import nn
+
+    from raytrain.plan import prepare, shardable_rows
+
+    assert shardable_rows([nn.Linear(8, 1), nn.Linear(1, 8)]) == 8  # the 1-row Linear leaves shards empty: allowed
+    assert shardable_rows([nn.Linear(8, 1), Scale()]) == 1
+    base = [f"run.dir={tmp_path}", "parallel.fsdp=2"]
+    prepare(load_config(None, [*base, "model.factory=tests.factories:one_row_head"]))
+    with pytest.raises(ValueError, match="parallel.fsdp=2.*scalar.*parallel.fsdp <= 1"):
+        prepare(load_config(None, [*base, "model.factory=tests.factories:with_a_scalar"]))

@@ -119,3 +119,25 @@ def test_resume_from_missing_checkpoint_fails_before_any_actor(make_config, tmp_
 
     with pytest.raises(ValueError, match="checkpoint.resume.*no published checkpoint"):
         prepare(make_config(f"checkpoint.resume={tmp_path / 'nothing'}"))
+
+
+def test_row_pieces_must_tile_the_rows_and_match_the_models_size():
+    import torch
+
+    from raytrain.checkpoint import CheckpointError, RowAssembler
+
+    def shard(rows, start, stop, total):
+        return {"model": {"w": rows}, "optim": {}, "rows": {"w": (start, stop, total)}}
+
+    full = torch.arange(6.0)
+    ok = RowAssembler({"w": (1, 5, 6)})
+    for start, stop in ((0, 3), (3, 6)):
+        ok.add(shard(full[start:stop], start, stop, 6))
+    assert torch.equal(ok.result("ckpt")["model"]["w"], full[1:5])
+    twice = RowAssembler(None)
+    for _ in range(2):
+        twice.add(shard(full[0:3], 0, 3, 6))
+    with pytest.raises(CheckpointError, match="do not cover"):
+        twice.result("ckpt")
+    with pytest.raises(CheckpointError, match="6 rows in the checkpoint and 4 in this model"):
+        RowAssembler({"w": (0, 2, 4)}).add(shard(full[0:3], 0, 3, 6))

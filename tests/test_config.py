@@ -42,7 +42,7 @@ def _rejected(overrides, tmp_path) -> ValueError:
         (["parallel.fsdp=3"], ["train.global_batch=8", "parallel.dp x parallel.fsdp=3", "multiple of 3"]),
         (["parallel.fsdp=2", "parallel.dp=2", "parallel.microbatches=4"],
          ["parallel.microbatches=4", "per-replica batch 2", "parallel.fsdp"]),
-        (["parallel.fsdp=128", "train.global_batch=128"], ["parallel.fsdp=128", "rows", "parallel.fsdp <= 64"]),
+        (["parallel.fsdp=1024", "train.global_batch=1024"], ["parallel.fsdp=1024", "rows", "parallel.fsdp <= 512"]),
         (["parallel.fsdp=2", "parallel.split_backward=true"], ["parallel.split_backward", "parallel.fsdp > 1"]),
         (["parallel.fsdp=2", "parallel.dp=1", "elastic.max_dp=5"], ["elastic.max_dp=5", "parallel.fsdp=2"]),
         (["model.vocab_size=128"], ["model.vocab_size=128", "built-in corpus", "bytes", ">= 256", "data.path"]),
