@@ -28,7 +28,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # set_custom_*'s types
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 import torch.distributed as dist
@@ -54,7 +53,7 @@ def device_mesh(groups: Groups, mesh: Mesh, rank: int, device_type: str) -> Devi
     dimension when there are replicas."""
     if mesh.dp == 1:
         return DeviceMesh.from_group(groups.fsdp_group, device_type, mesh_dim_names=("shard",))
-    replica, stage = mesh.coords(rank)
+    _, stage = mesh.coords(rank)
     grid = [[mesh.rank(r, stage, f) for f in range(mesh.fsdp)] for r in range(mesh.dp)]
     return DeviceMesh.from_group([groups.dp_group, groups.fsdp_group], device_type, mesh=grid,
                                  mesh_dim_names=("replicate", "shard"))
@@ -89,7 +88,9 @@ class ShardedLayers:
         module.to_empty(device=self.device)
         dparams = list(module.parameters())
         with torch.no_grad():
-            for buffer, value in zip(module.buffers(), self.buffers):  # to_empty left them uninitialised
+            buffers = list(module.buffers())
+            assert len(buffers) == len(self.buffers), (len(buffers), len(self.buffers))
+            for buffer, value in zip(buffers, self.buffers):  # to_empty left them uninitialised
                 buffer.copy_(value)
             local = [p.to_local() for p in dparams]  # views of FSDP's sharded storage
             for new, old in zip(local, self.params):
@@ -225,8 +226,9 @@ class ShardedGrads:
                 p.grad.mul_(factor)
 
 
-class TracedAllGather(AllGather):
-    """FSDP2's all-gather, timed into the owner's ``comm_log`` when the step is traced."""
+class TracedAllGather:
+    """FSDP2's all-gather, timed into the owner's ``comm_log`` when the step is traced (what
+    ``set_custom_all_gather`` takes: ``allocate`` and a call, as torch's ``AllGather`` declares)."""
 
     def __init__(self, owner: ShardedLayers):
         self.owner = owner
@@ -241,7 +243,7 @@ class TracedAllGather(AllGather):
         return work
 
 
-class TracedReduceScatter(ReduceScatter):
+class TracedReduceScatter:
     """FSDP2's reduce-scatter, timed into the owner's ``comm_log`` when the step is traced."""
 
     def __init__(self, owner: ShardedLayers):
