@@ -114,10 +114,13 @@ class ShardedLayers:
 
 def _meta_stage(cfg: Config, layer_ids: list[int]):
     """The stage's layers on the meta device, their global parameter names, the loss, a generator of
-    each parameter's full initial value in that order (one layer's at a time for the built-in GPT; a
-    model.factory or model.hf stage is built whole, once) and the stage's buffers (filled in as the
-    generator runs)."""
+    each parameter's full initial value in that order (one layer's at a time for the built-in GPT and
+    a model.hf stage; a model.factory's, or a stage whose layers share a parameter, is built whole,
+    once) and the stage's buffers (filled in as the generator runs)."""
     seed, buffers = cfg.train.seed, []
+    by_layer = _hf_stage_by_layer(cfg, layer_ids) if cfg.model.hf is not None else None
+    if by_layer is not None:
+        return by_layer
     if cfg.model.factory is None and cfg.model.hf is None:
         with torch.device("meta"):
             spec = build_model(cfg.model, seed, layer_ids)
@@ -137,6 +140,34 @@ def _meta_stage(cfg: Config, layer_ids: list[int]):
         def values():
             while built:
                 yield built.pop(0)
+    return spec.layers, spec.param_names(), spec.loss_fn, values, buffers
+
+
+def _hf_stage_by_layer(cfg: Config, layer_ids: list[int]):
+    """``_meta_stage`` for a Hugging Face stage, one layer materialised at a time (a worker never holds
+    more of the full model than one layer); None when its layers share a parameter (tied embeddings)."""
+    from raytrain.hf_weights import hf_layers
+    from raytrain.model import ModelSpec, cross_entropy_loss
+
+    _, every = hf_layers(cfg.model.hf, cfg.model.hf_cut)
+    meta = [every[i] for i in layer_ids]
+    stage = nn.Sequential(*meta)
+    if len({id(p) for p in stage.parameters()}) < sum(1 for layer in meta for _ in layer.parameters()):
+        return None
+    buffers: list[torch.Tensor] = []
+    stage_buffers = list(stage.buffers())  # shared ones (the rotary tables of every decoder layer) once
+
+    def values():
+        real: dict[int, torch.Tensor] = {}
+        for layer_id, meta_layer in zip(layer_ids, meta):
+            layer = build_model(cfg.model, cfg.train.seed, [layer_id]).layers[0]
+            for (_, shell), (_, value) in zip(meta_layer.named_buffers(remove_duplicate=False),
+                                              layer.named_buffers(remove_duplicate=False)):
+                real.setdefault(id(shell), value.detach().clone())
+            yield from (p.detach() for p in layer.parameters())
+        buffers.extend(real[id(b)] for b in stage_buffers)
+
+    spec = ModelSpec(meta, layer_ids, len(every), cross_entropy_loss)
     return spec.layers, spec.param_names(), spec.loss_fn, values, buffers
 
 

@@ -67,15 +67,17 @@ def test_sharded_layouts_match_single_process(make_config, tmp_path, layout):
     assert_same_params(model, reference_state(cfg))
 
 
-def test_a_hugging_face_model_shards_with_its_buffers(make_config, tmp_path):
-    # Llama's rotary tables are buffers: not sharded, and kept across the meta-device wrapping
+@pytest.mark.parametrize("family, tied", [("llama", False), ("gpt2", True)], ids=["llama-by-layer", "gpt2-tied-whole"])
+def test_a_hugging_face_model_shards_with_its_buffers(make_config, tmp_path, family, tied):
+    # Llama's rotary tables are buffers: not sharded, kept across the meta-device wrapping, and built a
+    # layer at a time; a tied GPT-2 stage is built whole (its embedding and head share a parameter)
     pytest.importorskip("transformers")
-    from tests.hf_models import write_hf_model
+    from tests.hf_models import assert_same_hf_params, write_hf_model
 
-    path = write_hf_model(tmp_path / "llama", "llama")
+    path = write_hf_model(tmp_path / family, family, tied=tied)
     cfg = make_config(f"model.hf={path}", "parallel.fsdp=2", "train.steps=3", LONG_RUN_LR)
     model, _ = run_stages(cfg, str(tmp_path / "run"))
-    assert_same_params(model, reference_state(cfg))
+    assert_same_hf_params(model, reference_state(cfg))
 
 
 def test_checkpoint_of_dp2_fsdp2_resumes_in_any_layout(ray_session, make_config, tmp_path):

@@ -12,7 +12,7 @@ from raytrain import checkpoint, train
 from raytrain.config import load_config
 from raytrain.hf_weights import build_hf_stage
 from raytrain.plan import prepare
-from tests.hf_models import FAMILIES, write_hf_model
+from tests.hf_models import FAMILIES, assert_same_hf_params, write_hf_model
 from tests.helpers import LONG_RUN_LR, assert_same_params, reference_state
 
 
@@ -20,29 +20,6 @@ from tests.helpers import LONG_RUN_LR, assert_same_params, reference_state
 def hf_dirs(tmp_path_factory):
     """Pretrained (random) weights per family, untied so that every layout can cut them."""
     return {f: write_hf_model(tmp_path_factory.mktemp(f), f) for f in FAMILIES}
-
-
-def key_bias_apart(state: dict) -> tuple[dict, dict]:
-    """``state`` without its attention key biases, and those biases (Qwen2's k_proj.bias, the middle
-    third of GPT-2's fused c_attn.bias)."""
-    rest, key_bias = {}, {}
-    for name, tensor in state.items():
-        if name.endswith("k_proj.bias"):
-            key_bias[name] = tensor
-        elif name.endswith("c_attn.bias"):
-            q, k, v = tensor.chunk(3)
-            rest[name] = torch.cat([q, v])
-            key_bias[name] = k
-        else:
-            rest[name] = tensor
-    return rest, key_bias
-
-
-def assert_same_hf_params(got: dict, want: dict) -> None:
-    """Equal to 1e-5 relative, but for key biases: softmax ignores a key bias, so its exact gradient
-    is 0 and the computed one float noise, which AdamW scales to full-size steps of random sign (why
-    the built-in GPT has none). Nothing downstream depends on them, so they are left out."""
-    assert_same_params(key_bias_apart(got)[0], key_bias_apart(want)[0])
 
 
 def hf_config(make_config, path, *overrides):
