@@ -59,7 +59,7 @@ class Result:
     skipped_steps: list[int] = field(default_factory=list)
     """Steps (1-based) not applied because their loss or gradient norm was not finite."""
     state_digests: dict[str, str] = field(default_factory=dict, repr=False)
-    """With run.record_samples: ``"replica:stage"`` -> a digest of that worker's parameters and
+    """With run.record_samples: ``"replica:stage"`` (``"replica:shard:stage"`` with fsdp > 1) -> a digest of that worker's parameters and
     optimizer state at the end (the replicas of a stage must be identical)."""
     eval_loss: Optional[float] = None
     """With eval.every: the last held-out loss (computed after the last step, so of the final

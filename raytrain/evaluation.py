@@ -52,7 +52,7 @@ class Evaluation:
             raise StepFailed(f"the evaluation after step {p.step} failed with every worker alive "
                              f"(layout {c.layout()}): {failed[0]['error']}")
         last = [r for r in reports if "loss_sum" in r]
-        columns = c.team.dp * c.team.fsdp  # every shard of every replica evaluates its own rows
+        columns = c.team.mesh().columns  # every shard of every replica evaluates its own rows
         assert len(last) == columns and p.row is not None, (len(last), columns, p.row)
         rows = sum(r["rows"] for r in last)
         p.row.update(eval_loss=sum(r["loss_sum"] for r in last) / rows, eval_rows=rows,

@@ -67,17 +67,15 @@ class Membership:
     def everyone(self) -> list[Member]:
         return self.members() + self.spares + self.pending
 
-    def drop_dead(self, dead: list[Member]) -> list[tuple[int, int]]:
+    def drop_dead(self, dead: list[Member]) -> None:
         """Remove the dead; a replica that lost a worker leaves the generation and its live workers
-        become spares. Returns the (replica, stage) places that were lost."""
+        become spares."""
         gone = set(map(id, dead))
-        lost = [(r, m.stage) for r, rep in enumerate(self.replicas) for m in rep if id(m) in gone]
         broken = [rep for rep in self.replicas if any(id(m) in gone for m in rep)]
         self.replicas = [rep for rep in self.replicas if rep not in broken]
         self.spares = [m for m in self.spares if id(m) not in gone]
         self.spares += [m for rep in broken for m in rep if id(m) not in gone]
         self.pending = [m for m in self.pending if id(m) not in gone]
-        return lost
 
     def admit(self, started: list[Member]) -> None:
         """Started workers leave ``pending`` and wait as spares."""

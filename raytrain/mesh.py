@@ -58,10 +58,6 @@ class Mesh:
         """The shard (fsdp index) of a global rank."""
         return rank % self.slots // self.pp
 
-    def column(self, rank: int) -> int:
-        """The pipeline column of a global rank: replica * fsdp + shard."""
-        return rank // self.slots * self.fsdp + self.shard(rank)
-
     def label(self, rank: int) -> str:
         """``replica:stage``, or ``replica:shard:stage`` when fsdp > 1: how events and digests name a worker."""
         replica, stage = self.coords(rank)

@@ -109,7 +109,7 @@ def _check_data(cfg: Config, data_path: str, key: str = "data.path") -> int:
     m, d = cfg.model, cfg.data
     batch = cfg.train.global_batch if key == "data.path" else 0
     if d.text_column is not None:
-        return text_data.check_text_dataset(data_path, d, m.seq_len, batch, m.vocab_size)
+        return text_data.check_text_dataset(data_path, d, m.seq_len, batch, m.vocab_size, key=key)
     if text_data.is_json_lines(data_path):
         raise ValueError(f"{key}={data_path!r} is JSON lines, read as text: set data.text_column to the key "
                          "holding the text and data.tokenizer to a directory holding tokenizer.json")

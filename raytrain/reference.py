@@ -54,10 +54,10 @@ def train_reference(
 def reference_eval_loss(cfg: Config, model: nn.Module) -> float:
     """The held-out loss of ``model`` (eval.every): the mean loss over the first eval.batches x
     train.global_batch held-out rows, one full batch at a time in this process."""
-    path, d, T = data.resolve_data_path(cfg), cfg.data, cfg.model.seq_len
-    num_samples = data.training_rows(cfg, len(data.TokenDataset(path, d.column, T, d.cache_dir)))
+    path = data.resolve_data_path(cfg)
+    num_samples = data.training_rows(cfg, len(data.open_dataset(path, cfg)))
     source, first = data.held_out_source(cfg, path, num_samples)
-    held_out = data.TokenDataset(source, d.column, T, d.cache_dir)
+    held_out = data.open_dataset(source, cfg)
     loss_fn, B, total = build_model(cfg.model, cfg.train.seed, []).loss_fn, cfg.train.global_batch, 0.0
     with torch.no_grad():
         for batch in range(cfg.eval.batches):

@@ -240,9 +240,6 @@ class ShardedGrads:
             for dp, p in zip(self.dparams, self.params):
                 p.grad = dp.grad.to_local() if dp.grad is not None else torch.zeros_like(p)
 
-    def detach_group(self) -> None:
-        """Nothing to forget: the wrapping goes with its generation."""
-
     def squared_norm(self) -> torch.Tensor:
         """Sum of squares of this shard's gradients (the global norm sums it over the fsdp and pp groups)."""
         total = torch.zeros((), dtype=torch.float32, device=self.params[0].device)

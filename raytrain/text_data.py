@@ -251,9 +251,20 @@ def pack(stream: str, rows: int, width: int, dtype: np.dtype, path: str) -> None
 # --- the driver's check -------------------------------------------------------------------------
 
 
-def check_text_dataset(path: str, data: DataConfig, seq_len: int, global_batch: int, vocab_size: int) -> int:
+def check_text_dataset(path: str, data: DataConfig, seq_len: int, global_batch: int, vocab_size: int,
+                       key: str = "data.path") -> int:
     """Validate text data before any actor starts, building this machine's packed rows; returns their count
-    (the run's samples). ValueErrors name the key or file and the fix."""
+    (the run's samples). ValueErrors name the key (``key``: the file's, data.path or data.eval_path) or
+    file and the fix."""
+    try:
+        return _checked_rows(path, data, seq_len, global_batch, vocab_size)
+    except ValueError as e:
+        if key == "data.path":
+            raise
+        raise ValueError(str(e).replace(f"data.path={path!r}", f"{key}={path!r}")) from e
+
+
+def _checked_rows(path: str, data: DataConfig, seq_len: int, global_batch: int, vocab_size: int) -> int:
     file = tokenizer_file(data.tokenizer)
     check_source(path, data.text_column)
     try:
