@@ -41,11 +41,13 @@ def candidate_layouts(cfg: Config, workers: int, layers: int) -> list[dict]:
             if batch % (dp * fsdp):
                 continue
             grid = {"parallel.dp": dp, "parallel.pp": pp, **({"parallel.fsdp": fsdp} if fsdp > 1 else {})}
+            if not _runnable(cfg, grid):
+                continue
             if pp == 1:
-                layouts += [{**grid, "parallel.microbatches": 1}] if _runnable(cfg, grid) else []
+                layouts.append({**grid, "parallel.microbatches": 1})
                 continue
             for m in sorted(set(p.auto_microbatches)):
-                if (batch // (dp * fsdp)) % m == 0 and _runnable(cfg, grid):
+                if (batch // (dp * fsdp)) % m == 0:
                     layouts += [{**grid, "parallel.microbatches": m, "parallel.schedule": s} for s in p.auto_schedules]
     return layouts
 

@@ -100,11 +100,12 @@ class Membership:
             formed += 1
         return formed
 
-    def stale_stages(self, step: int) -> list:
-        """Slots with no member of the generation at ``step``: stages, or (shard, stage) pairs when sharded."""
+    def stale_stages(self, step: int) -> list[str]:
+        """Slots with no member of the generation at ``step``, named ("stage 1", or "shard 1 stage 0"
+        when sharded)."""
         current = {m.slot for m in self.members() if m.committed == step}
-        stale = [slot for slot in self.slots if slot not in current]
-        return stale if self.fsdp > 1 else [stage for _, stage in stale]
+        return [f"shard {shard} stage {stage}" if self.fsdp > 1 else f"stage {stage}"
+                for shard, stage in self.slots if (shard, stage) not in current]
 
     def sources(self, step: int) -> dict[tuple[int, int], int]:
         """For each slot, the rank of a member at ``step`` (the state every other member takes)."""

@@ -81,16 +81,16 @@ class ElasticPolicy:
                         "elastic.min_dp")
 
     @staticmethod
-    def stale_stages(stages: list, last_checkpoint: Optional[str]) -> Optional[Decision]:
-        """Stages (or (shard, stage) slots of a sharded run) with no up-to-date worker: their state
-        survives only in the last checkpoint. A sharded run at dp=1 has no live copy of a lost shard."""
+    def stale_stages(stages: list[str], last_checkpoint: Optional[str]) -> Optional[Decision]:
+        """Stages (or shards of a stage, named by raytrain.membership) with no up-to-date worker: their
+        state survives only in the last checkpoint. A sharded run at dp=1 has no live copy of a lost shard."""
         if not stages:
             return None
-        what = "stage(s)" if isinstance(stages[0], int) else "(shard, stage) slot(s)"
+        what = ", ".join(stages)
         if last_checkpoint is None:
-            return Decision(Action.GIVE_UP, f"{what} {stages} lost every replica and there is no checkpoint to "
+            return Decision(Action.GIVE_UP, f"{what} lost every replica and there is no checkpoint to "
                             "reload", "checkpoint.every")
-        return Decision(Action.RELOAD, f"{what} {stages} lost every replica (no live copy of their state): it "
+        return Decision(Action.RELOAD, f"{what} lost every replica (no live copy of their state): it "
                         "survives only in the checkpoint, which every worker reloads", "parallel.dp")
 
     def grow(self, live_replicas: int, formable: int) -> Optional[Decision]:

@@ -160,6 +160,6 @@ def test_policy_decisions_are_plain_values():
     assert policy.capacity(1, waited_s=1).action is Action.WAIT
     assert policy.capacity(1, waited_s=6).config_key == "elastic.min_dp"
     assert policy.after_failure(1) is None and policy.after_failure(2).config_key == "elastic.max_failures"
-    assert policy.stale_stages([], None) is None and policy.stale_stages([1], "ckpt").action is Action.RELOAD
+    assert policy.stale_stages([], None) is None and policy.stale_stages(["stage 1"], "ckpt").action is Action.RELOAD
     assert policy.grow(3, 1) is None and policy.grow(2, 1).action is Action.GROW
     assert policy.nonfinite(0).action is Action.GIVE_UP
