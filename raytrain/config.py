@@ -66,6 +66,9 @@ class ModelConfig:
     """How model.hf becomes pipeline layers: ``layers`` (embedding, decoder layers, norm + head),
     ``whole`` (one layer: data parallel only), ``auto`` (layers if they reproduce the model's own
     forward on a two-layer copy, checked before the run starts; else whole)."""
+    trust_remote_code: bool = False
+    """Run the Python files a model.hf directory's config.json names in ``auto_map`` (transformers'
+    custom code). Off: such a directory is refused before anything starts, since it is code, not data."""
 
     def __post_init__(self):
         for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size"):
