@@ -14,6 +14,7 @@ import glob
 import hashlib
 import os
 import sysconfig
+import tempfile
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
@@ -73,6 +74,19 @@ def build_builtin_corpus(path: str, row_len: int, max_bytes: int) -> None:
     table = pa.table({BUILTIN_COLUMN: pa.FixedSizeBinaryArray.from_buffers(pa.binary(row_len), rows, [None, values])})
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, use_dictionary=False)
+
+
+def check_cache_dir(cache_dir: str) -> None:
+    """data.cache_dir must take a file: checked on the driver before any actor starts, so that an unwritable
+    one (read-only, or under a regular file: refused for root too) is one line, not a worker's traceback."""
+    where = os.path.expanduser(cache_dir)
+    try:
+        os.makedirs(where, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=where, prefix=".raytrain-write-check-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"data.cache_dir={cache_dir!r} is not a writable directory ({e.strerror or e}); point "
+                         "data.cache_dir at one (the built-in corpus and the decoded data are cached there)") from e
 
 
 # --- reading ------------------------------------------------------------------------------

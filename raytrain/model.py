@@ -142,17 +142,44 @@ def build_model(cfg: ModelConfig, seed: int, layer_ids: Optional[Sequence[int]] 
 
 
 def load_factory_model(cfg: ModelConfig, seed: int) -> tuple[list[nn.Module], LossFn]:
+    """The factory's layers and loss, built under ``seed``; a ValueError naming model.factory and what it
+    returned when that is not a model (prepare builds it on the driver, so this fails before any actor)."""
     module_name, _, fn_name = cfg.factory.partition(":")
     torch.manual_seed(seed)
     built = getattr(import_user_module(module_name), fn_name)(cfg)
-    layers, loss_fn = built if isinstance(built, tuple) else (built, cross_entropy_loss)
-    layers = list(layers)
-    if not layers or not all(isinstance(m, nn.Module) for m in layers):
-        raise TypeError(
-            f"model.factory={cfg.factory!r} must return an nn.Sequential or a list of nn.Module "
-            "(optionally paired with a loss function)"
-        )
+    return factory_layers(cfg.factory, built)
+
+
+FACTORY_RETURNS = "an nn.Sequential, a list of nn.Module, or (layers, loss_fn) with loss_fn(output, targets)"
+
+
+def factory_layers(factory: str, built) -> tuple[list[nn.Module], LossFn]:
+    """``built`` (what model.factory returned) as (layers, loss_fn), checked."""
+    def wrong(what: str) -> ValueError:
+        return ValueError(f"model.factory={factory!r} returned {what}; it must return {FACTORY_RETURNS} "
+                          "-> mean loss: fix the function")
+
+    loss_fn: LossFn = cross_entropy_loss
+    if isinstance(built, tuple):
+        if len(built) != 2:
+            raise wrong(f"a tuple of {len(built)}")
+        built, loss_fn = built
+        if not callable(loss_fn):
+            raise wrong(f"{_kind(loss_fn)} as its loss function")
+    iterable = hasattr(built, "__iter__") and not isinstance(built, (nn.Module, str, bytes, dict))
+    if not (iterable or isinstance(built, (nn.Sequential, nn.ModuleList))):
+        raise wrong(_kind(built))
+    layers = list(built)
+    if not layers:
+        raise wrong(f"an empty {type(built).__name__}")
+    bad = next((i for i, m in enumerate(layers) if not isinstance(m, nn.Module)), None)
+    if bad is not None:
+        raise wrong(f"a {type(built).__name__} holding {_kind(layers[bad])} at index {bad}")
     return layers, loss_fn
+
+
+def _kind(value) -> str:
+    return "None" if value is None else type(value).__name__
 
 
 def full_model(cfg: ModelConfig, seed: int) -> nn.Sequential:

@@ -117,7 +117,8 @@ def _check_data(cfg: Config, data_path: str, key: str = "data.path") -> int:
 
 
 def check_inputs(cfg: Config) -> None:
-    """What the config names on this machine: data.path exists, model.factory imports and has its function."""
+    """What the config names on this machine: data.path exists, data.cache_dir takes files, model.factory
+    imports and has its function (what it returns is checked when plan_layout builds it)."""
     path = cfg.data.path
     if path is not None and "://" not in path and not os.path.exists(os.path.expanduser(path)):
         holding = (f"a Parquet or JSON lines file with text under {cfg.data.text_column!r}" if cfg.data.text_column
@@ -131,6 +132,7 @@ def check_inputs(cfg: Config) -> None:
     if eval_path is not None and "://" not in eval_path and not os.path.exists(os.path.expanduser(eval_path)):
         raise ValueError(f"data.eval_path={eval_path!r}: no such file; point it at a Parquet file of held-out rows "
                          f"with a '{cfg.data.column}' column, or unset it")
+    data.check_cache_dir(cfg.data.cache_dir)
     if cfg.model.factory is None:
         return
     module_name, _, fn_name = cfg.model.factory.partition(":")
