@@ -3,8 +3,14 @@
 Invariant (DESIGN 5): the order of samples is a pure function of (seed, epoch); step s consumes
 global positions [s*B, (s+1)*B), and each data-parallel replica takes a contiguous slice of them.
 So every sample is seen exactly once per epoch whatever the layout, and a resumed run needs only
-the step number to continue where it stopped. The samples are the file's first ``num_samples`` rows:
-the rows data.eval_fraction holds out for the held-out loss are its last ones, outside the order.
+the step number to continue where it stopped.
+
+A sample is a window of model.seq_len + 1 tokens: each row of the token column is cut into consecutive,
+non-overlapping windows (``windows``), numbered through the file, and a row's last len % (seq_len + 1)
+tokens are unused (text data is packed the same way: raytrain.text_data). So a row of 6,500 ids at
+seq_len 64 is 100 samples, not one cut to its first 65 ids; a row shorter than seq_len + 1 is an error.
+The run's samples are the file's first ``num_samples`` windows: the ones data.eval_fraction holds out
+for the held-out loss are its last ones, outside the order.
 """
 
 from __future__ import annotations
@@ -108,12 +114,13 @@ SCAN_BUFFER_BYTES = 1 << 20
 
 def check_dataset(path: str, column: str, seq_len: int, global_batch: int, vocab_size: int,
                   key: str = "data.path") -> int:
-    """Validate a dataset before any actor starts; returns the number of samples. ``key`` is the config
-    key that names the file (data.path, or data.eval_path for held-out rows), for the messages.
+    """Validate a dataset before any actor starts; returns the number of samples: every row's windows of
+    seq_len + 1 tokens (``windows``), which is what the run trains on. ``key`` is the config key that names
+    the file (data.path, or data.eval_path for held-out rows), for the messages.
 
-    Schema and size come from the metadata; nulls, row lengths and token ids in [0, vocab_size) from
-    one streaming pass over the column, skipped where a fixed row width and the Parquet statistics
-    already answer (the built-in corpus needs no pass at all).
+    Schema and size come from the metadata; nulls, row lengths (so the window count) and token ids in
+    [0, vocab_size) from one streaming pass over the column, skipped where a fixed row width and the
+    Parquet statistics already answer (the built-in corpus needs no pass at all).
     """
     source = f"{key}={path!r}"
     try:
@@ -123,12 +130,14 @@ def check_dataset(path: str, column: str, seq_len: int, global_batch: int, vocab
     names = meta.schema_arrow.names
     if column not in names:
         raise ValueError(f"{source} has no column {column!r} (columns: {names}); set data.column")
-    n = meta.metadata.num_rows
-    if n < global_batch:
-        raise ValueError(f"{source} has {n} samples, fewer than train.global_batch={global_batch}")
     kind = meta.schema_arrow.field(column).type
     _check_token_type(source, column, kind, vocab_size)
-    _check_rows(meta, source, column, seq_len + 1, vocab_size)
+    width = seq_len + 1
+    n = _check_rows(meta, source, column, width, vocab_size)
+    if n < global_batch:
+        raise ValueError(f"{source}: its {meta.metadata.num_rows} rows of {column!r} hold {n} samples (windows of "
+                         f"model.seq_len + 1 = {width} tokens), fewer than train.global_batch={global_batch}; add "
+                         "rows, or lower train.global_batch or model.seq_len")
     return n
 
 
@@ -149,28 +158,31 @@ def _is_list(kind: pa.DataType) -> bool:
     return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
 
 
-def _fixed_width(kind: pa.DataType) -> Optional[int]:
-    """Tokens in every row when the type fixes it, else None."""
-    if pa.types.is_fixed_size_list(kind):
-        return kind.list_size
-    if pa.types.is_fixed_size_binary(kind):
-        return kind.byte_width
-    return None
+_fixed_width = token_cache.fixed_width
 
 
-def _check_rows(meta: pq.ParquetFile, source: str, column: str, width: int, vocab_size: int) -> None:
-    """No null rows or ids, every row >= ``width`` tokens, every id in [0, vocab_size)."""
+def windows(length: int, width: int) -> int:
+    """Samples a row of ``length`` tokens holds: consecutive, non-overlapping windows of ``width``
+    (= model.seq_len + 1) tokens, its last length % width tokens unused, as raytrain.text_data packs text."""
+    return length // width
+
+
+def _check_rows(meta: pq.ParquetFile, source: str, column: str, width: int, vocab_size: int) -> int:
+    """No null rows or ids, every row >= ``width`` tokens, every id in [0, vocab_size); returns the rows'
+    windows of ``width`` tokens."""
     kind = meta.schema_arrow.field(column).type
     fixed = _fixed_width(kind)
     if fixed is not None and fixed < width:
         raise _short_row(source, column, 0, fixed, width)
     nulls, id_range = _column_statistics(meta, column)
     ids = not _is_bytes(kind)  # bytes are 0..255, checked against vocab_size with the type
+    count = None if fixed is None else meta.metadata.num_rows * windows(fixed, width)
     if fixed is None or nulls != 0 or (ids and id_range is None):
-        scanned = _scan_rows(meta, source, column, width, want_range=ids and id_range is None)
+        scanned, count = _scan_rows(meta, source, column, width, want_range=ids and id_range is None)
         id_range = id_range or scanned
     if ids and id_range is not None:
         _check_id_range(source, column, *id_range, vocab_size)
+    return count
 
 
 def _column_statistics(meta: pq.ParquetFile, column: str) -> tuple[Optional[int], Optional[tuple[int, int]]]:
@@ -193,46 +205,51 @@ def _is_leaf_of(leaf_path: str, column: str) -> bool:
 
 
 def _scan_rows(meta: pq.ParquetFile, source: str, column: str, width: int,
-               want_range: bool) -> Optional[tuple[int, int]]:
-    """Read the column SCAN_BATCH_ROWS rows at a time; raise at the first null or short row, and
-    return the (min, max) id when ``want_range`` (None if there are no ids)."""
+               want_range: bool) -> tuple[Optional[tuple[int, int]], int]:
+    """Read the column SCAN_BATCH_ROWS rows at a time; raise at the first null or short row. Returns the
+    (min, max) id when ``want_range`` (None if there are no ids) and the rows' windows of ``width``."""
     import pyarrow.compute as pc  # not at the top: workers import this module and never check
 
     lo = hi = None
-    first = 0
+    first = count = 0
     for batch in meta.iter_batches(batch_size=SCAN_BATCH_ROWS, columns=[column], use_threads=False):
         rows = batch.column(0)
-        _check_batch(rows, first, source, column, width)
+        count += _check_batch(rows, first, source, column, width)
         if want_range:
             bounds = pc.min_max(rows.flatten()).as_py()
             if bounds["min"] is not None:
                 lo = bounds["min"] if lo is None else min(lo, bounds["min"])
                 hi = bounds["max"] if hi is None else max(hi, bounds["max"])
         first += len(rows)
-    return None if lo is None else (lo, hi)
+    return (None if lo is None else (lo, hi)), count
 
 
-def _check_batch(rows: pa.Array, first: int, source: str, column: str, width: int) -> None:
-    """Null rows, short rows and null ids of one batch, whose first row is row ``first`` of the file."""
+def _check_batch(rows: pa.Array, first: int, source: str, column: str, width: int) -> int:
+    """Null rows, short rows and null ids of one batch, whose first row is row ``first`` of the file;
+    returns the batch's windows of ``width`` tokens."""
     import pyarrow.compute as pc
 
     if len(rows) == 0:
-        return
+        return 0
     if rows.null_count:
         row = first + pc.index(rows.is_null(), True).as_py()
         raise ValueError(f"{source}: row {row} of column {column!r} is null; every row needs "
                          f">= {width} token ids: drop or fill the null rows")
-    if _fixed_width(rows.type) is None:
+    fixed = _fixed_width(rows.type)
+    count = len(rows) * windows(fixed, width) if fixed is not None else 0
+    if fixed is None:
         lengths = pc.binary_length(rows) if _is_bytes(rows.type) else pc.list_value_length(rows)
         if pc.min(lengths).as_py() < width:
             i = pc.index(pc.less(lengths, width), True).as_py()
             raise _short_row(source, column, first + i, lengths[i].as_py(), width)
+        count = pc.sum(pc.divide(lengths, width)).as_py()  # integer division: windows(length, width)
     if not _is_bytes(rows.type):
         ids = rows.flatten()
         if ids.null_count:
             row = first + pc.list_parent_indices(rows)[pc.index(ids.is_null(), True).as_py()].as_py()
             raise ValueError(f"{source}: row {row} of column {column!r} holds a null token id; "
                              "every id must be an integer: fix the data")
+    return count
 
 
 def _short_row(source: str, column: str, row: int, length: int, width: int) -> ValueError:
@@ -256,7 +273,10 @@ def _check_id_range(source: str, column: str, lo: int, hi: int, vocab_size: int)
 
 
 class TokenDataset:
-    """Rows of token ids from a Parquet column, as one (N, seq_len + 1) integer array.
+    """The samples of a Parquet token column, as one (N, seq_len + 1) integer array: each row cut into
+    consecutive windows of seq_len + 1 tokens (``windows``), sample ids running through row 0's windows,
+    then row 1's, ...; a row's last len % (seq_len + 1) tokens are unused. Rows of exactly seq_len + 1
+    tokens are one sample each.
 
     Columns: a list of integer ids per row, or bytes (``binary``/``fixed_size_binary``: one token per
     byte, as the built-in corpus). With ``cache_dir`` (what workers use) the rows are decoded once per
@@ -306,17 +326,46 @@ def open_dataset(path: str, cfg: Config) -> TokenDataset:
 
 
 def _decode_rows(table: pa.Table, column: str, width: int) -> np.ndarray:
-    """The first ``width`` tokens of every row of ``table[column]``, without copying where the layout allows."""
+    """Every row of ``table[column]`` as its windows of ``width`` tokens, in order (``windows``): a view of
+    the column's values where every row is a whole number of windows (the built-in corpus), else a copy.
+    Assumes what check_dataset checked: no nulls, every row >= ``width`` tokens."""
     col = table.column(column).combine_chunks()
-    if pa.types.is_fixed_size_list(col.type) and col.type.list_size == width:
-        return _flat_values(col).reshape(len(col), width)
-    if pa.types.is_fixed_size_binary(col.type) and not col.null_count:
-        stride = col.type.byte_width  # >= width (checked by check_dataset); longer rows are cut, not copied
-        return np.frombuffer(col.buffers()[1], dtype=np.uint8, count=len(col) * stride,
-                             offset=col.offset * stride).reshape(len(col), stride)[:, :width]
-    if _is_bytes(col.type):
-        return np.stack([np.frombuffer(r[:width], dtype=np.uint8) for r in col.to_pylist()])
-    return np.stack([np.asarray(r[:width]) for r in col.to_pylist()])
+    values, offsets = _values_and_offsets(col)
+    return _cut_windows(values, offsets, width)
+
+
+def _values_and_offsets(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """The column's tokens as one flat array and the offsets of its rows into it (N + 1 of them)."""
+    fixed = _fixed_width(col.type)
+    if pa.types.is_fixed_size_binary(col.type):
+        values = np.frombuffer(col.buffers()[1], dtype=np.uint8, count=len(col) * fixed, offset=col.offset * fixed)
+    elif fixed is not None:
+        values = _flat_values(col)
+    else:
+        large = pa.types.is_large_list(col.type) or pa.types.is_large_binary(col.type)
+        kind = np.int64 if large else np.int32
+        offsets = np.frombuffer(col.buffers()[1], dtype=kind, count=len(col) + 1,
+                                offset=col.offset * np.dtype(kind).itemsize)
+        data = col.buffers()[2] if _is_bytes(col.type) else None
+        values = np.frombuffer(data, dtype=np.uint8) if data is not None else _int_values(col.values)
+        return values, offsets.astype(np.int64)
+    return values, np.arange(len(col) + 1, dtype=np.int64) * fixed
+
+
+def _cut_windows(values: np.ndarray, offsets: np.ndarray, width: int) -> np.ndarray:
+    """Row i = values[offsets[i]:offsets[i + 1]] cut into windows of ``width``; each row's tail dropped."""
+    span = values[offsets[0]:offsets[-1]]
+    lengths = np.diff(offsets)
+    kept = lengths // width * width
+    if (kept == lengths).all():
+        return span.reshape(-1, width)
+    base = offsets - offsets[0]
+    tails = kept < lengths
+    edges = np.zeros(len(span) + 1, dtype=np.int8)  # +1 where a row's tail starts, -1 where it ends
+    edges[base[:-1][tails] + kept[tails]] += 1
+    edges[base[1:][tails]] -= 1
+    keep = np.cumsum(edges[:-1], dtype=np.int8) == 0
+    return span[keep].reshape(-1, width)
 
 
 def _is_bytes(kind: pa.DataType) -> bool:
@@ -324,14 +373,17 @@ def _is_bytes(kind: pa.DataType) -> bool:
 
 
 def _flat_values(col: pa.FixedSizeListArray) -> np.ndarray:
-    """The values of a fixed-size-list column as one flat array, without a copy where possible.
+    """The values of a fixed-size-list column as one flat array, without a copy where possible."""
+    if col.offset:  # ``values`` ignores a slice offset of the list array itself: flatten honours it
+        return _int_values(col.flatten())
+    return _int_values(col.values)
 
-    Integer values are viewed in place: ``Array.to_numpy`` imports pandas, 0.3 s of CPU on every
-    worker's way to its first step.
-    """
-    values = col.values  # ignores a slice offset of the list array itself: handled by the fallback
-    if col.offset or values.null_count or not pa.types.is_integer(values.type):
-        return col.flatten().to_numpy(zero_copy_only=False)
+
+def _int_values(values: pa.Array) -> np.ndarray:
+    """An integer array's values, viewed in place: ``Array.to_numpy`` imports pandas, 0.3 s of CPU on every
+    worker's way to its first step."""
+    if values.null_count or not pa.types.is_integer(values.type):
+        return values.to_numpy(zero_copy_only=False)
     kind = "u" if pa.types.is_unsigned_integer(values.type) else "i"
     dtype = np.dtype(f"{kind}{values.type.bit_width // 8}")
     return np.frombuffer(values.buffers()[1], dtype=dtype, count=len(values), offset=values.offset * dtype.itemsize)
@@ -385,8 +437,9 @@ def microbatch_bounds(count: int, num_microbatches: int) -> list[tuple[int, int]
 
 
 def held_out_count(rows: int, eval_fraction: float) -> int:
-    """Rows of a dataset of ``rows`` that data.eval_fraction holds out: floor(rows x eval_fraction),
-    its last ones (the tolerance keeps 0.29 x 100 at 29, not 28)."""
+    """Rows of a dataset of ``rows`` (samples: a token column's windows, or text's packed rows) that
+    data.eval_fraction holds out: floor(rows x eval_fraction), its last ones (the tolerance keeps 0.29 x
+    100 at 29, not 28)."""
     return int(rows * eval_fraction + 1e-9)
 
 

@@ -8,24 +8,45 @@ workers read them, and opening it costs a fraction of a millisecond.
 
 The first worker on a machine builds it under a file lock while the others wait; it is written
 atomically (raytrain.atomic), so no reader ever sees a half file. The key covers the source file's
-path, size and modification time, so a rewritten dataset gets a new cache.
+path, size and modification time, so a rewritten dataset gets a new cache, and FORMAT, so rows cut
+another way (before FORMAT, long rows were cut to their first window) are never read back.
+
+A row becomes its windows of ``width`` tokens (raytrain.data.TokenDataset), so the row count does not
+give the array's size: a fixed-width column's does (rows x windows a row), and it is decoded straight
+into the array; any other is decoded into a raw stream first and copied behind the ``.npy`` header.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
-from typing import Callable
+import shutil
+from typing import Callable, Optional
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raytrain.atomic import atomic_path
 
 
-def cache_path(source: str, column: str, width: int, cache_dir: str, variant: str = "") -> str:
-    """Where the decoded rows of ``source``'s ``column`` (first ``width`` tokens of each row) live.
+FORMAT = "windows-v1"
+"""Part of the cache key of token rows: a change to how rows become samples must change it."""
+
+
+def fixed_width(kind: pa.DataType) -> Optional[int]:
+    """Tokens in every row when the type fixes it, else None."""
+    if pa.types.is_fixed_size_list(kind):
+        return kind.list_size
+    if pa.types.is_fixed_size_binary(kind):
+        return kind.byte_width
+    return None
+
+
+def cache_path(source: str, column: str, width: int, cache_dir: str, variant: str = FORMAT) -> str:
+    """Where the decoded rows of ``source``'s ``column`` (its windows of ``width`` tokens) live.
 
     ``variant`` names anything else the rows depend on (raytrain.text_data: the tokenizer's hash)."""
     source = os.path.abspath(source)
@@ -36,8 +57,8 @@ def cache_path(source: str, column: str, width: int, cache_dir: str, variant: st
 
 
 def open_rows(source: str, column: str, width: int, cache_dir: str, decode) -> np.ndarray:
-    """The (N, width) token rows of ``source``, memory-mapped read-only; built with ``decode(table)``
-    (one row group's table -> its rows) the first time on this machine."""
+    """The (N, width) token windows of ``source``, memory-mapped read-only; built with ``decode(table)``
+    (one row group's table -> its windows) the first time on this machine."""
     path = cache_path(source, column, width, cache_dir)
     return open_built(path, lambda out: _build(source, column, width, out, decode))
 
@@ -55,18 +76,46 @@ def open_built(path: str, build: Callable[[str], None]) -> np.ndarray:
 
 
 def _build(source: str, column: str, width: int, path: str, decode) -> None:
-    """Decode one row group at a time into a preallocated file: memory stays at one row group."""
+    """Decode one row group at a time into the file: memory stays at one row group."""
     parquet = pq.ParquetFile(source, memory_map=True)
     dtype = _smallest_dtype(parquet, column)
+    groups = (decode(parquet.read_row_group(g, columns=[column], use_threads=False))
+              for g in range(parquet.num_row_groups))
+    fixed = fixed_width(parquet.schema_arrow.field(column).type)
     with atomic_path(path) as tmp:
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(parquet.metadata.num_rows, width))
-        start = 0
-        for group in range(parquet.num_row_groups):
-            rows = decode(parquet.read_row_group(group, columns=[column], use_threads=False))
-            out[start : start + len(rows)] = rows
-            start += len(rows)
-        out.flush()
-        del out  # unmapped before the rename
+        if fixed is not None:
+            _write_known(groups, parquet.metadata.num_rows * (fixed // width), width, dtype, tmp)
+        else:
+            _write_streamed(groups, width, dtype, tmp)
+
+
+def _write_known(groups, rows: int, width: int, dtype: np.dtype, path: str) -> None:
+    """Windows whose count is known ahead: straight into a preallocated ``.npy``."""
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(rows, width))
+    start = 0
+    for windows in groups:
+        out[start : start + len(windows)] = windows
+        start += len(windows)
+    assert start == rows, (start, rows)
+    out.flush()
+    del out  # unmapped before the rename
+
+
+def _write_streamed(groups, width: int, dtype: np.dtype, path: str) -> None:
+    """Windows counted as they come: appended to a raw stream, then copied behind the ``.npy`` header."""
+    stream, rows = path + ".stream", 0
+    try:
+        with open(stream, "wb") as f:
+            for windows in groups:
+                np.ascontiguousarray(windows, dtype=dtype).tofile(f)
+                rows += len(windows)
+        with open(path, "wb") as out, open(stream, "rb") as raw:
+            header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (rows, width)}
+            np.lib.format.write_array_header_1_0(out, header)
+            shutil.copyfileobj(raw, out, 1 << 24)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(stream)
 
 
 def _smallest_dtype(parquet: pq.ParquetFile, column: str) -> np.dtype:
