@@ -103,9 +103,10 @@ def split_held_out(cfg: Config, rows: int) -> tuple[int, int]:
 
 
 def _check_data(cfg: Config, data_path: str, key: str = "data.path") -> int:
-    """The samples in a file of the run's data (``key`` names it), checked: token rows (data.column), or
-    text packed into rows (data.text_column: tokenised here, into this machine's cache, to count them).
-    The held-out file (data.eval_path) need not fill a global batch."""
+    """The samples in a file of the run's data (``key`` names it), checked: the windows of model.seq_len + 1
+    tokens its token rows (data.column) are cut into, or text packed into such rows (data.text_column:
+    tokenised here, into this machine's cache, to count them). The held-out file (data.eval_path) need not
+    fill a global batch."""
     m, d = cfg.model, cfg.data
     batch = cfg.train.global_batch if key == "data.path" else 0
     if d.text_column is not None:
