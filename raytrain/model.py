@@ -160,21 +160,23 @@ def factory_layers(factory: str, built) -> tuple[list[nn.Module], LossFn]:
                           "-> mean loss: fix the function")
 
     loss_fn: LossFn = cross_entropy_loss
+    pair = ""  # a tuple is read as (layers, loss_fn): say so when its layers are wrong
     if isinstance(built, tuple):
         if len(built) != 2:
             raise wrong(f"a tuple of {len(built)}")
         built, loss_fn = built
+        pair = "a (layers, loss_fn) pair whose layers are "
         if not callable(loss_fn):
             raise wrong(f"{_kind(loss_fn)} as its loss function")
     iterable = hasattr(built, "__iter__") and not isinstance(built, (nn.Module, str, bytes, dict))
     if not (iterable or isinstance(built, (nn.Sequential, nn.ModuleList))):
-        raise wrong(_kind(built))
+        raise wrong(pair + _kind(built))
     layers = list(built)
     if not layers:
-        raise wrong(f"an empty {type(built).__name__}")
+        raise wrong(f"{pair}an empty {type(built).__name__}")
     bad = next((i for i, m in enumerate(layers) if not isinstance(m, nn.Module)), None)
     if bad is not None:
-        raise wrong(f"a {type(built).__name__} holding {_kind(layers[bad])} at index {bad}")
+        raise wrong(f"{pair}a {type(built).__name__} holding {_kind(layers[bad])} at index {bad}")
     return layers, loss_fn
 
 

@@ -120,6 +120,9 @@ def not_all_modules(cfg):
 def triple(cfg):
     return [nn.Embedding(cfg.vocab_size, 8)], None, None
 
+def two_modules(cfg):
+    return nn.Embedding(cfg.vocab_size, 8), nn.Linear(8, cfg.vocab_size)
+
 def loss_not_callable(cfg):
     return [nn.Embedding(cfg.vocab_size, 8), nn.Linear(8, cfg.vocab_size)], 3.0
 
@@ -138,7 +141,7 @@ def factory_dir(tmp_path_factory):
 @pytest.mark.parametrize("name, returned", [
     ("number", "int"), ("text", "str"), ("nothing", "None"), ("a_dict", "dict"), ("one_module", "Linear"),
     ("empty", "an empty list"), ("not_all_modules", "str at index 1"), ("triple", "a tuple of 3"),
-    ("loss_not_callable", "float as its loss function"),
+    ("loss_not_callable", "float as its loss function"), ("two_modules", "pair whose layers are Embedding"),
 ])
 def test_a_factory_of_the_wrong_type_is_named(factory_dir, monkeypatch, tmp_path, data_cache, name, returned):
     monkeypatch.syspath_prepend(str(factory_dir))
