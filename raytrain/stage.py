@@ -289,8 +289,7 @@ class Stage:
         part = self.shard_index if self.sharded is not None else None
         shard, name = self.shard(), checkpoint.shard_name(self.stage, part)
         self.hook("checkpoint", self.committed, file=checkpoint.join_uri(ckpt_dir, name))
-        size = checkpoint.save_shard(ckpt_dir, self.stage, shard, part)
-        return {"file": name, "bytes": size, "finite": all_finite(shard)}
+        return {**checkpoint.save_shard(ckpt_dir, self.stage, shard, part), "finite": all_finite(shard)}
 
     def load(self, ckpt_dir: str) -> None:
         """Take this stage's parameters and optimizer state from any layout's checkpoint."""

@@ -53,14 +53,14 @@ import sys, torch
 from raytrain import checkpoint
 base = sys.argv[1]
 d = checkpoint.step_dir(base, 1)
-size = checkpoint.save_shard(d, 0, {"model": {"0.w": torch.ones(3)}, "optim": {}, "rng": torch.get_rng_state()})
-checkpoint.publish(d, {"step": 1, "shards": [{"file": "stage-0.pt", "bytes": size}]})
+entry = checkpoint.save_shard(d, 0, {"model": {"0.w": torch.ones(3)}, "optim": {}, "rng": torch.get_rng_state()})
+checkpoint.publish(d, {"step": 1, "shards": [entry]})
 print("published", flush=True)
 d = checkpoint.step_dir(base, 2)
 big = {"model": {"0.w": torch.zeros(64, 1024, 1024)}, "optim": {}}  # 256 MiB: slow enough to kill mid-write
 print("writing", flush=True)
-size = checkpoint.save_shard(d, 0, big)
-checkpoint.publish(d, {"step": 2, "shards": [{"file": "stage-0.pt", "bytes": size}]})
+entry = checkpoint.save_shard(d, 0, big)
+checkpoint.publish(d, {"step": 2, "shards": [entry]})
 print("done", flush=True)
 """
 
@@ -88,8 +88,9 @@ def test_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
 
 def test_truncated_or_corrupt_shard_is_reported_by_file(tmp_path):
     d = checkpoint.step_dir(str(tmp_path), 3)
-    size = checkpoint.save_shard(d, 0, {"model": {"0.w": torch.ones(1000)}, "optim": {}})
-    checkpoint.publish(d, {"step": 3, "shards": [{"file": "stage-0.pt", "bytes": size}]})
+    entry = checkpoint.save_shard(d, 0, {"model": {"0.w": torch.ones(1000)}, "optim": {}})
+    checkpoint.publish(d, {"step": 3, "shards": [entry]})
+    size = entry["bytes"]
     shard = os.path.join(d, "stage-0.pt")
     with open(shard, "r+b") as f:
         f.truncate(size // 2)
@@ -97,7 +98,7 @@ def test_truncated_or_corrupt_shard_is_reported_by_file(tmp_path):
         checkpoint.load_state_dict(d)
     with open(shard, "wb") as f:
         f.write(b"x" * size)
-    with pytest.raises(checkpoint.CheckpointError, match="stage-0.pt is corrupt"):
+    with pytest.raises(checkpoint.CheckpointError, match="stage-0.pt does not match the sha256"):
         checkpoint.load_state_dict(d)
     os.remove(shard)
     with pytest.raises(checkpoint.CheckpointError, match="stage-0.pt"):
@@ -108,8 +109,7 @@ def test_pruning_keeps_the_newest(tmp_path):
     base = str(tmp_path)
     for step in (1, 2, 3, 4):
         d = checkpoint.step_dir(base, step)
-        size = checkpoint.save_shard(d, 0, {"model": {}, "optim": {}})
-        checkpoint.publish(d, {"step": step, "shards": [{"file": "stage-0.pt", "bytes": size}]})
+        checkpoint.publish(d, {"step": step, "shards": [checkpoint.save_shard(d, 0, {"model": {}, "optim": {}})]})
     checkpoint.prune(base, keep=2)
     assert [s for s, _ in checkpoint.list_checkpoints(base)] == [3, 4]
 

@@ -121,8 +121,7 @@ def _publish_forked(run_dir: str, base: str, step: int, files: list[tuple[int, i
     for stage, part in files:
         state = torch.load(os.path.join(run_dir, f"stage{stage}-{part}.pt"), weights_only=True)
         part = part if "rows" in state else None
-        size = checkpoint.save_shard(ckpt, stage, state, part)
-        shards.append({"file": checkpoint.shard_name(stage, part), "bytes": size})
+        shards.append(checkpoint.save_shard(ckpt, stage, state, part))
     checkpoint.publish(ckpt, {"step": step, "shards": shards})
     return ckpt
 

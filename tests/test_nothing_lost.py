@@ -23,8 +23,8 @@ def _metric_rows(run_dir):
 
 def _publish(base, step, finite=True):
     d = checkpoint.new_step_dir(base, step)
-    size = checkpoint.save_shard(d, 0, {"model": {"0.w": torch.full((2,), float(step))}, "optim": {}})
-    checkpoint.publish(d, {"step": step, "finite": finite, "shards": [{"file": "stage-0.pt", "bytes": size}]})
+    entry = checkpoint.save_shard(d, 0, {"model": {"0.w": torch.full((2,), float(step))}, "optim": {}})
+    checkpoint.publish(d, {"step": step, "finite": finite, "shards": [entry]})
     return d
 
 
