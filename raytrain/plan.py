@@ -248,7 +248,8 @@ def _new_run_name(root: str, layout: Layout) -> str:
 
 
 def _resume_source(cfg: Config, root: str, ckpt_dir: str) -> Optional[str]:
-    """The checkpoint ``checkpoint.resume`` names, checked; None when not resuming.
+    """The checkpoint ``checkpoint.resume`` names, checked; None when not resuming. Checked whole here (every
+    file's size and sha256, each a weights-only torch file), so a damaged one fails before any actor starts.
 
     ``latest`` means checkpoint.dir's latest when checkpoint.dir is set; else the checkpoint published
     last by any run under run.dir (each run has its own default checkpoint directory).
@@ -258,12 +259,13 @@ def _resume_source(cfg: Config, root: str, ckpt_dir: str) -> Optional[str]:
     where = cfg.checkpoint.resume
     if where == "latest":
         where = ckpt_dir if cfg.checkpoint.dir or cfg.run.name else _newest_run_checkpoint(root) or ckpt_dir
+    import_user_module("torch")  # verify loads torch: after the driver's background import of it, never beside it
     try:
         resume = checkpoint.resolve(where)
-        manifest = checkpoint.read_manifest(resume)
+        manifest = checkpoint.verify(resume)
     except checkpoint.CheckpointError as e:
-        raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}; point it at a step_NNNNNNNN directory "
-                         f"or a checkpoint.dir that holds one, or drop it to start afresh") from e
+        raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}; point it at another step_NNNNNNNN "
+                         f"directory or a checkpoint.dir that holds one, or drop it to start afresh") from e
     if manifest["step"] >= cfg.train.steps:
         raise ValueError(
             f"checkpoint.resume={cfg.checkpoint.resume!r} ({resume}) is at step {manifest['step']}, not before "
