@@ -41,8 +41,9 @@ def export_hf(ckpt: str, out_dir: str, dtype: Optional[str] = None) -> str:
     if not os.path.isdir(os.path.expanduser(cfg.model.hf)):
         raise ValueError(f"--checkpoint {ckpt}: its run's model.hf directory {cfg.model.hf!r} is gone; the export "
                          "needs its config.json there: restore it")
-    config = load_hf_config(cfg.model.hf)
-    model, layers = hf_layers(cfg.model.hf, cfg.model.hf_cut)
+    trust = cfg.model.trust_remote_code  # the run's own choice: a directory with auto_map is refused without it
+    config = load_hf_config(cfg.model.hf, trust)
+    model, layers = hf_layers(cfg.model.hf, cfg.model.hf_cut, trust)
     config.dtype = _dtype(config, dtype, stored_dtype(weight_files(cfg.model.hf)))
     tensors = _hf_tensors(checkpoint.load_state_dict(step_dir), hf_names(model, layers), config.dtype)
     _write_atomically(out_dir, config, tensors, cfg.model.hf)

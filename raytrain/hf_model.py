@@ -6,13 +6,16 @@ decoder layers, a final norm, and optionally a rotary embedding, a learned posit
 dropout. Each decoder-layer wrapper recomputes what the base model's forward would hand its layers
 (position ids, rotary cos/sin, the causal or sliding-window mask), so a stage needs nothing from
 another stage but the hidden states. A family with anything else in those places cannot be cut:
-``UncuttableModel`` names it, and ``pp=1`` still trains it whole (``WholeModel``).
+``UncuttableModel`` names it, and ``pp=1`` still trains it whole (``WholeModel``). A directory that is
+not a causal LM at all (an encoder, an encoder-decoder, a vision model), or whose config.json names its
+own Python code (``auto_map``, unless model.trust_remote_code), is refused: a model directory is data.
 
 ``transformers`` is an optional extra: ``pip install -e '.[hf]'``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -36,20 +39,101 @@ def transformers_module():
     return transformers
 
 
-def load_hf_config(path: str):
-    """The model directory's config (``config.json``); a ValueError naming model.hf when it has none."""
+def load_hf_config(path: str, trust_remote_code: bool = False):
+    """The model directory's config (``config.json``); a ValueError naming model.hf when it has none, and
+    naming config.json when it cannot be read or names custom code (``auto_map``) not trusted.
+
+    ``trust_remote_code`` goes to transformers as an explicit bool, never None: None makes it ask on stdin."""
     path = os.path.expanduser(path)
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
         raise ValueError(f"model.hf={path!r}: no config.json there; point model.hf at a local Hugging Face "
                          "model directory (save_pretrained writes one)")
-    return transformers_module().AutoConfig.from_pretrained(path, local_files_only=True)
+    refuse_custom_code(file, trust_remote_code)
+    try:
+        return transformers_module().AutoConfig.from_pretrained(path, local_files_only=True,
+                                                                trust_remote_code=bool(trust_remote_code))
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"model.hf={path!r}: transformers cannot read {file} ({first_line(e)}); point model.hf at a "
+                         "directory that save_pretrained wrote with this transformers version") from e
 
 
-def meta_model(config) -> nn.Module:
+def first_line(error: BaseException) -> str:
+    """An exception's first line (transformers' and safetensors' run to several): messages stay one line."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def refuse_custom_code(file: str, trust_remote_code: bool) -> None:
+    """A ValueError naming ``file`` when it cannot be parsed, or when its ``auto_map`` names Python files
+    of the directory that transformers would import: a model directory is data, like a checkpoint, and
+    runs no code unless model.trust_remote_code is set."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"model.hf: {file} is not a readable JSON config ({e}); restore it, e.g. with "
+                         "transformers' save_pretrained") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"model.hf: {file} holds no JSON object; restore it (save_pretrained writes one)")
+    auto_map = config.get("auto_map")
+    if auto_map and not trust_remote_code:
+        named = ", ".join(f"{k}: {v}" for k, v in auto_map.items()) if isinstance(auto_map, dict) else str(auto_map)
+        raise ValueError(f"model.hf: {file} names custom Python code in auto_map ({named}), which raytrain does not "
+                         "run unasked; set model.trust_remote_code=true only if you trust that code, or use a "
+                         "directory without auto_map")
+
+
+def describe(config) -> str:
+    """What a model directory's config says it is: its architectures and model type."""
+    architectures = ", ".join(getattr(config, "architectures", None) or []) or "no architectures"
+    return f"{architectures}, model_type {getattr(config, 'model_type', None)!r}"
+
+
+def not_causal_lm(config) -> Optional[str]:
+    """What the config is when it is not a decoder-only causal LM (None when it may be one): raytrain trains
+    next-token prediction, which an encoder-decoder, a masked LM or a vision model only fakes. Read from
+    config.json alone; ``causal_attention_problem`` then checks the attention itself."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
+
+    architectures = list(getattr(config, "architectures", None) or [])
+    if getattr(config, "is_encoder_decoder", False):
+        return f"an encoder-decoder ({describe(config)})"
+    if architectures:
+        if not any(a in set(causal.values()) or a.endswith("ForCausalLM") for a in architectures):
+            return f"not a causal LM ({describe(config)})"
+    elif config.model_type not in causal and "AutoModelForCausalLM" not in (getattr(config, "auto_map", None) or {}):
+        return f"of a model type AutoModelForCausalLM does not build ({describe(config)})"
+    return None
+
+
+@torch.no_grad()
+def causal_attention_problem(model: nn.Module, ids: torch.Tensor) -> Optional[str]:
+    """Why ``model``'s forward is not causal: its logits at the first half of ``ids`` change when the second
+    half does (an encoder's bidirectional attention, BERT without is_decoder); None when they do not."""
+    half = ids.size(1) // 2
+    if half == 0:
+        return None
+    later = ids.clone()
+    later[:, half:] = (ids[:, half:] + 1) % model.config.get_text_config().vocab_size
+    try:
+        first, second = (model(input_ids=x, use_cache=False).logits[:, :half] for x in (ids, later))
+    except Exception as e:  # noqa: BLE001 - a forward that needs more than token ids cannot train either
+        return f"its forward fails on token ids alone ({type(e).__name__}: {first_line(e)})"
+    change = (first - second).abs().max().item() / max(1.0, first.abs().max().item())
+    if change <= 1e-5:
+        return None
+    hint = " (config.json has is_decoder false: true makes it a causal decoder)" \
+        if getattr(model.config, "is_decoder", None) is False else ""
+    return (f"its attention is not causal: the logits at a position change with later tokens (by {change:.1e}), "
+            f"so its next-token loss would be fake{hint}")
+
+
+def meta_model(config, trust_remote_code: bool = False) -> nn.Module:
     """The whole causal LM on the meta device: its structure and names, no memory."""
     auto = transformers_module().AutoModelForCausalLM
     with torch.device("meta"):
-        return auto.from_config(config, dtype=torch.float32)
+        return auto.from_config(config, dtype=torch.float32, trust_remote_code=bool(trust_remote_code))
 
 
 @dataclass

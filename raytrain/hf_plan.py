@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Optional
 
 import torch
 from torch import nn
 
 from raytrain.config import Config
-from raytrain.hf_model import UncuttableModel, WholeModel, cut_layers, load_hf_config, meta_model, transformers_module
+from raytrain.hf_model import (UncuttableModel, WholeModel, causal_attention_problem, cut_layers, describe,
+                               load_hf_config, meta_model, not_causal_lm, transformers_module)
 from raytrain.hf_weights import hf_layers, missing_weights, weight_files
 from raytrain.layout import Layout
 
@@ -17,13 +19,18 @@ VERIFY_MAX_PARAMS = 500_000_000
 """The largest two-layer copy ``resolve_cut`` builds to check the cut (2 GB in float32)."""
 VERIFY_VOCAB = 1024
 """The two-layer copy's vocabulary at most: the vocabulary's size does not change how the model cuts."""
+CAUSAL_LM_NEEDED = ("raytrain trains decoder-only causal LMs (architectures a *ForCausalLM, or a model type "
+                    "AutoModelForCausalLM builds, whose attention is causal); point model.hf at one")
 
 
 def with_hf_architecture(cfg: Config) -> Config:
     """``cfg`` with model.vocab_size, n_layer, d_model and n_head read from the directory's config.json
     (data checks, memory estimates and progress lines use them); a ValueError when model.seq_len
-    exceeds the model's positions."""
-    hf = load_hf_config(cfg.model.hf)
+    exceeds the model's positions, or when the directory is not a decoder-only causal LM."""
+    hf = load_hf_config(cfg.model.hf, cfg.model.trust_remote_code)
+    problem = not_causal_lm(hf)
+    if problem is not None:
+        raise ValueError(f"model.hf={cfg.model.hf!r} is {problem}: {CAUSAL_LM_NEEDED}")
     text = hf.get_text_config()
     max_positions = getattr(text, "max_position_embeddings", None)
     if max_positions is not None and cfg.model.seq_len > max_positions:
@@ -59,26 +66,32 @@ def resolve_cut(cfg: Config) -> Config:
     """``cfg`` with model.hf_cut=auto resolved, so every worker cuts the same way: ``layers`` when the
     cut reproduces the model's own forward on a two-layer copy of its config and the directory's
     weights name every parameter as the modules do; else ``whole``, loaded by transformers itself
-    (pp=1 only: a ValueError naming the family for pp > 1, or with model.hf_cut=layers)."""
-    weights = weight_files(cfg.model.hf)  # refuses weights it cannot read, whatever the cut
-    if cfg.model.hf_cut == "whole":
+    (pp=1 only: a ValueError naming the family for pp > 1, or with model.hf_cut=layers). The same
+    copy must attend causally, whatever the cut: a ValueError naming what the directory is otherwise."""
+    m = cfg.model
+    weights = weight_files(m.hf)  # refuses weights it cannot read, whatever the cut
+    probe = _two_layer_model(load_hf_config(m.hf, m.trust_remote_code), m.trust_remote_code, m.hf_cut)
+    ids = None if probe is None else _probe_ids(probe.config, m.seq_len)
+    problem = None if probe is None else causal_attention_problem(probe, ids)
+    if problem is not None:
+        raise ValueError(f"model.hf={m.hf!r} ({describe(probe.config)}): {problem}; {CAUSAL_LM_NEEDED}")
+    if m.hf_cut == "whole":
         return cfg
-    problem = None
-    if cfg.model.hf_cut == "auto":
-        problem = _cut_problem(_two_layer_config(load_hf_config(cfg.model.hf)), cfg.model.seq_len)
+    if m.hf_cut == "auto" and probe is not None:
+        problem = _cut_problem(probe, ids)
     if problem is None and weights:
-        model, layers = hf_layers(cfg.model.hf, "layers")
+        model, layers = hf_layers(m.hf, "layers", m.trust_remote_code)
         missing = missing_weights(model, layers, weights)
         if missing:
             problem = (f"its safetensors name parameters unlike its modules (no {missing[0]!r}), which only "
                        "transformers' own loading converts")
     if problem is None:
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_cut="layers"))
-    if cfg.parallel.pp > 1 or cfg.model.hf_cut == "layers":
-        raise ValueError(f"model.hf={cfg.model.hf!r}: {problem}, so it cannot be cut into pipeline layers; use "
+        return dataclasses.replace(cfg, model=dataclasses.replace(m, hf_cut="layers"))
+    if cfg.parallel.pp > 1 or m.hf_cut == "layers":
+        raise ValueError(f"model.hf={m.hf!r}: {problem}, so it cannot be cut into pipeline layers; use "
                          "parallel.pp=1 with model.hf_cut=auto or whole (data parallel trains any causal LM)")
     print(f"raytrain: model.hf: {problem}; it trains whole (data parallel)", file=sys.stderr)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_cut="whole"))
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, hf_cut="whole"))
 
 
 def _two_layer_config(config):
@@ -98,24 +111,37 @@ def _two_layer_config(config):
     return small
 
 
-@torch.no_grad()
-def _cut_problem(config, seq_len: int):
-    """Why the cut layers do not compute the model's forward (None when they do, bit for bit up to 1e-6)."""
-    family = config.architectures[0] if getattr(config, "architectures", None) else type(config).__name__
-    size = sum(p.numel() for p in meta_model(config).parameters())
+def _two_layer_model(config, trust_remote_code: bool, cut: str) -> Optional[nn.Module]:
+    """The model's two-layer copy (``_two_layer_config``), initialised under seed 0, in eval mode; None,
+    and a note on stderr, when even that is larger than VERIFY_MAX_PARAMS."""
+    config = _two_layer_config(config)
+    size = sum(p.numel() for p in meta_model(config, trust_remote_code).parameters())
     if size > VERIFY_MAX_PARAMS:
-        print(f"raytrain: model.hf: the cut of {family} is not checked ({size / 1e6:.0f}M parameters in two layers); "
-              "set model.hf_cut=layers or whole to choose", file=sys.stderr)
+        choose = "; set model.hf_cut=layers or whole to choose" if cut == "auto" else ""
+        print(f"raytrain: model.hf: the causal attention and the cut of {describe(config)} are not checked "
+              f"({size / 1e6:.0f}M parameters in two layers){choose}", file=sys.stderr)
         return None
     torch.manual_seed(0)
-    model = transformers_module().AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    auto = transformers_module().AutoModelForCausalLM
+    return auto.from_config(config, dtype=torch.float32, trust_remote_code=bool(trust_remote_code)).eval()
+
+
+def _probe_ids(config, seq_len: int) -> torch.Tensor:
+    """Token ids for the checks: longer than any sliding window, so that masks are checked too."""
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None) or 0
+    return torch.randint(0, text.vocab_size, (2, min(seq_len, max(16, window + 1))))
+
+
+@torch.no_grad()
+def _cut_problem(model: nn.Module, ids: torch.Tensor) -> Optional[str]:
+    """Why the cut layers do not compute the model's forward (None when they do, bit for bit up to 1e-6)."""
+    config = model.config
+    family = config.architectures[0] if getattr(config, "architectures", None) else type(config).__name__
     try:
         layers = nn.Sequential(*cut_layers(model))
     except UncuttableModel as e:
         return str(e)
-    text = config.get_text_config()
-    window = getattr(text, "sliding_window", None) or 0  # longer than any window, so masks are checked
-    ids = torch.randint(0, text.vocab_size, (2, min(seq_len, max(16, window + 1))))
     try:
         want, got = model(input_ids=ids, use_cache=False).logits, layers(ids)
     except Exception as e:  # a layer that needs what the cut does not give it (alibi, per-layer rotary)

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from raytrain.hf_model import WholeModel, layers_of, load_hf_config, meta_model, transformers_module
+from raytrain.hf_model import WholeModel, first_line, layers_of, load_hf_config, meta_model, transformers_module
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -23,9 +23,10 @@ OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
-def hf_layers(path: str, cut: str) -> tuple[nn.Module, list[nn.Module]]:
-    """The model directory's causal LM on the meta device and its pipeline layers (``model.hf_cut``)."""
-    model = meta_model(load_hf_config(path))
+def hf_layers(path: str, cut: str, trust_remote_code: bool = False) -> tuple[nn.Module, list[nn.Module]]:
+    """The model directory's causal LM on the meta device and its pipeline layers (``model.hf_cut``);
+    ``trust_remote_code`` is model.trust_remote_code (off: a directory with auto_map is refused)."""
+    model = meta_model(load_hf_config(path, trust_remote_code), trust_remote_code)
     return model, layers_of(model, cut)
 
 
@@ -45,18 +46,22 @@ def hf_names(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, str]:
     return names
 
 
-def build_hf_stage(path: str, cut: str, seed: int, layer_ids: Optional[Sequence[int]]) -> tuple[list[nn.Module], int]:
+def build_hf_stage(path: str, cut: str, seed: int, layer_ids: Optional[Sequence[int]],
+                   trust_remote_code: bool = False) -> tuple[list[nn.Module], int]:
     """The layers ``layer_ids`` (all when None) with real tensors, and the model's layer count.
 
     Every owned layer is first initialised by the family's own initialiser under ``(seed, layer
     index)``, which also computes its buffers (rotary frequencies, embedding scales); the directory's
     weights, when it has any, then overwrite the parameters. A whole (uncut) model with weights is
-    loaded by ``from_pretrained`` itself, with every key conversion transformers knows."""
-    model, layers = hf_layers(path, cut)
+    loaded by ``from_pretrained`` itself, with every key conversion transformers knows (safetensors
+    only: never a pickle; no custom code unless ``trust_remote_code``)."""
+    model, layers = hf_layers(path, cut, trust_remote_code)
     weights = weight_files(path)
     if isinstance(layers[0], WholeModel) and weights:
         auto = transformers_module().AutoModelForCausalLM
-        return [WholeModel(auto.from_pretrained(os.path.expanduser(path), dtype=torch.float32), layers[0].reason)], 1
+        whole = auto.from_pretrained(os.path.expanduser(path), dtype=torch.float32, local_files_only=True,
+                                     use_safetensors=True, trust_remote_code=bool(trust_remote_code))
+        return [WholeModel(whole, layers[0].reason)], 1
     ids = list(range(len(layers))) if layer_ids is None else list(layer_ids)
     owned = [layers[i] for i in ids]
     materialise(owned)
@@ -86,24 +91,53 @@ def materialise(layers: Sequence[nn.Module]) -> None:
 
 def weight_files(path: str) -> dict[str, str]:
     """Tensor name in the files -> the safetensors file holding it; empty when the directory has no
-    weights. A ValueError naming model.hf for weights raytrain cannot read."""
+    weights. A ValueError naming model.hf for weights raytrain cannot read, and naming the file for a
+    safetensors file or index that is truncated, corrupt or disagrees with its shards (each file's
+    header is read: cheap, and it checks that the file covers every tensor it declares)."""
     path = os.path.expanduser(path)
     index = os.path.join(path, SAFETENSORS_INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            return {name: os.path.join(path, file) for name, file in json.load(f)["weight_map"].items()}
+        weights = _index_weight_map(index)
+        for file in sorted(set(weights.values())):
+            held = _safetensors_names(file, f"listed by {index}")
+            absent = [name for name, where in weights.items() if where == file and name not in held]
+            if absent:
+                raise ValueError(f"model.hf: {file} lacks {absent[0]!r}, which {index} places there; the shards "
+                                 "and the index disagree: restore the directory (save_pretrained writes both)")
+        return weights
     single = os.path.join(path, SAFETENSORS_FILE)
     if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
+        return {name: single for name in _safetensors_names(single)}
     unread = sorted(f for f in os.listdir(path) if f.endswith(OTHER_WEIGHTS + (".safetensors",)))
     if unread:
         raise ValueError(f"model.hf={path!r} holds {unread[0]}, which raytrain does not read: it reads "
                          f"{SAFETENSORS_FILE} or {SAFETENSORS_INDEX} with its shards; convert with transformers "
                          "(from_pretrained, then save_pretrained) into a new directory")
     return {}
+
+
+def _index_weight_map(index: str) -> dict[str, str]:
+    """The index's tensor name -> shard path; a ValueError naming the index when it cannot be read."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(os.path.dirname(index), file) for name, file in weight_map.items()}
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"model.hf: {index} is not a readable safetensors index (no JSON weight_map: "
+                         f"{type(e).__name__}: {first_line(e)}); restore it (save_pretrained writes it)") from e
+
+
+def _safetensors_names(file: str, why: str = "") -> set[str]:
+    """The tensor names in ``file``'s header; a ValueError naming the file when it is missing, truncated
+    or not safetensors at all (the library checks the header covers the file exactly)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            return set(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"model.hf: {file}{f' ({why})' if why else ''} is not a readable safetensors file "
+                         f"({first_line(e)}): it is truncated, corrupt or missing; restore or re-download it") from e
 
 
 def file_key(hf_name: str, weights: dict[str, str], prefix: str) -> Optional[str]:

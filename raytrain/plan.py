@@ -177,7 +177,7 @@ def _hf_layout(cfg: Config) -> Layout:
     from raytrain.hf_weights import hf_layers
     from raytrain.partition import plan_cuts
 
-    _, layers = hf_layers(cfg.model.hf, cfg.model.hf_cut)
+    _, layers = hf_layers(cfg.model.hf, cfg.model.hf_cut, cfg.model.trust_remote_code)
     layout = hf_layout(cfg, layers)
     check_shardable(layout.fsdp, shardable_rows(layers), "model.hf's largest parameter (or it has a scalar)")
     if layout.needs_cuts:
@@ -217,7 +217,7 @@ def model_layers(cfg: Config) -> list:
     if cfg.model.hf is not None:
         from raytrain.hf_weights import hf_layers
 
-        layers = hf_layers(cfg.model.hf, cfg.model.hf_cut)[1]
+        layers = hf_layers(cfg.model.hf, cfg.model.hf_cut, cfg.model.trust_remote_code)[1]
     elif cfg.model.factory is None:
         with torch.device("meta"):
             layers = build_model(cfg.model, cfg.train.seed).layers
