@@ -25,7 +25,7 @@ from raytrain.placement import request, reserve
 from raytrain.plan import RunPlan
 from raytrain.rendezvous import RendezvousStore, preload_torch_distributed
 from raytrain.report import RunReporter
-from raytrain.signals import StopOnSignal
+from raytrain.signals import Aborted, StopOnSignal
 from raytrain.workergroup import WorkersLost
 
 POLL_INTERVAL_S = 1.0
@@ -96,7 +96,10 @@ def run(plan: RunPlan, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
                      f"{plan.num_samples} samples" + (f" (+{plan.held_out} held out)" if plan.held_out else "")
                      + f"; run dir {plan.run_dir}\n")
         with StopOnSignal(stream) as stop:
-            summary, restarts = _run_coordinators(plan, placement, reporter, on_rows, stop)
+            try:
+                summary, restarts = _run_coordinators(plan, placement, reporter, on_rows, stop)
+            except KeyboardInterrupt:
+                raise Aborted(stop.aborted or "SIGINT") from None
     finally:
         held.release()
     return _result(plan, summary, restarts, reporter)

@@ -103,3 +103,24 @@ def test_sigterm_to_the_whole_process_group_of_an_embedded_ray_exits_143_in_seco
     while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(pid_alive(p) for p in workers), "a worker outlived the stopped run"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_aborts_at_once_in_one_line(ray_cluster, tmp_path, data_cache, sig):
+    proc = _start_cli(ray_cluster, tmp_path, data_cache, "--set", "checkpoint.every=2")
+    try:
+        _wait_for_training(tmp_path, proc)
+        proc.send_signal(sig)
+        time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.monotonic() - sent < 40
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert f"raytrain: aborted by {sig.name}" in err.strip().splitlines()[-1]
+    published = checkpoint.list_checkpoints(str(next((tmp_path / "runs").glob("*/checkpoints"))))
+    for _, uri in published:  # the abort never leaves a half-published checkpoint as latest
+        checkpoint.load_shards(uri)
