@@ -307,13 +307,50 @@ class Coordinator:
 
     def give_up(self, decision: Decision) -> None:
         self.flush_row(None)  # a committed step's held row is kept however the run ends
-        raise capacity_lost(decision, self.last_checkpoint)
+        saved = self._save_survivors()
+        raise capacity_lost(decision, self.last_checkpoint, saved)
+
+    def _save_survivors(self) -> bool:
+        """Before the run gives up: when live workers hold every slot's state at the latest committed
+        step and no checkpoint has it yet, save and publish it from them (no collective is needed), so
+        the steps since the last checkpoint are not lost. Returns whether it saved."""
+        step = self.progress.step
+        saved_step = checkpoint.read_manifest(self.last_checkpoint)["step"] if self.last_checkpoint else 0
+        if step <= saved_step:
+            return False
+        dead = set(map(id, self.progress.lost))
+        live = [m for m in self.team.members() + self.team.spares if id(m) not in dead and m.committed == step]
+        holders = {}
+        for m in live:
+            holders.setdefault(m.slot, m)
+        if len(holders) < len(self.team.slots):
+            self.emit({"event": "not_saved", "step": step, "reason": "no live worker holds the state of "
+                       f"{len(self.team.slots) - len(holders)} slot(s) at this step"})
+            return False
+        ckpt_dir = checkpoint.new_step_dir(self.cfg.checkpoint.dir, step)
+        try:
+            shards = self.group.call([(holders[slot], "save", (ckpt_dir,)) for slot in self.team.slots],
+                                     SETUP_TIMEOUT_S)
+        except WorkersLost:
+            self.emit({"event": "not_saved", "step": step, "reason": "a survivor was lost while saving"})
+            return False
+        mesh = Mesh(1, self.team.pp, self.team.fsdp)
+        checkpoint.publish(ckpt_dir, manifest(step, shards, self.cfg, mesh, self.stage_layers))
+        checkpoint.prune(self.cfg.checkpoint.dir, self.cfg.checkpoint.keep)
+        self.last_checkpoint = ckpt_dir
+        self.emit({"event": "checkpoint", "step": step, "path": ckpt_dir,
+                   "reason": "saved from the survivors before giving up"})
+        return True
 
 
-def capacity_lost(decision: Decision, last_checkpoint: Optional[str]) -> CapacityLost:
+def capacity_lost(decision: Decision, last_checkpoint: Optional[str], saved: bool = False) -> CapacityLost:
     """The error that ends a run the policy gave up on: its reason, its key, and what is kept."""
-    kept = (f"the last checkpoint ({last_checkpoint}) is intact" if last_checkpoint
-            else "no checkpoint was written yet (checkpoint.every keeps some)")
+    if saved:
+        kept = f"the survivors saved every committed step to {last_checkpoint}: resume from it"
+    elif last_checkpoint:
+        kept = f"the last checkpoint ({last_checkpoint}) is intact"
+    else:
+        kept = "no checkpoint was written yet (checkpoint.every keeps some)"
     return CapacityLost(f"{decision.reason} (config: {decision.config_key}); {kept}")
 
 

@@ -45,10 +45,11 @@ class Repairs:
         failed_step, during, lost = p.step, p.during, p.lost
         mesh = c.team.mesh()
         slots = [mesh.label(rank) for rank, m in c.team.ranked() if m in lost]
-        self.count_failure()
         settle = c.policy.settle_step(failed_step, [r["committed"] for r in p.reports]) if during == "step" else None
         if settle is not None and settle.action is Action.ROLL_FORWARD:
             lost = lost + self._roll_forward(failed_step, p.reports, lost)
+        p.lost = lost
+        self.count_failure()  # after the step is settled: a run that gives up saves its survivors' state
         c.faults = FaultPlan.remaining(c.faults, failed_step)  # fired, or moot: slots are renumbered now
         p.step, capacity = self.reform(lost, p.step)
         seconds = time.perf_counter() - t0
