@@ -48,6 +48,11 @@ __all__ = ["CapacityLost", "Coordinator", "NonFiniteLoss", "StepFailed", "may_se
 GRANT_AT_START_S = 1.0
 """How long the start waits for replicas beyond parallel.dp before starting without them."""
 
+SETTLE_MARGIN_S = 5.0
+"""Beyond elastic.detect_timeout_s, how long after a failed reply the rest of a step's replies may take:
+every live peer's collective has failed by then, so a worker still silent is hung and is killed."""
+
+
 
 class NonFiniteLoss(StepFailed):
     """A step's loss or gradient norm was not finite (and train.skip_nonfinite was used up)."""
@@ -104,6 +109,11 @@ class Coordinator:
     def request_stop(self, reason: str) -> None:
         """Stop at the next step boundary, after a checkpoint (a signal reached the driver)."""
         self._stop_reason = reason
+
+    @property
+    def stopping(self) -> bool:
+        """A stop was requested: the run ends at the next step boundary, after a checkpoint."""
+        return self._stop_reason is not None
 
     def run(self, store: StoreAddress) -> dict:
         """Train to ``train.steps`` (or, after ``request_stop``, to the next step boundary), forming
@@ -204,7 +214,8 @@ class Coordinator:
             p.call = self._send(p.step, time.perf_counter())
         ahead = self._send(p.step + 1, None) if self._may_send_ahead(p.step + 1) else None
         try:
-            reports = steps.collect(self.group, p.call, self.cfg.resources.step_timeout_s, self.layout())
+            reports = steps.collect(self.group, p.call, self.cfg.resources.step_timeout_s, self.layout(),
+                                    settle_s=self.cfg.elastic.detect_timeout_s + SETTLE_MARGIN_S)
         except StepLost as lost:
             p.lost = lost.dead + [m for m in self._drain(ahead) if m not in lost.dead]
             p.reports, p.during, p.call = lost.reports, "step", None

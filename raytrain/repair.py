@@ -120,6 +120,10 @@ class Repairs:
         self.admit_started(0)
         while True:
             decision = c.policy.capacity(c.team.dp, time.monotonic() - t0)
+            if decision.action is Action.WAIT and c.stopping and c.team.dp > 0:
+                # A stop was asked for: save from the replicas there are now rather than wait for more.
+                return Decision(Action.CONTINUE, f"stopping: {c.team.dp} live replica(s) save the checkpoint "
+                                "without waiting for replacements", "elastic.min_dp")
             if decision.action is Action.CONTINUE:
                 return decision
             if decision.action is Action.GIVE_UP:
