@@ -7,6 +7,7 @@ parallel.auto is set (raytrain.autolayout), then runs it (raytrain.driver).
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import Callable, Optional
 
@@ -30,8 +31,19 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     """
     if not cfg.parallel.auto:
         return driver.run(prepare(cfg), stream, on_rows, placement)
-    layers = prepare(cfg).layout.num_layers  # bad input fails before any probe starts
+    checked = prepare(cfg)  # bad input fails before any probe starts
     ensure_ray()
-    cfg, auto_layout = choose_layout(cfg, layers, stream)
+    cfg, auto_layout = choose_layout(cfg, checked.layout.num_layers, stream)
+    if cfg.run.name is None:  # the run is named after the layout it trains: drop the check's empty directory
+        _remove_if_empty(checked.run_dir)
     result = driver.run(prepare(cfg), stream, on_rows, placement)
     return dataclasses.replace(result, auto_layout=auto_layout)
+
+
+def _remove_if_empty(run_dir: str) -> None:
+    """Remove a run directory that holds nothing but an empty checkpoints directory."""
+    for path in (os.path.join(run_dir, "checkpoints"), run_dir):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return  # not empty (or already gone): keep it

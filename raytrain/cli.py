@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"non-finite loss: {e}", 5)
     except StepFailed as e:
         return _fail(f"step failed: {e}", 1)
+    except KeyboardInterrupt as e:  # a second signal (signals.Aborted), or Ctrl-C before the run started
+        reason = getattr(e, "reason", "SIGINT")
+        return _fail(f"aborted by {reason}: the run did not wait for a step boundary; every published checkpoint "
+                     "is intact (--set checkpoint.resume=latest)", exit_code(reason))
     print(json.dumps(result.summary()))
     return exit_code(result.stopped) if result.stopped else 0
 

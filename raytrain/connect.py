@@ -71,6 +71,23 @@ def ensure_ray(min_cpus: int = 0) -> None:
         reaper.start()  # nothing of this embedded Ray outlives the driver, even a SIGKILLed one
 
 
+def cluster_reachable() -> bool:
+    """Whether the connected cluster's GCS still accepts a TCP connection (within PROBE_TIMEOUT_S).
+
+    A SIGTERM to the driver's whole process group (``timeout``, systemd, Slurm) also ends an embedded
+    Ray's GCS; every Ray call that needs it (removing a placement group, killing an actor, shutting
+    down) then blocks for a minute before Ray gives up. The driver asks this first and skips them.
+    """
+    target = _host_port(ray.get_runtime_context().gcs_address) if ray.is_initialized() else None
+    if target is None:
+        return False
+    try:
+        socket.create_connection(target, timeout=PROBE_TIMEOUT_S).close()
+    except OSError:
+        return False
+    return True
+
+
 def running_as_job() -> bool:
     """True in the driver of a ``ray job submit`` job."""
     return JOB_DRIVER_ENV in os.environ

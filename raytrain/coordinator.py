@@ -48,6 +48,11 @@ __all__ = ["CapacityLost", "Coordinator", "NonFiniteLoss", "StepFailed", "may_se
 GRANT_AT_START_S = 1.0
 """How long the start waits for replicas beyond parallel.dp before starting without them."""
 
+SETTLE_MARGIN_S = 5.0
+"""Beyond elastic.detect_timeout_s, how long after a failed reply the rest of a step's replies may take:
+every live peer's collective has failed by then, so a worker still silent is hung and is killed."""
+
+
 
 class NonFiniteLoss(StepFailed):
     """A step's loss or gradient norm was not finite (and train.skip_nonfinite was used up)."""
@@ -104,6 +109,11 @@ class Coordinator:
     def request_stop(self, reason: str) -> None:
         """Stop at the next step boundary, after a checkpoint (a signal reached the driver)."""
         self._stop_reason = reason
+
+    @property
+    def stopping(self) -> bool:
+        """A stop was requested: the run ends at the next step boundary, after a checkpoint."""
+        return self._stop_reason is not None
 
     def run(self, store: StoreAddress) -> dict:
         """Train to ``train.steps`` (or, after ``request_stop``, to the next step boundary), forming
@@ -204,7 +214,8 @@ class Coordinator:
             p.call = self._send(p.step, time.perf_counter())
         ahead = self._send(p.step + 1, None) if self._may_send_ahead(p.step + 1) else None
         try:
-            reports = steps.collect(self.group, p.call, self.cfg.resources.step_timeout_s, self.layout())
+            reports = steps.collect(self.group, p.call, self.cfg.resources.step_timeout_s, self.layout(),
+                                    settle_s=self.cfg.elastic.detect_timeout_s + SETTLE_MARGIN_S)
         except StepLost as lost:
             p.lost = lost.dead + [m for m in self._drain(ahead) if m not in lost.dead]
             p.reports, p.during, p.call = lost.reports, "step", None
@@ -307,13 +318,50 @@ class Coordinator:
 
     def give_up(self, decision: Decision) -> None:
         self.flush_row(None)  # a committed step's held row is kept however the run ends
-        raise capacity_lost(decision, self.last_checkpoint)
+        saved = self._save_survivors()
+        raise capacity_lost(decision, self.last_checkpoint, saved)
+
+    def _save_survivors(self) -> bool:
+        """Before the run gives up: when live workers hold every slot's state at the latest committed
+        step and no checkpoint has it yet, save and publish it from them (no collective is needed), so
+        the steps since the last checkpoint are not lost. Returns whether it saved."""
+        step = self.progress.step
+        saved_step = checkpoint.read_manifest(self.last_checkpoint)["step"] if self.last_checkpoint else 0
+        if step <= saved_step:
+            return False
+        dead = set(map(id, self.progress.lost))
+        live = [m for m in self.team.members() + self.team.spares if id(m) not in dead and m.committed == step]
+        holders = {}
+        for m in live:
+            holders.setdefault(m.slot, m)
+        if len(holders) < len(self.team.slots):
+            self.emit({"event": "not_saved", "step": step, "reason": "no live worker holds the state of "
+                       f"{len(self.team.slots) - len(holders)} slot(s) at this step"})
+            return False
+        ckpt_dir = checkpoint.new_step_dir(self.cfg.checkpoint.dir, step)
+        try:
+            shards = self.group.call([(holders[slot], "save", (ckpt_dir,)) for slot in self.team.slots],
+                                     SETUP_TIMEOUT_S)
+        except WorkersLost:
+            self.emit({"event": "not_saved", "step": step, "reason": "a survivor was lost while saving"})
+            return False
+        mesh = Mesh(1, self.team.pp, self.team.fsdp)
+        checkpoint.publish(ckpt_dir, manifest(step, shards, self.cfg, mesh, self.stage_layers))
+        checkpoint.prune(self.cfg.checkpoint.dir, self.cfg.checkpoint.keep)
+        self.last_checkpoint = ckpt_dir
+        self.emit({"event": "checkpoint", "step": step, "path": ckpt_dir,
+                   "reason": "saved from the survivors before giving up"})
+        return True
 
 
-def capacity_lost(decision: Decision, last_checkpoint: Optional[str]) -> CapacityLost:
+def capacity_lost(decision: Decision, last_checkpoint: Optional[str], saved: bool = False) -> CapacityLost:
     """The error that ends a run the policy gave up on: its reason, its key, and what is kept."""
-    kept = (f"the last checkpoint ({last_checkpoint}) is intact" if last_checkpoint
-            else "no checkpoint was written yet (checkpoint.every keeps some)")
+    if saved:
+        kept = f"the survivors saved every committed step to {last_checkpoint}: resume from it"
+    elif last_checkpoint:
+        kept = f"the last checkpoint ({last_checkpoint}) is intact"
+    else:
+        kept = "no checkpoint was written yet (checkpoint.every keeps some)"
     return CapacityLost(f"{decision.reason} (config: {decision.config_key}); {kept}")
 
 

@@ -18,14 +18,14 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain import checkpoint
-from raytrain.connect import ensure_ray
+from raytrain.connect import cluster_reachable, ensure_ray
 from raytrain.coordinator import Coordinator
 from raytrain.lease import Lease
 from raytrain.placement import request, reserve
 from raytrain.plan import RunPlan
 from raytrain.rendezvous import RendezvousStore, preload_torch_distributed
 from raytrain.report import RunReporter
-from raytrain.signals import StopOnSignal
+from raytrain.signals import Aborted, StopOnSignal
 from raytrain.workergroup import WorkersLost
 
 POLL_INTERVAL_S = 1.0
@@ -96,7 +96,10 @@ def run(plan: RunPlan, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
                      f"{plan.num_samples} samples" + (f" (+{plan.held_out} held out)" if plan.held_out else "")
                      + f"; run dir {plan.run_dir}\n")
         with StopOnSignal(stream) as stop:
-            summary, restarts = _run_coordinators(plan, placement, reporter, on_rows, stop)
+            try:
+                summary, restarts = _run_coordinators(plan, placement, reporter, on_rows, stop)
+            except KeyboardInterrupt:
+                raise Aborted(stop.aborted or "SIGINT") from None
     finally:
         held.release()
     return _result(plan, summary, restarts, reporter)
@@ -146,6 +149,10 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
                 store = rendezvous.address(host, namespace=f"coordinator{restarts}")
                 return _drive(coordinator, store, reporter, on_rows, stop), restarts
             except ray.exceptions.RayError as e:
+                if stop.reason is not None and _coordinator_lost(e):
+                    # The signal reached the coordinator's process too (a whole process group or cgroup was
+                    # signalled): the user asked to stop, so stop at the last checkpoint rather than restart.
+                    return _stopped_without_coordinator(cfg, reporter, stop.reason, resume), restarts
                 if not _coordinator_lost(e) or restarts == cfg.elastic.coordinator_restarts:
                     reporter.add([{"event": "failed", "error": str(getattr(e, "cause", e)).splitlines()[0][:500]}])
                     raise getattr(e, "cause", e) if isinstance(e, ray.exceptions.RayTaskError) else e from None
@@ -155,10 +162,22 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
             finally:
                 _stop(coordinator)
     finally:
-        for group in groups:
-            remove_placement_group(group)
+        if cluster_reachable():  # else Ray blocks a minute on each call: the cluster, and its groups, are gone
+            for group in groups:
+                remove_placement_group(group)
         rendezvous.close()
         reporter.finish()
+
+
+def _stopped_without_coordinator(cfg, reporter: RunReporter, reason: str, resume: Optional[str]) -> dict:
+    """The summary of a run stopped by a signal that also ended its coordinator: it ends at the last
+    published checkpoint (the steps after it were never committed to storage)."""
+    last = checkpoint.latest(cfg.checkpoint.dir) or resume
+    step = checkpoint.read_manifest(last)["step"] if last is not None else 0
+    reporter.add([{"event": "stopped", "step": step, "reason": reason, "checkpoint": last,
+                   "note": "the coordinator ended with the signal; resume from this checkpoint"}])
+    return {"steps": step, "checkpoint": last, "stopped": reason, "digests": {}, "worker_pids": [], "final_pids": [],
+            "committed_steps": [], "failures": 0, "recovery_s": [], "skipped_steps": []}
 
 
 def _coordinator_lost(error: Exception) -> bool:
@@ -201,4 +220,5 @@ def _stop(coordinator) -> None:
         ray.get(coordinator.shutdown.remote(), timeout=30)
     except ray.exceptions.RayError:
         pass  # already gone: its workers went with it
-    ray.kill(coordinator, no_restart=True)
+    if cluster_reachable():
+        ray.kill(coordinator, no_restart=True)

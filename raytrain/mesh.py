@@ -104,7 +104,9 @@ def init_groups(
         if size == 1:
             continue
         for ranks in members:
-            group = dist.new_group(ranks)
+            # new_group's own default is torch's 30 minutes, not the world's: a frozen peer (its
+            # connections open, its process stopped) would hold a collective that long.
+            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
             if rank in ranks:
                 mine[kind] = group
     return Groups(mine["dp"], mine["pp"], mine["fsdp"])

@@ -238,13 +238,21 @@ def _timing_input(cfg: Config):
 
 
 def _new_run_name(root: str, layout: Layout) -> str:
-    """A timestamp and the layout, with a suffix when a run of the same second already has it."""
+    """A timestamp and the layout, with a suffix when a run of the same second already has it.
+
+    The directory is created here with ``os.mkdir``, which fails for all but one of two runs that
+    pick the same name at once: each run gets a directory of its own, never a shared one.
+    """
+    os.makedirs(root, exist_ok=True)
     base = time.strftime("%Y%m%d-%H%M%S-") + layout.label.replace(" ", "_").replace("=", "")
     name, n = base, 1
-    while os.path.exists(os.path.join(root, name)):
-        n += 1
-        name = f"{base}-{n}"
-    return name
+    while True:
+        try:
+            os.mkdir(os.path.join(root, name))
+            return name
+        except FileExistsError:
+            n += 1
+            name = f"{base}-{n}"
 
 
 def _resume_source(cfg: Config, root: str, ckpt_dir: str) -> Optional[str]:

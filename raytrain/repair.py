@@ -45,10 +45,11 @@ class Repairs:
         failed_step, during, lost = p.step, p.during, p.lost
         mesh = c.team.mesh()
         slots = [mesh.label(rank) for rank, m in c.team.ranked() if m in lost]
-        self.count_failure()
         settle = c.policy.settle_step(failed_step, [r["committed"] for r in p.reports]) if during == "step" else None
         if settle is not None and settle.action is Action.ROLL_FORWARD:
             lost = lost + self._roll_forward(failed_step, p.reports, lost)
+        p.lost = lost
+        self.count_failure()  # after the step is settled: a run that gives up saves its survivors' state
         c.faults = FaultPlan.remaining(c.faults, failed_step)  # fired, or moot: slots are renumbered now
         p.step, capacity = self.reform(lost, p.step)
         seconds = time.perf_counter() - t0
@@ -119,6 +120,10 @@ class Repairs:
         self.admit_started(0)
         while True:
             decision = c.policy.capacity(c.team.dp, time.monotonic() - t0)
+            if decision.action is Action.WAIT and c.stopping and c.team.dp > 0:
+                # A stop was asked for: save from the replicas there are now rather than wait for more.
+                return Decision(Action.CONTINUE, f"stopping: {c.team.dp} live replica(s) save the checkpoint "
+                                "without waiting for replacements", "elastic.min_dp")
             if decision.action is Action.CONTINUE:
                 return decision
             if decision.action is Action.GIVE_UP:

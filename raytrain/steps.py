@@ -46,12 +46,13 @@ def send(group, members: list[Member], step: int, trace: bool, started: Optional
     return StepCall(step, members, group.submit(members, "run_step", step, trace), started)
 
 
-def collect(group, call: StepCall, timeout_s: float, layout: str) -> list[dict]:
+def collect(group, call: StepCall, timeout_s: float, layout: str, settle_s: Optional[float] = None) -> list[dict]:
     """Every member's report of ``call.step``; StepLost, NonFiniteStep or StepFailed when it did not commit.
 
-    A member silent for longer than a step may take is killed and counted as lost.
+    A member silent for longer than a step may take, or for ``settle_s`` after another reported a
+    failed collective, is killed and counted as lost.
     """
-    outcomes = group.collect(call.members, call.refs, timeout_s)
+    outcomes = group.collect(call.members, call.refs, timeout_s, settle_s)
     for o in outcomes:
         if o.silent:
             group.kill(o.member)

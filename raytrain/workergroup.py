@@ -5,6 +5,9 @@ the coordinator's decisions are tested in milliseconds without processes.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -78,9 +81,12 @@ class RayWorkerGroup:
     def submit(self, members: list[Member], method: str, *args) -> list:
         return [getattr(m.handle, method).remote(*args) for m in members]
 
-    def collect(self, members: list[Member], refs: list, timeout: float) -> list[Outcome]:
-        """Every member's outcome, waiting up to ``timeout`` in all."""
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    def collect(self, members: list[Member], refs: list, timeout: float,
+                settle_s: Optional[float] = None) -> list[Outcome]:
+        """Every member's outcome, waiting up to ``timeout`` in all; with ``settle_s``, only that long
+        after the first member reported a failed step (``ok`` false): its collectives failed against
+        a peer, and a peer still silent once the others' have timed out is hung, not slow."""
+        ready = _wait_settled(refs, timeout, settle_s)
         outcomes = []
         for m, ref in zip(members, refs):
             if ref not in ready:
@@ -110,7 +116,13 @@ class RayWorkerGroup:
         return [o.value for o in outcomes]
 
     def kill(self, member: Member) -> None:
+        """End the member's actor and its process: a stopped (SIGSTOP) or hung process does not act on
+        ray.kill, and would keep its bundle's resources from a replacement for ever."""
         ray.kill(member.handle, no_restart=True)
+        if member.pid is not None:
+            # On the member's node: a task in the member's own bundle (it needs no resources of it).
+            _kill_process.options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                member.placement, placement_group_bundle_index=member.bundle)).remote(member.pid)
 
     def granted(self, requests: list[tuple[Any, Any]], timeout: float) -> list[tuple[Any, Any]]:
         """The (placement group, ready ref) requests Ray has granted within ``timeout``."""
@@ -118,6 +130,44 @@ class RayWorkerGroup:
             return []
         ready, _ = ray.wait([r for _, r in requests], num_returns=len(requests), timeout=timeout)
         return [(pg, r) for pg, r in requests if r in ready]
+
+
+POLL_S = 0.5
+"""How often a wait with ``settle_s`` looks at the replies that have come."""
+
+
+def _wait_settled(refs: list, timeout: float, settle_s: Optional[float]) -> list:
+    """The refs ready within ``timeout``, or within ``settle_s`` of the first failed reply."""
+    if settle_s is None:
+        return ray.wait(refs, num_returns=len(refs), timeout=timeout)[0]
+    deadline, failed_at = time.monotonic() + timeout, None
+    while True:
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
+        now = time.monotonic()
+        if not pending or now >= deadline or (failed_at is not None and now - failed_at >= settle_s):
+            return ready
+        if failed_at is None and any(_failed(ref) for ref in ready):
+            failed_at = now
+
+
+def _failed(ref) -> bool:
+    try:
+        value = ray.get(ref)
+    except ray.exceptions.RayError:
+        return True
+    return isinstance(value, dict) and value.get("ok") is False
+
+
+@ray.remote(num_cpus=0)
+def _kill_process(pid: int) -> None:
+    """SIGKILL a Ray worker process of this node (``ray::`` in its command line: a reused pid is spared)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"ray::" not in f.read():
+                return
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ProcessLookupError):
+        pass  # gone already
 
 
 def lost_members(group, outcomes: list[Outcome]) -> list[Member]:

@@ -113,7 +113,7 @@ class FakeWorkerGroup:
             return [FakeRef(lambda m, b=batch: self._step_outcome(m, members, args[0], b)) for _ in members]
         return [FakeRef(lambda m: self._call_outcome(m, method, args)) for _ in members]
 
-    def collect(self, members: list[Member], refs: list, timeout: float) -> list[Outcome]:
+    def collect(self, members: list[Member], refs: list, timeout: float, settle_s=None) -> list[Outcome]:
         return [ref.outcome(m) for m, ref in zip(members, refs)]
 
     def call(self, calls: list[tuple[Member, str, tuple]], timeout: float) -> list:

@@ -74,6 +74,33 @@ def test_below_min_dp_without_capacity_it_waits_then_gives_up_naming_the_key(tmp
         run(tmp_path, "elastic.faults=['1:0@1:forward']", group=FakeWorkerGroup(1, initial=2, capacity=0))
 
 
+def test_a_run_that_gives_up_first_saves_what_its_survivors_committed(tmp_path):
+    with pytest.raises(CapacityLost, match="survivors saved every committed step to .*step_00000001"):
+        run(tmp_path, "elastic.faults=['1:0@1:forward']", group=FakeWorkerGroup(1, initial=2, capacity=0))
+    assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "ckpt"))] == [1]
+
+
+def test_a_run_that_gives_up_without_a_complete_live_state_saves_nothing(tmp_path):
+    with pytest.raises(CapacityLost, match="no checkpoint was written yet"):
+        run(tmp_path, "elastic.faults=['0:1@1:forward']", dp=1, pp=2)
+    assert checkpoint.list_checkpoints(str(tmp_path / "ckpt")) == []
+
+
+def test_a_stop_while_waiting_for_replacements_saves_from_the_live_replicas_at_once(tmp_path):
+    class StopWhenReplacing(FakeWorkerGroup):
+        def spawn(self, *args, **kwargs):
+            if self.spawned >= 2:  # the replacement of the lost worker: a SIGTERM arrives meanwhile
+                self.coordinator.request_stop("SIGTERM")
+            return super().spawn(*args, **kwargs)
+
+    group = StopWhenReplacing(1, initial=2, capacity=0)
+    _, _, summary, rows = run(tmp_path, "elastic.wait_s=20", "elastic.faults=['1:0@1:forward']", group=group,
+                              on_start=lambda coordinator, g: setattr(g, "coordinator", coordinator))
+    assert summary["stopped"] == "SIGTERM" and summary["steps"] == 1
+    assert "stopping" in events(rows, "repair")[0]["decisions"][-1]["reason"]
+    assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "ckpt"))] == [1]
+
+
 def test_a_stage_without_a_live_copy_reloads_the_checkpoint(tmp_path):
     coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=2", "elastic.faults=['0:1@3:forward']", dp=1, pp=2)
     reload = events(rows, "reload")[0]

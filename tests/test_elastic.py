@@ -232,3 +232,21 @@ def test_pipeline_without_a_surviving_stage_reloads_the_checkpoint(ray_session, 
     assert len(reloads) == 1 and reloads[0]["step"] == 2 and reloads[0]["steps_lost"] == 1
     _assert_exactly_once(result, 6, 8, pp=2)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
+def test_a_frozen_worker_is_killed_its_slot_freed_and_the_run_repairs(ray_session, make_config):
+    """A worker stopped with SIGSTOP (a hung process, a swapped-out machine) never answers: once its
+    peers' collectives time out it is declared lost, its process is killed so its CPU comes back, and
+    a replacement takes its place on the full cluster (dp=2 x fsdp=2 uses all of it)."""
+    cfg = make_config("parallel.dp=2", "parallel.fsdp=2", "train.steps=6", "run.record_samples=true",
+                      "elastic.detect_timeout_s=5", "resources.step_timeout_s=120", "elastic.wait_s=60",
+                      "elastic.faults=['1:1:0@2:pause']")
+    assert 4 == TEST_RAY_CPUS  # the replacement needs the frozen worker's CPU
+    started = time.monotonic()
+    result = train(cfg)
+    assert time.monotonic() - started < 100, "detection waited for resources.step_timeout_s"
+    assert result.failures == 1
+    frozen = [p for p in result.worker_pids if p not in result.final_pids]
+    assert len(frozen) == 1 and not pid_alive(frozen[0])
+    _assert_exactly_once(result, 6, 8, pp=2)  # two workers (shards) per replica
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))

@@ -13,7 +13,7 @@ import torch
 
 from raytrain import checkpoint, train
 from raytrain.api import prepare
-from raytrain.coordinator import NonFiniteLoss, StepFailed
+from raytrain.coordinator import CapacityLost, NonFiniteLoss, StepFailed
 from raytrain.lease import EXPIRY_S, LEASE_FILE, DirectoryBusy, Lease, read_holder
 from tests.helpers import assert_replicas_identical, assert_same_params, reference_state, stage_worker_pids
 def _metric_rows(run_dir):
@@ -175,6 +175,19 @@ def test_max_failures_0_still_writes_checkpoints_and_a_dp1_save_failure_reloads(
     assert result.committed_steps == list(range(6))
     assert [s for s, _ in checkpoint.list_checkpoints(os.path.dirname(result.checkpoint))] == [2, 4, 6]
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
+def test_a_run_that_gives_up_saves_the_survivors_committed_steps(ray_session, make_config):
+    """elastic.max_failures=0 and no checkpoint due: the surviving replica holds steps 1-3, and they
+    are saved before the run ends, not dropped."""
+    cfg = make_config("parallel.dp=2", "train.steps=6", "checkpoint.every=0", "elastic.max_failures=0",
+                      "elastic.faults=['1:0@3:backward']")
+    with pytest.raises(CapacityLost, match="the survivors saved every committed step to .*step_00000003"):
+        train(cfg)
+    base = os.path.join(str(cfg.run.dir), os.listdir(cfg.run.dir)[0], "checkpoints")
+    saved = checkpoint.latest(base)
+    assert checkpoint.read_manifest(saved)["step"] == 3
+    assert_same_params(checkpoint.load_state_dict(saved), reference_state(cfg, steps=3))
 
 
 # --- 5. checkpoint.dir is checked before training ---------------------------------------------

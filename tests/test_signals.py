@@ -74,3 +74,53 @@ def test_a_killed_driver_takes_its_workers_along(ray_cluster, tmp_path, data_cac
     while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(pid_alive(p) for p in workers), "a worker outlived its killed driver by 30 s"
+
+
+def test_sigterm_to_the_whole_process_group_of_an_embedded_ray_exits_143_in_seconds(tmp_path, data_cache):
+    """``timeout``, systemd and Slurm signal every process of the job: the embedded Ray's own servers
+    end with the driver's signal, and the driver must still report and exit at once, not wait on them."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, "-m", "raytrain", "train", "--config", "experiments/configs/tiny.yaml",
+           "--set", "train.steps=100000", "--set", f"run.dir={tmp_path / 'runs'}", "--set", "run.trace_steps=0",
+           "--set", f"data.cache_dir={data_cache}", "--set", "data.max_bytes=200000"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(env, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        workers = _wait_for_training(tmp_path, proc)
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=90)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert took < 20, f"{took:.1f} s from the signal to the exit\n{err[-3000:]}"
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["stopped"] == "SIGTERM" and summary["checkpoint"] is not None
+    assert checkpoint.read_manifest(summary["checkpoint"])["step"] == summary["steps"]
+    assert "Traceback" not in err
+    deadline = time.monotonic() + 30
+    while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_alive(p) for p in workers), "a worker outlived the stopped run"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_aborts_at_once_in_one_line(ray_cluster, tmp_path, data_cache, sig):
+    proc = _start_cli(ray_cluster, tmp_path, data_cache, "--set", "checkpoint.every=2")
+    try:
+        _wait_for_training(tmp_path, proc)
+        proc.send_signal(sig)
+        time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.monotonic() - sent < 40
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert f"raytrain: aborted by {sig.name}" in err.strip().splitlines()[-1]
+    published = checkpoint.list_checkpoints(str(next((tmp_path / "runs").glob("*/checkpoints"))))
+    for _, uri in published:  # the abort never leaves a half-published checkpoint as latest
+        checkpoint.load_shards(uri)

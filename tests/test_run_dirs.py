@@ -1,0 +1,32 @@
+"""Each run gets a run directory of its own, even two runs started in the same second."""
+
+import threading
+import time
+
+from raytrain import plan
+from raytrain.api import prepare
+
+
+def test_runs_prepared_in_the_same_second_get_their_own_directories(make_config, monkeypatch):
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261201-120000-")  # the same second for every run
+    cfg = make_config("parallel.dp=2")
+    dirs = [prepare(cfg).run_dir for _ in range(3)]
+    assert len(set(dirs)) == 3, dirs
+
+
+def test_concurrent_runs_never_share_a_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261201-120000-")
+    layout = plan.Layout(dp=2, pp=1, microbatches=1, schedule="1f1b")
+    names, start = [], threading.Barrier(8)
+
+    def claim():
+        start.wait()
+        names.append(plan._new_run_name(str(tmp_path), layout))
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(names) == 8 and len(set(names)) == 8, names
+    assert all((tmp_path / n).is_dir() for n in names)
