@@ -125,7 +125,7 @@ def build_model(cfg: ModelConfig, seed: int, layer_ids: Optional[Sequence[int]] 
     if cfg.hf is not None:
         from raytrain.hf_weights import build_hf_stage
 
-        layers, num_layers = build_hf_stage(cfg.hf, cfg.hf_cut, seed, layer_ids)
+        layers, num_layers = build_hf_stage(cfg.hf, cfg.hf_cut, seed, layer_ids, cfg.trust_remote_code)
         ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
         return ModelSpec(layers, ids, num_layers, cross_entropy_loss)
     if cfg.factory is None:

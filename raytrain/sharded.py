@@ -149,7 +149,7 @@ def _hf_stage_by_layer(cfg: Config, layer_ids: list[int]):
     from raytrain.hf_weights import hf_layers
     from raytrain.model import ModelSpec, cross_entropy_loss
 
-    _, every = hf_layers(cfg.model.hf, cfg.model.hf_cut)
+    _, every = hf_layers(cfg.model.hf, cfg.model.hf_cut, cfg.model.trust_remote_code)
     meta = [every[i] for i in layer_ids]
     stage = nn.Sequential(*meta)
     if len({id(p) for p in stage.parameters()}) < sum(1 for layer in meta for _ in layer.parameters()):

@@ -142,6 +142,7 @@ BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give 
     ("model.factory=my_models.build", "package.module:function"),
     ("model.hf=' '", "directory path"),
     ("model.hf_cut=halves", "auto, layers, whole"),
+    ("model.trust_remote_code=maybe", "true or false"),
     ("train.steps=0", ">= 1"),
     ("train.global_batch=0", ">= 1"),
     ("train.lr=-1", ">= 0"),
