@@ -12,4 +12,8 @@ def __getattr__(name: str):
         from raytrain import api
 
         return getattr(api, name)
+    if name == "checkpoint":  # raytrain.checkpoint.load_state_dict(path) after a bare ``import raytrain``
+        import importlib
+
+        return importlib.import_module("raytrain.checkpoint")
     raise AttributeError(f"module 'raytrain' has no attribute {name!r}")

@@ -597,6 +597,30 @@ def build_config(values: dict[str, Any]) -> Config:
     return Config(**built)
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping: plain YAML keeps the last one
+    silently, so a config with two ``train:`` sections would train with the first one dropped."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice (first on line {first_line[key]}); keep one",
+                        key_node.start_mark)
+                first_line[key] = key_node.start_mark.line + 1
+            except TypeError:  # an unhashable key: the base class names it
+                break
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(stream) -> Any:
+    """A YAML document (a config or a sweep file) with every mapping's keys unique."""
+    return yaml.load(stream, Loader=UniqueKeyLoader)
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
     """Load ``path`` (YAML), apply ``--set`` overrides in order, validate, and return the Config.
 
@@ -613,7 +637,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
                              + (f" (it holds {', '.join(inside)})" if inside else ""))
         try:
             with open(path, encoding="utf-8") as f:
-                raw = yaml.safe_load(f) or {}
+                raw = load_yaml(f) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
             at = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

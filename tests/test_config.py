@@ -242,3 +242,20 @@ def test_float_keys_must_be_finite(value):
     for key in keys:
         with pytest.raises(ValueError, match=f"{key}.*finite"):
             load_config(None, [f"{key}={value}"])
+
+
+@pytest.mark.parametrize("text, key, line", [
+    ("train:\n  steps: 3\nmodel:\n  n_layer: 2\ntrain:\n  lr: 0.1\n", "train", 5),
+    ("train:\n  steps: 3\n  steps: 4\n", "steps", 3),
+])
+def test_a_key_given_twice_in_a_config_file_is_an_error_naming_it_and_its_line(tmp_path, text, key, line):
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"twice.yaml.* line {line}, .*key '{key}' appears twice"):
+        load_config(str(path))
+
+
+def test_the_checkpoint_module_is_reachable_from_a_bare_import():
+    code = "import raytrain; print(callable(raytrain.checkpoint.load_state_dict))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
