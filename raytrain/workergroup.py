@@ -140,13 +140,15 @@ def _wait_settled(refs: list, timeout: float, settle_s: Optional[float]) -> list
     """The refs ready within ``timeout``, or within ``settle_s`` of the first failed reply."""
     if settle_s is None:
         return ray.wait(refs, num_returns=len(refs), timeout=timeout)[0]
-    deadline, failed_at = time.monotonic() + timeout, None
+    deadline, failed_at, looked_at = time.monotonic() + timeout, None, set()
     while True:
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=min(POLL_S, timeout))
         now = time.monotonic()
         if not pending or now >= deadline or (failed_at is not None and now - failed_at >= settle_s):
             return ready
-        if failed_at is None and any(_failed(ref) for ref in ready):
+        new = [ref for ref in ready if ref not in looked_at]
+        looked_at.update(new)
+        if failed_at is None and any(_failed(ref) for ref in new):
             failed_at = now
 
 
