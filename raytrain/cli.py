@@ -84,22 +84,78 @@ def _export(args) -> int:
 
 def _sweep(args) -> int:
     from raytrain import tune as rt_tune
+    from raytrain.driver import ensure_ray  # importing the driver starts its background import of torch
     from raytrain.placement import ResourcesUnavailable
+    from raytrain.signals import exit_code
 
+    stop, where = rt_tune.SweepStop(sys.stderr), None
     try:
-        sweep = rt_tune.load_sweep_config(args.config, args.overrides)
-        grid = rt_tune.run_sweep(sweep, resume=args.resume)
+        with stop:
+            sweep = rt_tune.named(rt_tune.load_sweep_config(args.config, args.overrides))
+            where = rt_tune.resumable_dir(args.resume) if args.resume else rt_tune.planned_dir(sweep)
+            ensure_ray()  # here, not in run_sweep, so that the handlers go back on top of Ray's
+            stop.install()
+            grid = rt_tune.run_sweep(sweep, resume=args.resume)
+            stop.reporting()
+            return _sweep_report(grid, sweep, stop.reason, _resume_command(args, where))
     except ValueError as e:
         print(f"raytrain: sweep config error: {e}", file=sys.stderr)
         return 2
     except ResourcesUnavailable as e:  # RAY_ADDRESS names no reachable cluster
         print(f"raytrain: {e}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt as e:  # a second signal, or one before Tune started
+        from ray import tune
+
+        hint = (f"; continue it with: {_resume_command(args, where)}" if where and tune.Tuner.can_restore(where)
+                else "")
+        print(f"raytrain: sweep {e}{hint}", file=sys.stderr, flush=True)
+        return _aborted(exit_code(stop.reason or "SIGINT"))
+
+
+def _aborted(code: int, bound_s: float = 20.0) -> int:
+    """After an abort's one line: mute stderr, where Ray's teardown prints the tracebacks of trial
+    processes stopped mid-step (they say nothing the line has not said), and bound that teardown."""
+    import os
+    import threading
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    timer = threading.Timer(bound_s, os._exit, (code,))
+    timer.daemon = True  # still runs while atexit's ray.shutdown does; never holds the exit back
+    timer.start()
+    return code
+
+
+def _sweep_report(grid, sweep, reason, command: str) -> int:
+    """The ranked table, reports and JSON line; a stopped sweep's are marked partial, with no "best"."""
+    from raytrain import tune as rt_tune
+    from raytrain.signals import exit_code
+
     rows = rt_tune.summarize(grid, sweep)
     print(rt_tune.format_table(rows), file=sys.stderr)
     csv_path, png_path = rt_tune.write_reports(grid, rows, grid.experiment_path)
+    total = max(rt_tune.expected_trials(sweep), len(rows))
+    finished = sum(r.status in ("finished", "stopped early") for r in rows)
+    summary = {"experiment": grid.experiment_path, "trials": total, "finished": finished, "csv": csv_path,
+               "plot": png_path}
+    if reason or finished + sum(r.status == "error" for r in rows) < total:
+        for line in rt_tune.progress_lines(rows, total, reason, command):
+            print(line, file=sys.stderr)
+        print(json.dumps({**summary, "interrupted": True, "signal": reason, "resume": command, "best": None}))
+        return exit_code(reason) if reason else 1
     best = rows[0] if rows else None
-    print(json.dumps({"experiment": grid.experiment_path, "trials": len(rows), "csv": csv_path, "plot": png_path,
-                      "best": None if best is None else {"layout": best.layout, "params": best.params,
-                                                         "samples_per_s": best.samples_per_s, "loss": best.loss}}))
+    print(json.dumps({**summary, "interrupted": False, "best": None if best is None else {
+        "layout": best.layout, "params": best.params, "samples_per_s": best.samples_per_s, "loss": best.loss}}))
     return 0 if not any(r.status == "error" for r in rows) else 1
+
+
+def _resume_command(args, where: str) -> str:
+    """The command that continues this sweep, runnable from any directory."""
+    import os
+    import shlex
+
+    sets = "".join(f" --set {shlex.quote(text)}" for text in args.overrides)
+    return (f"python -m raytrain sweep --config {shlex.quote(os.path.abspath(args.config))}{sets} "
+            f"--resume {shlex.quote(where)}")

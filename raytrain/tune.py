@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -313,13 +316,20 @@ def run_sweep(sweep: SweepConfig, resume: Optional[str] = None):
     """Run (or resume, from an experiment path) a sweep; returns the Tune ResultGrid."""
     from raytrain.driver import ensure_ray
 
+    where = resumable_dir(resume) if resume is not None else None  # a bad path fails before Ray starts
     ensure_ray()
     cluster = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
     check_layouts(sweep, cluster)
-    if resume is not None:
-        tuner = tune.Tuner.restore(resume, _trainable_for(sweep), resume_unfinished=True, resume_errored=True)
+    if where is not None:
+        try:
+            tuner = tune.Tuner.restore(where, _trainable_for(sweep), resume_unfinished=True, resume_errored=True)
+        except Exception as e:  # a damaged experiment state: one line, not Tune's traceback
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"--resume {resume}: {where} holds a sweep Tune cannot restore ({first}); "
+                             "start it again without --resume") from None
     else:
         name = sweep.name or time.strftime("sweep-%Y%m%d-%H%M%S")
+        storage = os.path.abspath(os.path.expanduser(sweep.storage_path))
         tuner = tune.Tuner(
             _trainable_for(sweep),
             param_space=_param_space(sweep),
@@ -329,10 +339,139 @@ def run_sweep(sweep: SweepConfig, resume: Optional[str] = None):
                 reuse_actors=True,  # a trial of the same resources reuses a warm process (imports, torch)
                 **({} if sweep.scheduler != "none" else {"metric": sweep.metric, "mode": sweep.mode}),
             ),
-            run_config=tune.RunConfig(name=name, storage_path=os.path.abspath(sweep.storage_path),
+            run_config=tune.RunConfig(name=name, storage_path=storage,
                                       callbacks=[_TrialLog()], verbose=0),
         )
     return tuner.fit()
+
+
+def experiment_dir(path: str) -> str:
+    """A ``--resume`` path as Tune's restore needs it: a URI as given; a local path (relative, ``~``)
+    absolute, because Tune reads a relative path as a URI without a scheme."""
+    if "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def resumable_dir(path: str) -> str:
+    """The experiment directory ``--resume path`` names, or a one-line ValueError saying what to pass."""
+    where = experiment_dir(path)
+    if tune.Tuner.can_restore(where):
+        return where
+    fix = "pass the 'experiment' directory a sweep printed (runs/sweeps/<name>)"
+    if os.path.isdir(where):
+        inside = sorted(d for d in os.listdir(where) if tune.Tuner.can_restore(os.path.join(where, d)))
+        if inside:
+            fix = f"it holds the sweeps {', '.join(inside)}: pass one of them, e.g. {os.path.join(path, inside[-1])}"
+        what = "holds no Ray Tune experiment (no tuner.pkl)"
+    else:
+        what = "does not exist"
+    raise ValueError(f"--resume {path}: {where} {what}; {fix}")
+
+
+def named(sweep: SweepConfig) -> SweepConfig:
+    """The sweep with its experiment name fixed now, so its directory is known before Tune starts."""
+    return sweep if sweep.name else dataclasses.replace(sweep, name=time.strftime("sweep-%Y%m%d-%H%M%S"))
+
+
+def planned_dir(sweep: SweepConfig) -> str:
+    """Where Tune keeps a new sweep's experiment (``sweep.name`` must be set: see ``named``)."""
+    return os.path.join(os.path.abspath(os.path.expanduser(sweep.storage_path)), sweep.name)
+
+
+# --- stopping and resuming ----------------------------------------------------------------------
+
+TUNE_LOGGER = "ray.tune.tune"
+TUNE_STOP_NOTES = ("Stop signal received", "Experiment has been interrupted", "Trials did not complete")
+"""Tune's own log lines about a stop: replaced by raytrain's, which name the CLI's ``--resume`` command."""
+
+
+class SweepStop(logging.Filter):
+    """SIGINT or SIGTERM stops a sweep as Ctrl-C stops a Tune run: Tune stops the trials and saves its
+    experiment state, so ``--resume`` continues it; ``reason`` records the signal for the exit code.
+
+    Tune's own SIGINT handler is turned off (its documented TUNE_DISABLE_SIGINT_HANDLER) because it
+    ignores SIGTERM and keeps no record of the signal; this handler passes the first signal on to
+    the handler Tune installs for its other stop signal, SIGUSR1. A second signal aborts at once
+    (KeyboardInterrupt), as does a first one before Tune has started. Main thread only."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self.stream = stream
+        self.reason: Optional[str] = None
+        self._previous: dict = {}
+        self._env: Optional[str] = None
+        self._reporting = False
+
+    def __enter__(self) -> "SweepStop":
+        if threading.current_thread() is threading.main_thread():
+            self._env = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
+            os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
+            self._previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+            self.install()
+            logging.getLogger(TUNE_LOGGER).addFilter(self)
+        return self
+
+    def install(self) -> None:
+        """(Re)install the handlers: call again once Ray has started, as ``ray.init`` puts its own
+        SIGTERM handler (a stack dump, then abort) in place of Python's."""
+        if self._previous:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._handle)
+
+    def __exit__(self, *exc) -> None:
+        if self._previous:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            if self._env is None:
+                os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER", None)
+            else:
+                os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = self._env
+            logging.getLogger(TUNE_LOGGER).removeFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(TUNE_STOP_NOTES)
+
+    def reporting(self) -> None:
+        """Tune has returned: a signal now only waits for the report (seconds), never interrupts it."""
+        self._reporting = True
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self._reporting:
+            self.stream.write(f"\n[raytrain] {name}: the sweep has stopped; finishing its report\n")
+            return
+        if self.reason is not None:
+            raise KeyboardInterrupt(f"aborted by a second {name}, without waiting for Tune to save its state")
+        self.reason = name
+        tune_stop = signal.getsignal(signal.SIGUSR1)
+        if not callable(tune_stop) or tune_stop is self._previous.get(signal.SIGUSR1):
+            raise KeyboardInterrupt(f"stopped by {name} before Tune started")
+        self.stream.write(f"\n[raytrain] {name}: stopping the sweep; Tune saves its state so that --resume "
+                          "continues it; send it again to abort now\n")
+        self.stream.flush()
+        tune_stop(signal.SIGUSR1, frame)
+
+
+def expected_trials(sweep: SweepConfig) -> int:
+    """How many trials the sweep runs in all: Tune creates them as it goes, so a stopped sweep's
+    ResultGrid may hold fewer."""
+    grid = [len(spec) for key, spec in sweep.space.items() if key == LAYOUTS or isinstance(spec, list)]
+    return sweep.num_samples * math.prod(grid)
+
+
+def progress_lines(rows: list["TrialRow"], total: int, reason: Optional[str], command: str) -> list[str]:
+    """What a stopped sweep tells its user: which trials finished, which did not, how to continue."""
+    done = [r for r in rows if r.status in ("finished", "stopped early")]
+    left = [r for r in rows if r not in done]
+    lines = [f"[raytrain] sweep stopped by {reason or 'Tune'}: {len(done)} of {total} trials finished"
+             + (": " + "; ".join(f"{r.trial_id} ({r.layout}, {r.params})" for r in done) if done else "")]
+    unfinished = [f"{r.trial_id} ({r.layout}, {r.status}{'' if r.status == 'error' else f' at step {r.steps}'})"
+                  for r in left] + ([f"{total - len(rows)} not started"] if total > len(rows) else [])
+    if unfinished:
+        lines.append("[raytrain] not finished: " + "; ".join(unfinished))
+    lines.append(f"[raytrain] continue it with: {command}")
+    return lines
 
 
 # --- results ----------------------------------------------------------------------------------
@@ -352,14 +491,30 @@ class TrialRow:
     """The last held-out loss the trial reported (NaN without eval.every)."""
 
 
+def trial_statuses(experiment_path: str) -> dict[str, str]:
+    """Trial directory name -> Tune's status (TERMINATED, ERROR; PENDING, RUNNING, PAUSED if the sweep
+    was stopped), as Tune last saved them. Read from the saved state because a stopped sweep's
+    ResultGrid has its trials already marked TERMINATED, and a restored trial's ``done`` metric is
+    stale; {} when the state cannot be read."""
+    from ray.tune import ExperimentAnalysis
+
+    try:
+        return {os.path.basename(t.path): t.status for t in ExperimentAnalysis(experiment_path).trials}
+    except Exception:  # noqa: BLE001 - a report without statuses is still a report
+        return {}
+
+
 def summarize(grid, sweep: SweepConfig) -> list[TrialRow]:
     """One row per trial, sorted best first by the sweep's metric."""
     rows = []
+    statuses = trial_statuses(grid.experiment_path)
+    base_steps = build_config(flatten_sections(sweep.base, "sweep base")).train.steps
     for result in grid:
         m = result.metrics or {}
         params = {k: v for k, v in (result.config or {}).items() if k != "__base__"}
-        base_steps = build_config(flatten_sections(sweep.base, "sweep base")).train.steps
-        status = "error" if result.error else ("finished" if m.get("step") == base_steps else "stopped early")
+        ended = statuses.get(os.path.basename(result.path or ""), "TERMINATED") in ("TERMINATED", "ERROR")
+        status = ("error" if result.error else "not finished" if not ended
+                  else "finished" if m.get("step") == base_steps else "stopped early")
         rows.append(TrialRow(
             trial_id=m.get("trial_id", "?"), layout=m.get("layout", "?"), params=params, status=status,
             steps=m.get("step", 0), loss=m.get("loss", float("nan")), samples_per_s=m.get("samples_per_s", 0.0),
