@@ -95,6 +95,7 @@ def _sweep(args) -> int:
             where = rt_tune.resumable_dir(args.resume) if args.resume else rt_tune.planned_dir(sweep)
             ensure_ray()  # here, not in run_sweep, so that the handlers go back on top of Ray's
             stop.install()
+            stop.resume_command = _resume_command(args, where)
             grid = rt_tune.run_sweep(sweep, resume=args.resume)
             stop.reporting()
             return _sweep_report(grid, sweep, stop.reason, _resume_command(args, where))

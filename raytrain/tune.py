@@ -381,6 +381,9 @@ def planned_dir(sweep: SweepConfig) -> str:
 
 # --- stopping and resuming ----------------------------------------------------------------------
 
+CLUSTER_POLL_S = 0.5
+"""While a sweep stops: how often it checks that Ray is still there."""
+
 TUNE_LOGGER = "ray.tune.tune"
 TUNE_STOP_NOTES = ("Stop signal received", "Experiment has been interrupted", "Trials did not complete")
 """Tune's own log lines about a stop: replaced by raytrain's, which name the CLI's ``--resume`` command."""
@@ -402,6 +405,8 @@ class SweepStop(logging.Filter):
         self._previous: dict = {}
         self._env: Optional[str] = None
         self._reporting = False
+        self.resume_command: Optional[str] = None
+        """Printed when the sweep cannot report (Ray ended with the signal)."""
 
     def __enter__(self) -> "SweepStop":
         if threading.current_thread() is threading.main_thread():
@@ -450,7 +455,23 @@ class SweepStop(logging.Filter):
         self.stream.write(f"\n[raytrain] {name}: stopping the sweep; Tune saves its state so that --resume "
                           "continues it; send it again to abort now\n")
         self.stream.flush()
+        threading.Thread(target=self._watch_cluster, name="raytrain-sweep-stop", daemon=True).start()
         tune_stop(signal.SIGUSR1, frame)
+
+    def _watch_cluster(self) -> None:
+        """While Tune stops: a signal to the whole process group (``timeout``, systemd, Slurm) ends an
+        embedded Ray too, and Tune's clean-up then blocks a minute on each call to it; exit at once."""
+        from raytrain.connect import cluster_reachable
+        from raytrain.signals import exit_code
+
+        while not self._reporting:
+            time.sleep(CLUSTER_POLL_S)
+            if not self._reporting and not cluster_reachable():
+                hint = f"; continue it with: {self.resume_command}" if self.resume_command else ""
+                self.stream.write(f"raytrain: sweep stopped by {self.reason}, which also ended Ray; Tune's last "
+                                  f"saved state is kept{hint}\n")
+                self.stream.flush()
+                os._exit(exit_code(self.reason))
 
 
 def expected_trials(sweep: SweepConfig) -> int:

@@ -38,6 +38,9 @@ SWEEP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 90.0
 """From the signal to the CLI's exit: Tune stops the running trial and saves its state."""
 
+GROUP_STOP_S = 30.0
+"""From a SIGTERM to the CLI's whole process group to its exit (Ray's clean-up would block 60 s)."""
+
 ABORT_TIMEOUT_S = 45.0
 """From a second SIGINT to the CLI's exit (the CLI bounds its own teardown to 20 s)."""
 
@@ -191,21 +194,32 @@ def test_an_interrupted_sweep_exits_130_and_prints_the_command_that_finishes_it(
     assert set(finished_trial_ids(resumed)).isdisjoint(done), resumed.text[-4000:]
 
 
-def test_sigterm_stops_a_sweep_with_exit_143_and_a_partial_result(env, data_cache, tmp_path):
-    """Ray's own SIGTERM handler in the driver would abort the process (a stack dump, exit -6)."""
+@pytest.mark.parametrize("target", ["driver", "group"])
+def test_sigterm_stops_a_sweep_with_exit_143_and_a_partial_result(target, env, data_cache, tmp_path):
+    """To the driver: Ray's own SIGTERM handler there would abort the process (a stack dump, exit -6).
+    To the whole process group (``timeout``, systemd, Slurm): the embedded Ray ends with the signal,
+    and Tune's clean-up would wait a minute for it, then exit 1."""
     write_sweep(tmp_path, data_cache, [1, 2, 3], "term")
     cli = Cli(["--config", "sweep.yaml"], tmp_path, env)
     try:
         cli.wait_for(lambda line: line.startswith("[raytrain] trial ") and " finished:" in line, SWEEP_TIMEOUT_S)
-        cli.proc.send_signal(signal.SIGTERM)
+        if target == "group":
+            os.killpg(cli.proc.pid, signal.SIGTERM)
+        else:
+            cli.proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
         rc = cli.finish(STOP_TIMEOUT_S)
     finally:
         cli.kill()
     assert rc == 143, cli.text[-4000:]
+    assert Tuner.can_restore(str(tmp_path / "sweeps" / "term"))
+    if target == "group":
+        assert time.monotonic() - sent < GROUP_STOP_S, cli.text[-4000:]
+        assert f"continue it with: python -m raytrain sweep --config {tmp_path / 'sweep.yaml'} " in cli.text
+        return
     summary = cli.summary()
     assert summary["interrupted"] is True and summary["signal"] == "SIGTERM" and summary["best"] is None
     assert (summary["trials"], summary["finished"]) == (3, 1)
-    assert Tuner.can_restore(summary["experiment"])
 
 
 def test_a_second_sigint_aborts_the_sweep_at_once_without_a_traceback(env, data_cache, tmp_path):
