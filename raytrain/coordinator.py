@@ -41,7 +41,7 @@ from raytrain.repair import Repairs
 from raytrain.runstate import Progress, RunState
 from raytrain.steps import NonFiniteStep, StepLost, may_send_ahead
 from raytrain.worker import StageWorker
-from raytrain.workergroup import SETUP_TIMEOUT_S, RayWorkerGroup, StepFailed, WorkersLost
+from raytrain.workergroup import SETUP_TIMEOUT_S, RayWorkerGroup, StepFailed, WorkersLost, spawn_in_granted
 
 __all__ = ["CapacityLost", "Coordinator", "NonFiniteLoss", "StepFailed", "may_send_ahead"]
 
@@ -155,15 +155,7 @@ class Coordinator:
         members = [self.group.spawn(s, self.placement, self.first_bundle + r * len(slots) + i, shard=f)
                    for r in range(self.cfg.parallel.dp) for i, (f, s) in enumerate(slots)]
         # Replicas beyond parallel.dp that the cluster can hold now start with the rest.
-        return members + self.spawn_granted_replicas(timeout=GRANT_AT_START_S)
-
-    def spawn_granted_replicas(self, timeout: float) -> list[Member]:
-        """Start one replica's workers in every extra placement group Ray has granted (waiting up to ``timeout``)."""
-        members = []
-        for pg, ready in self.group.granted(self.unused_placements, timeout):
-            self.unused_placements.remove((pg, ready))
-            members += [self.group.spawn(s, pg, i, shard=f) for i, (f, s) in enumerate(self.team.slots)]
-        return members
+        return members + spawn_in_granted(self.group, self.unused_placements, slots, timeout=GRANT_AT_START_S)
 
     def _starting(self) -> RunState:
         members, size = self.team.pending, len(self.team.slots)
@@ -268,11 +260,7 @@ class Coordinator:
         loss = steps.loss_of(bad.results, self.cfg, self.team.mesh().columns)
         decision = self.policy.nonfinite(len(self.skipped_steps))
         if decision.action is Action.GIVE_UP:
-            last = (f"the last good checkpoint is {self.last_checkpoint}: resume from it"
-                    if self.last_checkpoint else "there is no checkpoint yet (checkpoint.every keeps some): start again")
-            raise NonFiniteLoss(f"step {step + 1}: the loss ({loss}) or the gradient norm ({norm}) is not finite, so "
-                                f"the step was applied on no worker; {decision.reason}; {last} with a lower train.lr or "
-                                f"train.grad_clip, or set train.skip_nonfinite to skip such steps")
+            raise nonfinite_loss(step, loss, norm, decision, self.last_checkpoint)
         members = self.team.members()
         for m, committed in zip(members, self.group.call([(m, "skip_step", (step,)) for m in members], SETUP_TIMEOUT_S)):
             m.committed = committed
@@ -290,16 +278,13 @@ class Coordinator:
     def _checkpointing(self) -> RunState:
         """Save every stage's shard (each fsdp shard's rows by its own worker) into a new directory and
         publish the manifest; a worker lost while saving is repaired, the save retried (REPAIRING comes back here)."""
-        step, base = self.progress.step, self.cfg.checkpoint.dir
-        ckpt_dir = checkpoint.new_step_dir(base, step)
-        t0 = time.perf_counter()
+        step, t0 = self.progress.step, time.perf_counter()
         try:
-            shards = self.group.call([(m, "save", (ckpt_dir,)) for m in self.team.replicas[0]], SETUP_TIMEOUT_S)
+            ckpt_dir = save_checkpoint(self.group, self.team.replicas[0], step, self.cfg, self.team.mesh(),
+                                       self.stage_layers)
         except WorkersLost as lost:
             self.progress.lost, self.progress.reports, self.progress.during = lost.dead, [], "checkpoint"
             return RunState.REPAIRING
-        checkpoint.publish(ckpt_dir, manifest(step, shards, self.cfg, self.team.mesh(), self.stage_layers))
-        checkpoint.prune(base, self.cfg.checkpoint.keep)
         self.last_checkpoint = ckpt_dir
         self.emit({"event": "checkpoint", "step": step, "path": ckpt_dir, "seconds": round(time.perf_counter() - t0, 3)})
         self.flush_row(ckpt_dir)
@@ -317,41 +302,14 @@ class Coordinator:
         return RunState.FINISHED
 
     def give_up(self, decision: Decision) -> None:
+        """End the run with CapacityLost, after saving the survivors' state when no checkpoint has it."""
         self.flush_row(None)  # a committed step's held row is kept however the run ends
-        saved = self._save_survivors()
-        raise capacity_lost(decision, self.last_checkpoint, saved)
-
-    def _save_survivors(self) -> bool:
-        """Before the run gives up: when live workers hold every slot's state at the latest committed
-        step and no checkpoint has it yet, save and publish it from them (no collective is needed), so
-        the steps since the last checkpoint are not lost. Returns whether it saved."""
-        step = self.progress.step
-        saved_step = checkpoint.read_manifest(self.last_checkpoint)["step"] if self.last_checkpoint else 0
-        if step <= saved_step:
-            return False
-        dead = set(map(id, self.progress.lost))
-        live = [m for m in self.team.members() + self.team.spares if id(m) not in dead and m.committed == step]
-        holders = {}
-        for m in live:
-            holders.setdefault(m.slot, m)
-        if len(holders) < len(self.team.slots):
-            self.emit({"event": "not_saved", "step": step, "reason": "no live worker holds the state of "
-                       f"{len(self.team.slots) - len(holders)} slot(s) at this step"})
-            return False
-        ckpt_dir = checkpoint.new_step_dir(self.cfg.checkpoint.dir, step)
-        try:
-            shards = self.group.call([(holders[slot], "save", (ckpt_dir,)) for slot in self.team.slots],
-                                     SETUP_TIMEOUT_S)
-        except WorkersLost:
-            self.emit({"event": "not_saved", "step": step, "reason": "a survivor was lost while saving"})
-            return False
-        mesh = Mesh(1, self.team.pp, self.team.fsdp)
-        checkpoint.publish(ckpt_dir, manifest(step, shards, self.cfg, mesh, self.stage_layers))
-        checkpoint.prune(self.cfg.checkpoint.dir, self.cfg.checkpoint.keep)
-        self.last_checkpoint = ckpt_dir
-        self.emit({"event": "checkpoint", "step": step, "path": ckpt_dir,
-                   "reason": "saved from the survivors before giving up"})
-        return True
+        saved, event = save_survivors(self.group, self.team, self.progress, self.last_checkpoint, self.cfg,
+                                      self.stage_layers)
+        if event is not None:
+            self.emit(event)
+        self.last_checkpoint = saved or self.last_checkpoint
+        raise capacity_lost(decision, self.last_checkpoint, saved is not None)
 
 
 def capacity_lost(decision: Decision, last_checkpoint: Optional[str], saved: bool = False) -> CapacityLost:
@@ -363,6 +321,47 @@ def capacity_lost(decision: Decision, last_checkpoint: Optional[str], saved: boo
     else:
         kept = "no checkpoint was written yet (checkpoint.every keeps some)"
     return CapacityLost(f"{decision.reason} (config: {decision.config_key}); {kept}")
+
+
+def save_survivors(group, team: Membership, progress: Progress, last_checkpoint: Optional[str], cfg: Config,
+                   stage_layers: list[list[int]]) -> tuple[Optional[str], Optional[dict]]:
+    """Save the committed step from live workers (not in ``progress.lost``) that hold every slot's state
+    at it, as a run that gives up does, so that its steps since ``last_checkpoint`` are not lost (saving
+    needs no collective). Returns the published directory (None when not saved) and the event to record
+    (None when the last checkpoint already has the step)."""
+    step = progress.step
+    if step <= (checkpoint.read_manifest(last_checkpoint)["step"] if last_checkpoint else 0):
+        return None, None
+    holders = team.holders(step, excluding=progress.lost)
+    try:
+        if holders is None:
+            raise WorkersLost([])
+        saved = save_checkpoint(group, holders, step, cfg, Mesh(1, team.pp, team.fsdp), stage_layers)
+    except WorkersLost:
+        return None, {"event": "not_saved", "step": step,
+                      "reason": "no live worker holds some slot's state at this step (or one was lost saving)"}
+    return saved, {"event": "checkpoint", "step": step, "path": saved,
+                   "reason": "saved from the survivors before giving up"}
+
+
+def nonfinite_loss(step: int, loss, norm, decision: Decision, last_checkpoint: Optional[str]) -> NonFiniteLoss:
+    """The error that ends a run at a non-finite step: what was not finite, and where to resume."""
+    last = (f"the last good checkpoint is {last_checkpoint}: resume from it"
+            if last_checkpoint else "there is no checkpoint yet (checkpoint.every keeps some): start again")
+    return NonFiniteLoss(f"step {step + 1}: the loss ({loss}) or the gradient norm ({norm}) is not finite, so the "
+                         f"step was applied on no worker; {decision.reason}; {last} with a lower train.lr or "
+                         "train.grad_clip, or set train.skip_nonfinite to skip such steps")
+
+
+def save_checkpoint(group, savers: list[Member], step: int, cfg: Config, mesh: Mesh,
+                    stage_layers: list[list[int]]) -> str:
+    """Have ``savers`` (one member per slot, in slot order) write their shards into a new directory under
+    checkpoint.dir, publish its manifest and prune; returns the directory. WorkersLost if a saver died."""
+    ckpt_dir = checkpoint.new_step_dir(cfg.checkpoint.dir, step)
+    shards = group.call([(m, "save", (ckpt_dir,)) for m in savers], SETUP_TIMEOUT_S)
+    checkpoint.publish(ckpt_dir, manifest(step, shards, cfg, mesh, stage_layers))
+    checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep)
+    return ckpt_dir
 
 
 def manifest(step: int, shards: list[dict], cfg: Config, mesh: Mesh, stage_layers: list[list[int]]) -> dict:

@@ -115,6 +115,16 @@ class Membership:
                 sources.setdefault(m.slot, rank)
         return sources
 
+    def holders(self, step: int, excluding: list[Member]) -> Optional[list[Member]]:
+        """One live member at ``step`` for every slot, in slot order (what a save needs), from the
+        generation and the spares, leaving out ``excluding``; None when some slot has none."""
+        gone = set(map(id, excluding))
+        found: dict[tuple[int, int], Member] = {}
+        for m in self.members() + self.spares:
+            if id(m) not in gone and m.committed == step:
+                found.setdefault(m.slot, m)
+        return [found[slot] for slot in self.slots] if len(found) == len(self.slots) else None
+
     def set_committed(self, step: int) -> None:
         for m in self.members():
             m.committed = step

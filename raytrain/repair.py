@@ -17,7 +17,7 @@ from raytrain.faults import FaultPlan
 from raytrain.membership import Member
 from raytrain.policy import Action, Decision
 from raytrain.runstate import RunState
-from raytrain.workergroup import SETUP_TIMEOUT_S, WorkersLost, lost_members
+from raytrain.workergroup import SETUP_TIMEOUT_S, WorkersLost, lost_members, spawn_in_granted
 
 if TYPE_CHECKING:
     from raytrain.coordinator import Coordinator
@@ -169,7 +169,7 @@ class Repairs:
         c = self.c
         if c.unused_placements and time.monotonic() >= self._next_grow_poll:
             self._next_grow_poll = time.monotonic() + c.cfg.elastic.grow_poll_s
-            granted = c.spawn_granted_replicas(timeout=0)
+            granted = spawn_in_granted(c.group, c.unused_placements, c.team.slots, timeout=0)
             if granted:
                 c.team.pending += granted
                 c.emit({"event": "capacity", "new_workers": len(granted),

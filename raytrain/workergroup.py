@@ -172,6 +172,16 @@ def _kill_process(pid: int) -> None:
         pass  # gone already
 
 
+def spawn_in_granted(group, placements: list, slots: list[tuple[int, int]], timeout: float) -> list[Member]:
+    """Start one replica's workers (one per (shard, stage) slot) in every placement group of ``placements``
+    that Ray has granted within ``timeout``; those leave ``placements``."""
+    members = []
+    for pg, ready in group.granted(placements, timeout):
+        placements.remove((pg, ready))
+        members += [group.spawn(s, pg, i, shard=f) for i, (f, s) in enumerate(slots)]
+    return members
+
+
 def lost_members(group, outcomes: list[Outcome]) -> list[Member]:
     """The members an operation lost: dead ones, and silent ones, which are killed so that their
     bundle is free for a replacement (a hung actor would hold it for ever)."""
