@@ -55,6 +55,14 @@ class ClusterUnreachable(ResourcesUnavailable):
     """RAY_ADDRESS names no reachable Ray cluster (nothing answers, or not within CONNECT_TIMEOUT_S)."""
 
 
+_embedded = False  # whether this process started the Ray it is connected to
+
+
+def embedded() -> bool:
+    """Whether the connected Ray is the embedded one this process started: one node that never grows."""
+    return _embedded and ray.is_initialized()
+
+
 def ensure_ray(min_cpus: int = 0) -> None:
     """Connect to RAY_ADDRESS when set; otherwise start an embedded local Ray sized to the machine
     (at least ``min_cpus`` CPU slots). Joining is bounded: ClusterUnreachable when RAY_ADDRESS names no
@@ -66,8 +74,10 @@ def ensure_ray(min_cpus: int = 0) -> None:
         _probe(address)
         _init_bounded(address)
     else:
+        global _embedded
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus) if min_cpus else None,
                  include_dashboard=False)
+        _embedded = True
         reaper.start()  # nothing of this embedded Ray outlives the driver, even a SIGKILLed one
 
 

@@ -18,7 +18,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain import checkpoint
-from raytrain.connect import cluster_reachable, ensure_ray
+from raytrain.connect import cluster_reachable, embedded, ensure_ray
 from raytrain.coordinator import Coordinator
 from raytrain.lease import Lease
 from raytrain.placement import request, reserve
@@ -129,7 +129,7 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
     cfg, resume = plan.cfg, plan.resume
     rendezvous, groups = RendezvousStore(), []
     try:
-        pg, first_bundle = placement if placement is not None else (reserve(cfg), 0)
+        pg, first_bundle = placement if placement is not None else (reserve(cfg, fixed_cluster=embedded()), 0)
         groups += [pg] if placement is None else []
         extra = (cfg.elastic.max_dp or cfg.parallel.dp) - cfg.parallel.dp if placement is None else 0
         growth = [request(cfg, 1) for _ in range(extra)]  # granted whenever capacity appears

@@ -32,8 +32,12 @@ def request(cfg: Config, replicas: int) -> PlacementGroup:
     return placement_group(bundles, strategy=cfg.resources.placement_strategy)
 
 
-def reserve(cfg: Config) -> PlacementGroup:
-    """The starting layout's bundles, granted within resources.wait_s or a clear error."""
+def reserve(cfg: Config, fixed_cluster: bool = False) -> PlacementGroup:
+    """The starting layout's bundles, granted within resources.wait_s or a clear error. On a
+    ``fixed_cluster`` (an embedded Ray: one node that never grows) a layout larger than the whole
+    cluster is refused at once instead of after the wait."""
+    if fixed_cluster:
+        _refuse_what_never_fits(cfg)
     pg = request(cfg, cfg.parallel.dp)
     if not pg.wait(timeout_seconds=cfg.resources.wait_s):
         remove_placement_group(pg)
@@ -48,3 +52,15 @@ def reserve(cfg: Config) -> PlacementGroup:
             f"free now {free}); lower parallel.dp / parallel.fsdp / parallel.pp, free resources, or add nodes"
         )
     return pg
+
+
+def _refuse_what_never_fits(cfg: Config) -> None:
+    world = cfg.parallel.dp * cfg.parallel.fsdp * cfg.parallel.pp
+    total = ray.cluster_resources()
+    short = {k: (world * v, total.get(k, 0)) for k, v in worker_bundle(cfg).items() if world * v > total.get(k, 0)}
+    if short:
+        needs = ", ".join(f"{need:g} {k} (it has {have:g})" for k, (need, have) in short.items())
+        raise ResourcesUnavailable(
+            f"layout {cfg.layout()} needs {world} workers x {worker_bundle(cfg)} = {needs} on this machine's "
+            "embedded Ray, which cannot grow (RAY_ADDRESS is unset); lower parallel.dp / parallel.fsdp / "
+            "parallel.pp or resources.cpus_per_worker, or start a cluster and set RAY_ADDRESS")

@@ -90,7 +90,7 @@ def test_capacity_below_min_dp_waits_then_fails_with_checkpoint_intact(ray_clust
     latest = checkpoint.latest(cfg.checkpoint.dir)
     assert latest is not None and latest in message
     step = checkpoint.read_manifest(latest)["step"]
-    assert step >= 8 and step % 4 == 0
+    assert step >= 9  # the surviving replica saved the step the run reached, not only the last periodic save
     assert_same_params(checkpoint.load_state_dict(latest), reference_state(cfg, steps=step))
 
 

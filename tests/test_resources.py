@@ -30,3 +30,25 @@ def test_a_sharded_world_the_cluster_cannot_hold_names_parallel_fsdp(ray_session
         train(cfg)
     message = str(err.value)
     assert "dp=2 fsdp=4" in message and "8 workers" in message and "parallel.fsdp" in message
+
+
+def test_a_layout_larger_than_the_embedded_ray_is_refused_at_once(tmp_path, data_cache):
+    """With RAY_ADDRESS unset raytrain starts a Ray of this machine's size, which never grows: a
+    layout that needs more fails in one line (exit 3) without waiting resources.wait_s."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, "-m", "raytrain", "train", "--config", "experiments/configs/tiny.yaml",
+           "--set", "parallel.dp=64", "--set", "train.global_batch=64", "--set", "resources.wait_s=600",
+           "--set", f"run.dir={tmp_path / 'runs'}", "--set", f"data.cache_dir={data_cache}",
+           "--set", "data.max_bytes=200000"]
+    start = time.monotonic()
+    out = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(__file__)), env=env, capture_output=True,
+                         text=True, stdin=subprocess.DEVNULL, timeout=300)
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert time.monotonic() - start < 120, "it waited for resources that an embedded Ray can never have"
+    last = out.stderr.strip().splitlines()[-1]
+    assert "64 CPU (it has" in last and "cannot grow" in last and "RAY_ADDRESS" in last, last
+    assert "Traceback" not in out.stderr
