@@ -1,5 +1,5 @@
 """What a worker pays to open its dataset: decoding the Parquet column itself, against the per-machine
-decoded cache (raytrain.token_cache) it memory-maps.
+decoded cache (raytrain.data.token_cache) it memory-maps.
 
 Writes a list<int64> token dataset (default 200,000 rows of 257 ids below 50,000: 51M tokens), then
 opens it in fresh processes, as workers do: decoded directly, building the cache, and from the built

@@ -61,7 +61,7 @@ def _data_and_model(cfg):
     from torch import nn
 
     from raytrain import data
-    from raytrain.model import build_model
+    from raytrain.models.layers import build_model
 
     spec = build_model(cfg.model, cfg.train.seed)
     path = data.resolve_data_path(cfg)
@@ -165,7 +165,7 @@ def launch(system: str, steps: int, workdir: str) -> dict:
     launched = time.time()
     if system == "raytrain-no-ray":
         import executor_without_ray
-        from raytrain.plan import plan_layout
+        from raytrain.driver.plan import plan_layout
 
         cfg = bench_config(steps)
         res = {"step_end": executor_without_ray.launch(cfg, plan_layout(cfg).stage_ranges, workdir, system)}

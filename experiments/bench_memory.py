@@ -48,7 +48,7 @@ def run_layout(name: str, steps: int, workdir: str) -> dict:
 def state_mb_per_worker(name: str) -> list[float]:
     """Bytes of parameters, gradients and AdamW state each worker owns, by the layout's own cut."""
     from raytrain.config import load_config
-    from raytrain.plan import prepare
+    from raytrain.driver.plan import prepare
 
     cfg = load_config(None, MODEL + LAYOUTS[name] + ["train.global_batch=8", f"run.dir={tempfile.gettempdir()}"])
     layout = prepare(cfg).layout
@@ -61,7 +61,7 @@ def state_mb_per_worker(name: str) -> list[float]:
 def _layer_params(cfg) -> list[int]:
     import torch
 
-    from raytrain.model import build_model
+    from raytrain.models.layers import build_model
 
     with torch.device("meta"):
         layers = build_model(cfg.model, cfg.train.seed).layers

@@ -50,7 +50,7 @@ def bench_config(steps, extra=()):
 
 
 def stage_cut(cfg) -> list[range]:
-    from raytrain.plan import plan_layout
+    from raytrain.driver.plan import plan_layout
 
     return plan_layout(cfg).stage_ranges
 
@@ -95,7 +95,7 @@ def run_one_process(steps, warmup):
     from torch import nn
 
     from raytrain import data
-    from raytrain.model import build_model
+    from raytrain.models.layers import build_model
 
     torch.set_num_threads(1)
     cfg = bench_config(steps)
@@ -123,7 +123,7 @@ def torch_pipelining_worker(steps, m, schedule, out):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from raytrain import data
-    from raytrain.model import build_model
+    from raytrain.models.layers import build_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -180,7 +180,7 @@ def run_naive_object_refs(steps, warmup, m):
             from torch import nn
 
             from raytrain import data
-            from raytrain.model import build_model
+            from raytrain.models.layers import build_model
 
             torch.set_num_threads(1)
             self.cfg = bench_config(steps)
@@ -256,7 +256,7 @@ def main() -> None:
     import ray
 
     from raytrain import data
-    from raytrain.schedule import bubble_formula
+    from raytrain.pipeline.schedule import bubble_formula
 
     data.resolve_data_path(bench_config(args.steps))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -67,7 +67,7 @@ def ray_train_worker_loop(loop_config):
     import ray.train
     import ray.train.torch as rtt
     from raytrain import data
-    from raytrain.model import build_model
+    from raytrain.models.layers import build_model
 
     torch.set_num_threads(1)
     cfg = config([])

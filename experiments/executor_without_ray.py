@@ -26,9 +26,9 @@ def main(run_file: str, out_file: str) -> None:
 
     from raytrain import data
     from raytrain.config import config_from_dict
-    from raytrain.mesh import Mesh
-    from raytrain.rendezvous import StoreAddress
-    from raytrain.stage import Stage
+    from raytrain.config.mesh import Mesh
+    from raytrain.driver.rendezvous import StoreAddress
+    from raytrain.worker.stage import Stage
 
     with open(run_file) as f:
         run = json.load(f)

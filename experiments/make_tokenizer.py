@@ -4,7 +4,7 @@
     python experiments/make_tokenizer.py --out tok --text-column text docs.jsonl docs.parquet
 
 Plain files are read line by line; ``.jsonl``/``.json`` and ``.parquet`` files give the text under
---text-column, read as a run reads them (raytrain.text_data). The tokenizer is byte-level (any text
+--text-column, read as a run reads them (raytrain.data.text). The tokenizer is byte-level (any text
 encodes, none is unknown, decoding gives the text back) and has ``<|endoftext|>``, which a run puts
 between documents. Then train with, e.g.:
 
@@ -40,7 +40,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> str:
 
 def read_texts(paths: list[str], text_column: Optional[str]) -> Iterator[str]:
     """Lines of plain files; documents of JSON lines and Parquet files (under ``text_column``)."""
-    from raytrain import text_data
+    from raytrain.data import text as text_data
 
     for path in paths:
         if text_data.is_json_lines(path) or path.endswith(".parquet"):

@@ -38,7 +38,7 @@ def ray_train_first_step_s(storage: str) -> float:
         import ray.train
         import ray.train.torch as rtt
         from raytrain.config import build_config, flatten_sections
-        from raytrain.model import build_model
+        from raytrain.models.layers import build_model
 
         torch.set_num_threads(1)
         cfg = build_config(flatten_sections(BASE, "bench"))

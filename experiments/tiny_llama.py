@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_tokenizer import train_bpe  # noqa: E402
 
 from raytrain import train  # noqa: E402
-from raytrain.atomic import atomic_path  # noqa: E402
 from raytrain.config import load_config  # noqa: E402
+from raytrain.data.atomic import atomic_path  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "configs", "tiny_llama.yaml")

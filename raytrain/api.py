@@ -1,7 +1,7 @@
 """``raytrain.train(config) -> Result``: the one entry point the CLI and the tests call.
 
 It checks the config against this machine (``prepare``), chooses the layout first when
-parallel.auto is set (raytrain.autolayout), then runs it (raytrain.driver).
+parallel.auto is set (raytrain.tune.autolayout), then runs it (raytrain.driver.run).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import os
 import sys
 from typing import Callable, Optional
 
-from raytrain import driver
-from raytrain.autolayout import choose_layout
 from raytrain.config import Config
-from raytrain.driver import Result, ensure_ray
-from raytrain.placement import ResourcesUnavailable
-from raytrain.plan import RunPlan, prepare
+from raytrain.driver import run as driver
+from raytrain.driver.placement import ResourcesUnavailable
+from raytrain.driver.plan import RunPlan, prepare
+from raytrain.driver.run import Result, ensure_ray
+from raytrain.tune.autolayout import choose_layout
 
 __all__ = ["Result", "ResourcesUnavailable", "RunPlan", "ensure_ray", "prepare", "train"]
 
@@ -27,7 +27,7 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
 
     Bad input raises a ValueError before any actor starts. With parallel.auto, short Tune trials
     probe the layouts the cluster can hold first, and the run trains with the fastest; the Result's
-    ``auto_layout`` says what was probed. The other arguments are ``raytrain.driver.run``'s.
+    ``auto_layout`` says what was probed. The other arguments are ``raytrain.driver.run.run``'s.
     """
     if not cfg.parallel.auto:
         return driver.run(prepare(cfg), stream, on_rows, placement)

@@ -42,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return _export(args)
     from raytrain.api import ResourcesUnavailable, train
-    from raytrain.coordinator import CapacityLost, NonFiniteLoss, StepFailed
-    from raytrain.signals import exit_code
+    from raytrain.control.coordinator import CapacityLost, NonFiniteLoss, StepFailed
+    from raytrain.driver.signals import exit_code
 
     try:
-        # train() validates data, resume and layout (raytrain.plan.prepare) before any actor starts.
+        # train() validates data, resume and layout (raytrain.driver.plan.prepare) before any actor starts.
         result = train(load_config(args.config, args.overrides))
     except ValueError as e:
         return _fail(f"config error: {e}", 2)
@@ -72,7 +72,7 @@ def _fail(message: str, code: int) -> int:
 
 
 def _export(args) -> int:
-    from raytrain.export import export_hf
+    from raytrain.models.export import export_hf
 
     try:
         step_dir = export_hf(args.checkpoint, args.out, args.dtype)
@@ -84,9 +84,9 @@ def _export(args) -> int:
 
 def _sweep(args) -> int:
     from raytrain import tune as rt_tune
-    from raytrain.driver import ensure_ray  # importing the driver starts its background import of torch
-    from raytrain.placement import ResourcesUnavailable
-    from raytrain.signals import exit_code
+    from raytrain.driver.placement import ResourcesUnavailable
+    from raytrain.driver.run import ensure_ray  # importing the driver starts its background import of torch
+    from raytrain.driver.signals import exit_code
 
     stop, where = rt_tune.SweepStop(sys.stderr), None
     try:
@@ -132,7 +132,7 @@ def _aborted(code: int, bound_s: float = 20.0) -> int:
 def _sweep_report(grid, sweep, reason, command: str) -> int:
     """The ranked table, reports and JSON line; a stopped sweep's are marked partial, with no "best"."""
     from raytrain import tune as rt_tune
-    from raytrain.signals import exit_code
+    from raytrain.driver.signals import exit_code
 
     rows = rt_tune.summarize(grid, sweep)
     print(rt_tune.format_table(rows), file=sys.stderr)

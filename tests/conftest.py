@@ -71,6 +71,6 @@ def dp2_run(ray_session, tmp_path_factory, data_cache):
 def fast_driver_poll(monkeypatch):
     """The driver collects rows every 0.1 s instead of every second, so an ``on_rows`` callback that
     acts on an event (kills a worker, frees resources) acts within a few tiny test steps of it."""
-    import raytrain.driver
+    import raytrain.driver.run
 
-    monkeypatch.setattr(raytrain.driver, "POLL_INTERVAL_S", 0.1)
+    monkeypatch.setattr(raytrain.driver.run, "POLL_INTERVAL_S", 0.1)

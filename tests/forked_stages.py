@@ -18,11 +18,11 @@ from typing import Optional
 import torch
 
 from raytrain import checkpoint
-from raytrain.plan import prepare
 from raytrain.config import Config
+from raytrain.config.mesh import Mesh
 from raytrain.data import even_shares
-from raytrain.mesh import Mesh
-from raytrain.rendezvous import RendezvousStore
+from raytrain.driver.plan import prepare
+from raytrain.driver.rendezvous import RendezvousStore
 
 JOIN_TIMEOUT_S = 120.0
 """Bound on one run of the whole grid cell; a hang fails the test instead of CI."""
@@ -35,13 +35,13 @@ def _forkserver():
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         # Imported once in the server, inherited by every fork. (AdamW's constructor imports torch._dynamo.)
-        _context.set_forkserver_preload(["raytrain.stage", "torch._dynamo"])
+        _context.set_forkserver_preload(["raytrain.worker.stage", "torch._dynamo"])
     return _context
 
 
 def _run_worker(cfg, data_path: str, num_samples: int, stage_layers: list[list[int]], rank: int,
                 mesh: Mesh, store, out_dir: str, resume: Optional[str]) -> None:
-    from raytrain.stage import Stage
+    from raytrain.worker.stage import Stage
 
     replica, stage_index = mesh.coords(rank)
     shard = mesh.shard(rank)

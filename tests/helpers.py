@@ -1,6 +1,6 @@
 """Test helpers: a fake worker group that runs the coordinator's state machine without processes.
 
-``FakeWorkerGroup`` has the methods of ``raytrain.workergroup.RayWorkerGroup``. Its workers keep a
+``FakeWorkerGroup`` has the methods of ``raytrain.control.workergroup.RayWorkerGroup``. Its workers keep a
 stand-in for their state: the chain of the steps they applied (``value``), which only equals the
 fault-free chain if every step was applied exactly once, in order. Faults use the same
 ``replica:stage@step:phase`` spec as real workers (``elastic.faults``); a step's fate is decided for
@@ -21,9 +21,9 @@ from typing import Any, Optional
 import torch
 
 from raytrain import checkpoint
-from raytrain.faults import Fault
-from raytrain.membership import Member
-from raytrain.workergroup import Outcome, StepFailed, WorkersLost, lost_members
+from raytrain.control.membership import Member
+from raytrain.control.workergroup import Outcome, StepFailed, WorkersLost, lost_members
+from raytrain.testing.faults import Fault
 
 # Logical CPU slots for the session's Ray: dp=4 and dp=2 x pp=2 need 4 workers of 1 slot each.
 # Each worker runs one torch thread, so 4 slots on 2 cores oversubscribe time, never correctness.
@@ -351,7 +351,7 @@ def assert_same_params(got: dict, want: dict, rtol: float = 1e-5) -> None:
 
 
 def reference_state(cfg, steps=None) -> dict:
-    from raytrain.reference import train_reference
+    from raytrain.testing.reference import train_reference
 
     model, _ = train_reference(cfg, steps)
     return {k: v.detach() for k, v in model.named_parameters()}  # a tied parameter once, as checkpoints hold it

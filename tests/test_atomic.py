@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from raytrain.atomic import atomic_path
+from raytrain.data.atomic import atomic_path
 
 OLD, NEW = b"old " * 50_000, b"new " * 250_000
 CHUNK = 4096

@@ -4,8 +4,8 @@ the fastest and the run trains with it, on the same trajectory as any other layo
 import pytest
 
 from raytrain import checkpoint, train
-from raytrain.autolayout import candidate_layouts, layout_of, state_bytes, too_big
 from raytrain.config import load_config
+from raytrain.tune.autolayout import candidate_layouts, layout_of, state_bytes, too_big
 from tests.factories import Scale
 from tests.helpers import assert_same_params, reference_state
 def _layouts(workers, layers, *overrides):
@@ -65,7 +65,7 @@ def test_auto_probes_then_trains_with_the_fastest_layout(ray_session, make_confi
 def test_fsdp_may_leave_a_small_parameter_empty_but_never_cut_a_scalar(tmp_path):
     from torch import nn
 
-    from raytrain.plan import prepare, shardable_rows
+    from raytrain.driver.plan import prepare, shardable_rows
 
     assert shardable_rows([nn.Linear(8, 1), nn.Linear(1, 8)]) == 8  # the 1-row Linear leaves shards empty: allowed
     assert shardable_rows([nn.Linear(8, 1), Scale()]) == 1

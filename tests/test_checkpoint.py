@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raytrain import checkpoint, train
-from raytrain.model import full_model
+from raytrain.models.layers import full_model
 from tests.helpers import assert_same_params, reference_state
 def test_resume_continues_the_same_trajectory(ray_session, make_config, tmp_path):
     straight = train(make_config("parallel.dp=2", "train.steps=10", "run.record_samples=true"))

@@ -8,12 +8,12 @@ import sys
 import pytest
 
 from raytrain.config import all_keys, load_config, parse_override
-from raytrain.plan import prepare
+from raytrain.driver.plan import prepare
 
 
 def _rejected(overrides, tmp_path) -> ValueError:
     """The error bad input raises before any actor starts: from the config itself, or from the checks of
-    this machine's files and modules (raytrain.plan.prepare)."""
+    this machine's files and modules (raytrain.driver.plan.prepare)."""
     with pytest.raises(ValueError) as err:
         prepare(load_config(None, [f"run.dir={tmp_path}", *overrides]))
     return err.value

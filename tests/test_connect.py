@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain import reaper
+from raytrain.driver import reaper
 from tests.private_cluster import kill_all_using, pids_using, unshare_works
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,7 +146,7 @@ def test_a_sweep_with_an_unreachable_ray_address_fails_fast_with_exit_3(ray_tmpd
 
 def test_a_ray_job_puts_a_relative_run_dir_under_home_raytrain(monkeypatch, tmp_path):
     """A job's working directory is Ray's temporary copy; absolute and ~ paths are the user's choice."""
-    from raytrain.connect import JOB_DRIVER_ENV, run_root
+    from raytrain.driver.connect import JOB_DRIVER_ENV, run_root
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv(JOB_DRIVER_ENV, raising=False)
@@ -158,7 +158,7 @@ def test_a_ray_job_puts_a_relative_run_dir_under_home_raytrain(monkeypatch, tmp_
 
 @needs_netns
 def test_a_sigkilled_driver_leaves_no_process_of_its_embedded_ray(ray_tmpdir, data_cache, tmp_path):
-    """Ray's agents alone outlived a SIGKILLed driver by over a minute; raytrain.reaper ends them."""
+    """Ray's agents alone outlived a SIGKILLed driver by over a minute; raytrain.driver.reaper ends them."""
     cli = [sys.executable, "-m", "raytrain", "train", "--config", "experiments/configs/tiny.yaml"]
     for o in small_run(data_cache, tmp_path / "runs") + ["train.steps=100000"]:
         cli += ["--set", o]

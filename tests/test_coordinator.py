@@ -4,9 +4,9 @@ no Ray, no processes, milliseconds per test. Real processes are killed in test_e
 import pytest
 
 from raytrain import checkpoint
-from raytrain.coordinator import CapacityLost, Coordinator, NonFiniteLoss, StepFailed
-from raytrain.policy import Action, ElasticPolicy
-from raytrain.runstate import RunState
+from raytrain.control.coordinator import CapacityLost, Coordinator, NonFiniteLoss, StepFailed
+from raytrain.control.policy import Action, ElasticPolicy
+from raytrain.control.runstate import RunState
 from tests.helpers import FakePlacement, FakeWorkerGroup, chain, fake_config
 
 

@@ -111,7 +111,7 @@ def test_workers_decode_once_per_machine_and_map_the_same_file(tmp_path):
     # reader memory-maps; a rewritten dataset gets a new cache; the tokens are the same either way.
     from concurrent.futures import ProcessPoolExecutor
 
-    from raytrain import token_cache
+    from raytrain.data import token_cache
 
     rows = np.random.default_rng(2).integers(0, 300, size=(40, 9))
     path, cache = str(tmp_path / "ids.parquet"), str(tmp_path / "cache")

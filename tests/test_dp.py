@@ -19,7 +19,7 @@ def test_microbatches_accumulate_to_the_same_step(ray_session, make_config):
 
 
 def test_dp2_follows_the_reference_step_by_step(dp2_run):
-    from raytrain.reference import train_reference
+    from raytrain.testing.reference import train_reference
 
     cfg, result = dp2_run
     assert result.steps == 5 and len(result.metrics) == 5

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from raytrain import checkpoint, train
-from raytrain.coordinator import may_send_ahead
+from raytrain.control.coordinator import may_send_ahead
 from tests.helpers import (TEST_RAY_CPUS, WhenPaused, assert_replicas_identical, assert_same_params,
                            hold_until_a_new_worker_starts, pid_alive, reference_state)
 

@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain import checkpoint, data, schedule, train
+from raytrain import checkpoint, data, train
 from raytrain.api import prepare
-from raytrain.coordinator import Coordinator
-from raytrain.faults import PhaseHook
-from raytrain.mesh import Mesh
-from raytrain.reference import reference_eval_loss, train_reference
-from raytrain.rendezvous import RendezvousStore
-from raytrain.stage import Stage
-from raytrain.steps import eval_due, may_send_ahead
+from raytrain.config.mesh import Mesh
+from raytrain.control.coordinator import Coordinator
+from raytrain.control.steps import eval_due, may_send_ahead
+from raytrain.driver.rendezvous import RendezvousStore
+from raytrain.pipeline import schedule
+from raytrain.testing.faults import PhaseHook
+from raytrain.testing.reference import reference_eval_loss, train_reference
+from raytrain.worker.stage import Stage
 from tests.helpers import (FakeWorkerGroup, assert_replicas_identical, assert_same_params, chain, fake_config,
                            fake_eval_loss, reference_state)
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from raytrain import checkpoint, train
-from raytrain.reference import train_reference
-from raytrain.sharded import shard_rows
+from raytrain.testing.reference import train_reference
+from raytrain.worker.sharded import shard_rows
 from tests.forked_stages import run_stages
 from tests.helpers import (LONG_RUN_LR, WhenPaused, assert_replicas_identical, assert_same_params, hold_until_a_new_worker_starts,
                            reference_state, stopped)

@@ -10,8 +10,8 @@ from torch import nn
 
 from raytrain import checkpoint, train
 from raytrain.config import load_config
-from raytrain.hf_weights import build_hf_stage
-from raytrain.plan import prepare
+from raytrain.driver.plan import prepare
+from raytrain.models.hf_weights import build_hf_stage
 from tests.hf_models import FAMILIES, assert_same_hf_params, write_hf_model
 from tests.helpers import LONG_RUN_LR, assert_same_params, reference_state
 
@@ -152,7 +152,7 @@ def test_import_train_at_lr_0_and_export_round_trips_bit_for_bit(ray_session, ma
 def test_export_of_a_trained_tied_model_loads_in_transformers(ray_session, make_config, tmp_path):
     import transformers
 
-    from raytrain.export import export_hf
+    from raytrain.models.export import export_hf
 
     source = write_hf_model(tmp_path / "source", "gpt2", tied=True)
     result = train(hf_config(make_config, source, "train.steps=2"))

@@ -14,8 +14,8 @@ import torch
 
 from raytrain import checkpoint
 from raytrain.config import load_config
-from raytrain.hf_weights import build_hf_stage, hf_layers
-from raytrain.plan import prepare
+from raytrain.driver.plan import prepare
+from raytrain.models.hf_weights import build_hf_stage, hf_layers
 from tests.hf_models import write_hf_model
 
 CUSTOM_CODE = '''import pathlib
@@ -68,7 +68,7 @@ def test_a_directory_naming_custom_code_is_refused_naming_its_config_json(tmp_pa
 @pytest.mark.parametrize("known_type", [False, True], ids=["custom-model-type", "llama-with-auto-map"])
 def test_the_workers_and_the_export_refuse_it_too(tmp_path, known_type):
     """Not only prepare: what workers (build_hf_stage) and export (hf_layers, export_hf) load refuses it."""
-    from raytrain.export import export_hf
+    from raytrain.models.export import export_hf
 
     path, sentinel = custom_code_dir(tmp_path, known_type)
     with pytest.raises(ValueError, match="config.json names custom Python code in auto_map"):
@@ -125,7 +125,7 @@ def test_a_tokenizer_directory_runs_no_code(tmp_path):
     deserialised); a tokenizer_config.json naming custom code is never read, so it is not refused."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from raytrain.text_data import load_tokenizer, tokenizer_file
+    from raytrain.data.text import load_tokenizer, tokenizer_file
 
     sentinel = tmp_path / "SENTINEL"
     tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))

@@ -15,7 +15,7 @@ import pytest
 
 from raytrain import data, train
 from raytrain.config import load_config
-from raytrain.plan import prepare
+from raytrain.driver.plan import prepare
 
 
 def _cli(*args: str, env=None, cwd=None) -> subprocess.CompletedProcess:
@@ -225,7 +225,7 @@ def test_windows_count_against_the_global_batch_and_short_rows_still_fail(tmp_pa
 
 def test_the_cache_of_cut_rows_is_not_reused(tmp_path):
     # A cache built by a version that cut long rows has the same source, column and width: its key must differ.
-    from raytrain import token_cache
+    from raytrain.data import token_cache
 
     path = str(tmp_path / "long.parquet")
     data.write_token_parquet(path, np.arange(3 * 27).reshape(3, 27) % 256)

@@ -4,8 +4,8 @@ place, and refuses a cut the model cannot take, naming the key to change."""
 import pytest
 
 from raytrain.config import ParallelConfig, load_config
-from raytrain.layout import Layout
-from raytrain.plan import plan_layout
+from raytrain.config.layout import Layout
+from raytrain.driver.plan import plan_layout
 
 
 def test_world_size_counts_every_replica_shard_and_stage():

@@ -12,7 +12,7 @@ import pytest
 
 from raytrain import checkpoint, data, train
 from raytrain.api import prepare
-from raytrain.coordinator import CapacityLost
+from raytrain.control.coordinator import CapacityLost
 from tests.helpers import (LONG_RUN_LR, assert_replicas_identical, assert_same_params, hold_until_a_new_worker_starts,
                            reference_state, stage_worker_pids)
 
@@ -131,7 +131,7 @@ def test_hybrid_losing_a_node_without_spare_capacity_carries_on_with_dp1(ray_clu
 def test_a_machine_without_the_builtin_corpus_gets_the_drivers_copy(ray_session, tmp_path):
     # The driver builds the built-in corpus in its own cache; a worker on another machine finds no
     # file at that path and writes the driver's bytes (from the object store) into its own cache.
-    from raytrain.worker import dataset_here
+    from raytrain.worker.actor import dataset_here
 
     drivers = tmp_path / "driver-cache" / "stdlib-bytes-fsb-T17-abc.parquet"
     drivers.parent.mkdir()

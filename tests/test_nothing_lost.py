@@ -13,8 +13,8 @@ import torch
 
 from raytrain import checkpoint, train
 from raytrain.api import prepare
-from raytrain.coordinator import CapacityLost, NonFiniteLoss, StepFailed
-from raytrain.lease import EXPIRY_S, LEASE_FILE, DirectoryBusy, Lease, read_holder
+from raytrain.control.coordinator import CapacityLost, NonFiniteLoss, StepFailed
+from raytrain.driver.lease import EXPIRY_S, LEASE_FILE, DirectoryBusy, Lease, read_holder
 from tests.helpers import assert_replicas_identical, assert_same_params, reference_state, stage_worker_pids
 def _metric_rows(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from raytrain import checkpoint, train
-from raytrain.reference import train_reference
+from raytrain.testing.reference import train_reference
 from tests.forked_stages import run_stages
 from tests.helpers import assert_same_params, reference_state
 

@@ -9,7 +9,7 @@ import torch
 
 from raytrain import checkpoint, train
 from raytrain.config import load_config
-from raytrain.lr_schedule import learning_rate
+from raytrain.optim.lr_schedule import learning_rate
 from tests.helpers import assert_same_params, reference_state
 
 

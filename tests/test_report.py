@@ -3,8 +3,8 @@
 import io
 import os
 
-from raytrain.layout import Layout
-from raytrain.report import RunReporter
+from raytrain.config.layout import Layout
+from raytrain.driver.report import RunReporter
 
 
 def _step(step, dp, **extra):

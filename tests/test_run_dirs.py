@@ -3,8 +3,8 @@
 import threading
 import time
 
-from raytrain import plan
 from raytrain.api import prepare
+from raytrain.driver import plan
 
 
 def test_runs_prepared_in_the_same_second_get_their_own_directories(make_config, monkeypatch):

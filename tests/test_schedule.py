@@ -2,8 +2,8 @@
 
 import pytest
 
-from raytrain import schedule
-from raytrain.schedule import Action, PlanError, build_plan, check_plan
+from raytrain.pipeline import schedule
+from raytrain.pipeline.schedule import Action, PlanError, build_plan, check_plan
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole-backward", "split-backward"])

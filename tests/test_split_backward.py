@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from raytrain.config import ModelConfig
-from raytrain.model import build_model
-from raytrain.split_backward import backward_input
+from raytrain.models.layers import build_model
+from raytrain.pipeline.split_backward import backward_input
 
 
 def _stage_and_batch():

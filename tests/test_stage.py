@@ -6,13 +6,13 @@ import pickle
 import pytest
 import torch
 
-from raytrain import faults
 from raytrain.api import prepare
+from raytrain.config.mesh import Mesh
 from raytrain.data import even_shares
-from raytrain.faults import PhaseHook, phase_hook
-from raytrain.mesh import Mesh
-from raytrain.rendezvous import RendezvousStore
-from raytrain.stage import Stage
+from raytrain.driver.rendezvous import RendezvousStore
+from raytrain.testing import faults
+from raytrain.testing.faults import PhaseHook, phase_hook
+from raytrain.worker.stage import Stage
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Text data: tokenised with a local tokenizer, packed into rows of seq_len + 1, cached once per machine,
-and refused before any actor starts when the input is wrong (raytrain.text_data)."""
+and refused before any actor starts when the input is wrong (raytrain.data.text)."""
 
 import json
 import math
@@ -14,9 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raytrain import data, text_data
+from raytrain import data
 from raytrain.config import load_config
-from raytrain.plan import prepare
+from raytrain.data import text as text_data
+from raytrain.driver.plan import prepare
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -282,7 +283,7 @@ def test_make_tokenizer_writes_a_tokenizer_a_run_accepts(tmp_path, text_config):
 
 def test_dp2_trains_on_text(ray_session, make_config, tmp_path, tokenizer_dir):
     from raytrain import train
-    from raytrain.reference import train_reference
+    from raytrain.testing.reference import train_reference
 
     path = write_jsonl(tmp_path / "d.jsonl", make_documents())
     cfg = make_config("parallel.dp=2", "train.steps=2", f"data.path={path}", "data.text_column=text",

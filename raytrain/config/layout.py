@@ -1,0 +1,97 @@
+"""A run's parallel layout as one value: how its workers divide the batch and the model.
+
+``Layout`` answers what the config, the driver, the reporter and Tune ask of a layout: its world
+size, its label (``dp=2 pp=2 m=4 1f1b``), and, once the model is known (``for_model``, or
+``raytrain.driver.plan.plan_layout`` for the stage cuts), the layer count and each stage's layers. A label
+is an answer, never an input: nothing parses it back. No torch and no Ray here: anything may import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from raytrain.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    """Data-parallel replicas."""
+    pp: int = 1
+    """Pipeline stages each replica's model is cut into."""
+    microbatches: int = 1
+    """Micro-batches each replica splits its share of the global batch into."""
+    schedule: str = "1f1b"
+    """Pipeline schedule (named in the label only when pp > 1)."""
+    fsdp: int = 1
+    """Workers that shard each stage's parameters, gradients and optimizer state within a replica (FSDP2)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline worker (room for interleaved schedules: 1 until they land)."""
+    cuts: Optional[tuple[int, ...]] = None
+    """First layer of every model chunk after the first: parallel.split_points, or planned; None
+    while not chosen."""
+    num_layers: Optional[int] = None
+    """Cuttable layers of the model; None until ``for_model`` is told."""
+
+    @classmethod
+    def of(cls, parallel: ParallelConfig) -> Layout:
+        """The layout a ``parallel`` config section sets (hand-set cuts included)."""
+        cuts = None if parallel.split_points is None else tuple(parallel.split_points)
+        return cls(dp=parallel.dp, pp=parallel.pp, microbatches=parallel.microbatches, schedule=parallel.schedule,
+                   fsdp=parallel.fsdp, cuts=cuts)
+
+    @property
+    def world_size(self) -> int:
+        """Workers the layout needs: one per (replica, shard, stage)."""
+        return self.dp * self.fsdp * self.pp
+
+    @property
+    def num_chunks(self) -> int:
+        """Pieces the model is cut into: pp stages of virtual_stages chunks each."""
+        return self.pp * self.virtual_stages
+
+    @property
+    def needs_cuts(self) -> bool:
+        """Whether the stage cuts are still to be chosen: a pipeline without parallel.split_points."""
+        return self.cuts is None and self.num_chunks > 1
+
+    @property
+    def label(self) -> str:
+        """``dp=2 pp=1 m=1``, ``dp=2 fsdp=2 pp=1 m=1``, or ``dp=1 pp=2 m=4 1f1b`` for a pipeline: how runs,
+        rows and trials name it."""
+        parts = [f"dp={self.dp}"] + ([f"fsdp={self.fsdp}"] if self.fsdp > 1 else []) + [f"pp={self.pp}"]
+        parts += [f"v={self.virtual_stages}"] if self.virtual_stages > 1 else []
+        parts += [f"m={self.microbatches}"] + ([self.schedule] if self.pp > 1 else [])
+        return " ".join(parts)
+
+    @property
+    def grid_label(self) -> str:
+        """``dp=2 pp=1``: the worker grid alone, as metric rows and repair events name a live layout."""
+        return " ".join([f"dp={self.dp}"] + ([f"fsdp={self.fsdp}"] if self.fsdp > 1 else []) + [f"pp={self.pp}"])
+
+    def with_dp(self, dp: int) -> Layout:
+        """This layout with ``dp`` replicas, as a repair or a grow leaves it."""
+        return dataclasses.replace(self, dp=dp)
+
+    def for_model(self, num_layers: int, model: str) -> Layout:
+        """This layout over a model of ``num_layers`` cuttable layers; a ValueError naming
+        parallel.pp or parallel.split_points when it cannot be cut so. ``model`` names the layers'
+        source in that error ("model.factory")."""
+        if self.num_chunks > num_layers:
+            raise ValueError(f"parallel.pp={self.pp} exceeds the {num_layers} layers of {model}; lower parallel.pp")
+        if self.cuts and not (0 < self.cuts[0] and self.cuts[-1] < num_layers):
+            raise ValueError(f"parallel.split_points={list(self.cuts)} out of range: cuts must lie in "
+                             f"1..{num_layers - 1}")
+        return dataclasses.replace(self, num_layers=num_layers)
+
+    @property
+    def stage_ranges(self) -> list[range]:
+        """Global layer indices of each model chunk, in pipeline order."""
+        assert self.num_layers is not None, "the layer count is not known yet: call for_model (or plan_layout)"
+        cuts = self.cuts if self.cuts is not None else ()
+        assert len(cuts) == self.num_chunks - 1, f"{self.num_chunks} chunks need {self.num_chunks - 1} cuts: {cuts}"
+        bounds = [0, *cuts, self.num_layers]
+        return [range(begin, end) for begin, end in zip(bounds, bounds[1:])]

@@ -1,0 +1,112 @@
+"""Rank arithmetic for the dp x fsdp x pp grid, and the torch.distributed groups built on it.
+
+A replica is fsdp x pp workers; a worker's place in it is its slot, ``shard * pp + stage``, and
+its global rank is ``replica * fsdp * pp + slot``. Each worker belongs to three groups:
+
+- the dp group: the same shard of the same stage in every replica. Gradients are all-reduced
+  there (HSDP's replicate dimension when fsdp > 1), and a new replica takes its state from it;
+- the fsdp group: every shard of one stage of one replica. FSDP2 all-gathers parameters and
+  reduce-scatters gradients there;
+- the pp group: every stage of one shard of one replica (a pipeline column). Activations flow
+  along it, and the global gradient norm is summed over it and the fsdp group.
+
+Groups are formed under a generation number: the store prefix changes with every membership
+change, so survivors can re-form without a restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from raytrain.driver.rendezvous import StoreAddress
+
+
+@dataclass(frozen=True)
+class Mesh:
+    dp: int
+    pp: int
+    fsdp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.fsdp * self.pp
+
+    @property
+    def slots(self) -> int:
+        """Workers per replica."""
+        return self.fsdp * self.pp
+
+    @property
+    def columns(self) -> int:
+        """Pipeline columns (data-parallel workers): each trains on its own slice of the global batch."""
+        return self.dp * self.fsdp
+
+    def rank(self, replica: int, stage: int, shard: int = 0) -> int:
+        return replica * self.slots + shard * self.pp + stage
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(replica, stage) of a global rank."""
+        replica, slot = divmod(rank, self.slots)
+        return replica, slot % self.pp
+
+    def shard(self, rank: int) -> int:
+        """The shard (fsdp index) of a global rank."""
+        return rank % self.slots // self.pp
+
+    def label(self, rank: int) -> str:
+        """``replica:stage``, or ``replica:shard:stage`` when fsdp > 1: how events and digests name a worker."""
+        replica, stage = self.coords(rank)
+        return f"{replica}:{self.shard(rank)}:{stage}" if self.fsdp > 1 else f"{replica}:{stage}"
+
+    def dp_ranks(self, stage: int, shard: int = 0) -> list[int]:
+        return [self.rank(r, stage, shard) for r in range(self.dp)]
+
+    def pp_ranks(self, replica: int, shard: int = 0) -> list[int]:
+        return [self.rank(replica, s, shard) for s in range(self.pp)]
+
+    def fsdp_ranks(self, replica: int, stage: int) -> list[int]:
+        return [self.rank(replica, stage, f) for f in range(self.fsdp)]
+
+
+@dataclass
+class Groups:
+    dp_group: Optional[dist.ProcessGroup]
+    """This rank's data-parallel group; None when dp == 1."""
+    pp_group: Optional[dist.ProcessGroup]
+    """This rank's pipeline group; None when pp == 1."""
+    fsdp_group: Optional[dist.ProcessGroup] = None
+    """This rank's sharding group; None when fsdp == 1."""
+
+
+def init_groups(
+    mesh: Mesh, rank: int, store: StoreAddress, generation: int, backend: str, timeout_s: float
+) -> Groups:
+    """Join generation ``generation`` of the run's process groups (collective over all ranks)."""
+    import torch.distributed as dist
+
+    client = dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    prefixed = dist.PrefixStore(f"{store.namespace}/gen{generation}/", client)
+    dist.init_process_group(
+        backend, store=prefixed, rank=rank, world_size=mesh.world_size, timeout=timedelta(seconds=timeout_s)
+    )
+    mine = {"dp": None, "pp": None, "fsdp": None}
+    # Every rank must create every group, in the same order.
+    for kind, size, members in (
+        ("dp", mesh.dp, [mesh.dp_ranks(s, f) for f in range(mesh.fsdp) for s in range(mesh.pp)]),
+        ("pp", mesh.pp, [mesh.pp_ranks(r, f) for r in range(mesh.dp) for f in range(mesh.fsdp)]),
+        ("fsdp", mesh.fsdp, [mesh.fsdp_ranks(r, s) for r in range(mesh.dp) for s in range(mesh.pp)]),
+    ):
+        if size == 1:
+            continue
+        for ranks in members:
+            # new_group's own default is torch's 30 minutes, not the world's: a frozen peer (its
+            # connections open, its process stopped) would hold a collective that long.
+            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+            if rank in ranks:
+                mine[kind] = group
+    return Groups(mine["dp"], mine["pp"], mine["fsdp"])

@@ -1,0 +1,180 @@
+"""One training step as the coordinator sees it: send ``run_step`` to every member, collect the
+replies, and turn them into a metrics row. Also the rules for what may happen between two steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from raytrain import data
+from raytrain.config import Config
+from raytrain.config.mesh import Mesh
+from raytrain.control.membership import Member
+from raytrain.control.workergroup import Outcome, StepFailed, WorkersLost, lost_members, worker_error
+from raytrain.optim.lr_schedule import learning_rate
+
+
+class NonFiniteStep(Exception):
+    """Internal: every worker voted against applying ``step`` (a loss or gradient was not finite)."""
+
+    def __init__(self, step: int, results: list[dict]):
+        super().__init__(f"step {step} was not finite")
+        self.step, self.results = step, results
+
+
+class StepLost(WorkersLost):
+    """Workers died during a step; ``reports`` are the survivors' replies (their committed steps)."""
+
+    def __init__(self, dead: list[Member], reports: list[dict]):
+        super().__init__(dead)
+        self.reports = reports
+
+
+@dataclass
+class StepCall:
+    """``run_step`` sent to every member; ``started`` is when its time starts to count."""
+
+    step: int
+    members: list
+    refs: list
+    started: Optional[float]  # None while it waits behind the step before it
+
+
+def send(group, members: list[Member], step: int, trace: bool, started: Optional[float]) -> StepCall:
+    return StepCall(step, members, group.submit(members, "run_step", step, trace), started)
+
+
+def collect(group, call: StepCall, timeout_s: float, layout: str, settle_s: Optional[float] = None) -> list[dict]:
+    """Every member's report of ``call.step``; StepLost, NonFiniteStep or StepFailed when it did not commit.
+
+    A member silent for longer than a step may take, or for ``settle_s`` after another reported a
+    failed collective, is killed and counted as lost.
+    """
+    outcomes = group.collect(call.members, call.refs, timeout_s, settle_s)
+    for o in outcomes:
+        if o.silent:
+            group.kill(o.member)
+        if o.error is not None:
+            raise StepFailed(f"step {call.step + 1} raised on a worker of stage {o.member.stage} (layout {layout}): "
+                             f"{worker_error(o.error)}")
+    reports = [o.value for o in outcomes if _answered(o)]
+    for o in outcomes:
+        if _answered(o):
+            o.member.committed = o.value["committed"]
+    dead = [o.member for o in outcomes if not _answered(o)]
+    if dead:
+        raise StepLost(dead, reports)
+    if any(r.get("nonfinite") for r in reports):
+        raise NonFiniteStep(call.step, reports)
+    failed = [r for r in reports if not r["ok"]]
+    if failed:
+        raise StepFailed(f"step {call.step + 1} failed with every worker alive (layout {layout}): {failed[0]['error']}")
+    return reports
+
+
+def _answered(o: Outcome) -> bool:
+    return not (o.dead or o.silent)
+
+
+def drain(group, call: Optional[StepCall], timeout_s: float) -> list[Member]:
+    """Wait out a step sent ahead of one that failed; returns the members that died meanwhile.
+
+    Workers whose own step failed skip it; the others fail it against their lost peers, so it ends
+    within elastic.detect_timeout_s. Their progress (a committed step) is recorded.
+    """
+    if call is None:
+        return []
+    outcomes = group.collect(call.members, call.refs, timeout_s)
+    for o in outcomes:
+        if o.value is not None:
+            o.member.committed = o.value["committed"]
+    return lost_members(group, outcomes)
+
+
+def may_send_ahead(step: int, steps: int, checkpoint_every: int, membership_changing: bool,
+                   eval_every: int = 0) -> bool:
+    """Whether ``step`` may be queued on the workers before the step before it has finished.
+
+    Only when nothing happens between the two: no checkpoint or evaluation after the previous step
+    (nor the end of the run), and no replica that may join (a granted placement or a replacement starting).
+    """
+    return (step < steps and not checkpoint_due(step, steps, checkpoint_every)
+            and not eval_due(step, steps, eval_every) and not membership_changing)
+
+
+def checkpoint_due(committed: int, steps: int, checkpoint_every: int) -> bool:
+    """Whether a checkpoint is written once ``committed`` steps are done: every checkpoint.every, and at the end."""
+    return committed == steps or bool(checkpoint_every and committed % checkpoint_every == 0)
+
+
+def eval_due(committed: int, steps: int, eval_every: int) -> bool:
+    """Whether the held-out loss is computed once ``committed`` steps are done: every eval.every, and
+    at the end (so the run ends with the final parameters' value); never with eval.every=0."""
+    return eval_every > 0 and committed > 0 and checkpoint_due(committed, steps, eval_every)
+
+
+def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, mesh: Mesh, layout: str) -> dict:
+    """One metrics.jsonl row from every worker's report of a step; ``dp`` is its live replica count."""
+    B = cfg.train.global_batch
+    last_stage = [r for r in results if mesh.coords(r["rank"])[1] == mesh.pp - 1]
+    loss = sum(r["loss_sum"] for r in last_stage) / B
+    # Bubble: idle share of each replica's pipeline span (its stages x its slowest stage's span).
+    bubbles = []
+    for replica in range(mesh.dp):
+        stages = [r for r in results if mesh.coords(r["rank"])[0] == replica]
+        span = max(r["pipeline_s"] for r in stages)
+        bubbles.append(1.0 - sum(r["busy_s"] for r in stages) / (len(stages) * span) if span > 0 else 0.0)
+    row = {
+        "step": step + 1,
+        "loss": loss,
+        "grad_norm": results[0]["grad_norm"],
+        "step_s": wall_s,
+        "time": time.time(),
+        "samples_per_s": B / wall_s,
+        "worker_step_s": max(r["wall_s"] for r in results),
+        "bubble": sum(bubbles) / len(bubbles),
+        "peak_live_activations": {str(r["rank"]): r["peak_live"] for r in results},
+        "peak_mem_mb": {str(r["rank"]): round(r["peak_mem_mb"], 1) for r in results},
+        "layout": layout,
+        "lr": learning_rate(cfg.train, step),
+        "dp": mesh.dp,
+    }
+    if any("events" in r for r in results):
+        row["events"] = {str(r["rank"]): r["events"] for r in results if "events" in r}
+    if cfg.run.record_samples:
+        row["sample_ids"] = [i for r in sorted(results, key=lambda r: r["rank"]) for i in r.get("sample_ids", [])]
+    return row
+
+
+def rolled_forward_row(step: int, results: list[dict], cfg: Config, mesh: Mesh, num_samples: int, layout: str) -> dict:
+    """The row of a step committed by roll-forward: every worker voted for it, some died before replying.
+
+    Its loss is known only if the last stage of every column survived; its samples are the whole
+    global batch of the step (every replica had finished its slice before the vote).
+    """
+    return _unreported_step_row(step, cfg, num_samples, layout, mesh.dp, rolled_forward=True,
+                                loss=loss_of(results, cfg, mesh.columns), lr=learning_rate(cfg.train, step))
+
+
+def loss_of(results: list[dict], cfg: Config, columns: int) -> Optional[float]:
+    """The step's mean loss when the last stage of every pipeline column (replica, or shard of one:
+    ``Mesh.columns``) reported it, else None."""
+    last = [r["loss_sum"] for r in results if "loss_sum" in r]
+    return sum(last) / cfg.train.global_batch if len(last) == columns else None
+
+
+def skipped_row(step: int, loss: Optional[float], grad_norm: Optional[float], cfg: Config, num_samples: int,
+                layout: str, dp: int) -> dict:
+    """The row of a step not applied because a value was not finite; its samples count as seen."""
+    return _unreported_step_row(step, cfg, num_samples, layout, dp, skipped=True, loss=loss, grad_norm=grad_norm)
+
+
+def _unreported_step_row(step: int, cfg: Config, num_samples: int, layout: str, dp: int, **fields) -> dict:
+    """A committed step's row without the workers' timings; its samples are the whole global batch."""
+    B = cfg.train.global_batch
+    row = {"step": step + 1, **fields, "time": time.time(), "layout": layout, "dp": dp}
+    if cfg.run.record_samples:
+        row["sample_ids"] = data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
+    return row

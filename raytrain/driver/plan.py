@@ -1,0 +1,295 @@
+"""``prepare(config) -> RunPlan``: everything that can fail on bad input, done on the driver before any
+actor starts, and what the run then needs, by name.
+
+The config's own checks are pure (every node builds a Config); the checks here read the driver's
+machine: the data file, the model factory's module, the checkpoint directory and the checkpoint to
+resume from. The stage cuts are planned here too, building the model only when the answer needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from raytrain import checkpoint, data
+from raytrain.config import Config, check_shardable
+from raytrain.config.layout import Layout
+from raytrain.data import text as text_data
+from raytrain.driver.connect import run_root
+from raytrain.driver.rendezvous import import_user_module
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A checked run: what the driver, the coordinator and its workers are started with."""
+
+    cfg: Config
+    """The config with its defaults filled in: run.name and checkpoint.dir are set."""
+    layout: Layout
+    """The layout, with the model's layer count and each stage's layers."""
+    data_path: str
+    """The file the run reads (the built-in corpus: built on this machine)."""
+    num_samples: int
+    """Training samples: the rows of data_path (or with data.text_column its text's packed rows) before
+    those data.eval_fraction holds out."""
+    resume: Optional[str]
+    """The checkpoint to resume from, checked; None to start fresh."""
+    held_out: int = 0
+    """Held-out rows (data.eval_fraction's of data_path, or data.eval_path's); never trained on."""
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(os.path.abspath(os.path.expanduser(self.cfg.run.dir)), self.cfg.run.name)
+
+    @property
+    def stage_layers(self) -> list[list[int]]:
+        """Global layer indices of each stage, as the coordinator and the workers take them."""
+        return [list(r) for r in self.layout.stage_ranges]
+
+
+def prepare(cfg: Config) -> RunPlan:
+    """Check ``cfg`` against this machine and plan the run; a ValueError naming the key when it cannot run."""
+    check_inputs(cfg)
+    if cfg.model.hf is not None:
+        from raytrain.models.hf_plan import resolve_cut, with_hf_architecture
+
+        cfg = resolve_cut(with_hf_architecture(cfg))
+    data_path = data.resolve_data_path(cfg)
+    rows = _check_data(cfg, data_path)
+    num_samples, held_out = split_held_out(cfg, rows)
+    layout = plan_layout(cfg)
+    root = run_root(cfg.run.dir)  # under ~/raytrain in a Ray job: the job's working dir is temporary
+    run_name = cfg.run.name or _new_run_name(root, layout)
+    ckpt_dir = cfg.checkpoint.dir or os.path.join(root, run_name, "checkpoints")
+    resume = _resume_source(cfg, root, ckpt_dir)
+    try:
+        checkpoint.check_writable(ckpt_dir)
+    except checkpoint.CheckpointError as e:
+        raise ValueError(f"checkpoint.dir={ckpt_dir!r}: {e}; point checkpoint.dir at a writable directory or a "
+                         f"pyarrow.fs URI (s3://, gs://, hdfs://) whose credentials this machine has") from e
+    cfg = dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(cfg.run, dir=root, name=run_name),
+        checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir),
+    )
+    return RunPlan(cfg=cfg, layout=layout, data_path=data_path, num_samples=num_samples, resume=resume,
+                   held_out=held_out)
+
+
+def split_held_out(cfg: Config, rows: int) -> tuple[int, int]:
+    """(training rows, held-out rows) of a dataset of ``rows``: data.eval_fraction holds out its last rows,
+    data.eval_path (checked here like data.path) holds its own. A ValueError naming the keys when too few
+    rows are left to train on, or (with eval.every) too few held out for eval.batches: an error, not a
+    clamp, so that every evaluation reads exactly eval.batches x train.global_batch rows."""
+    d, B = cfg.data, cfg.train.global_batch
+    if d.eval_path is not None:
+        held = _check_data(cfg, os.path.expanduser(d.eval_path), key="data.eval_path")
+        where, fix = f"data.eval_path={d.eval_path!r} has {held} rows", "add rows to it"
+    else:
+        held = data.held_out_count(rows, d.eval_fraction)
+        where = f"data.eval_fraction={d.eval_fraction:g} holds out the last {held} of the {rows} rows"
+        fix = f"raise data.eval_fraction to >= {cfg.eval.batches * B / rows:.3g}"
+        if rows - held < B:
+            raise ValueError(f"{where}, leaving {rows - held} to train on, fewer than train.global_batch={B}; "
+                             "lower data.eval_fraction, or use data.eval_path")
+    need = cfg.eval.batches * B
+    if cfg.eval.every and held < need:
+        raise ValueError(f"{where}, fewer than the eval.batches={cfg.eval.batches} x train.global_batch={B} = "
+                         f"{need} that each evaluation reads (it refuses rather than reading fewer); {fix}, "
+                         "or lower eval.batches")
+    return data.training_rows(cfg, rows), held
+
+
+def _check_data(cfg: Config, data_path: str, key: str = "data.path") -> int:
+    """The samples in a file of the run's data (``key`` names it), checked: the windows of model.seq_len + 1
+    tokens its token rows (data.column) are cut into, or text packed into such rows (data.text_column:
+    tokenised here, into this machine's cache, to count them). The held-out file (data.eval_path) need not
+    fill a global batch."""
+    m, d = cfg.model, cfg.data
+    batch = cfg.train.global_batch if key == "data.path" else 0
+    if d.text_column is not None:
+        return text_data.check_text_dataset(data_path, d, m.seq_len, batch, m.vocab_size, key=key)
+    if text_data.is_json_lines(data_path):
+        raise ValueError(f"{key}={data_path!r} is JSON lines, read as text: set data.text_column to the key "
+                         "holding the text and data.tokenizer to a directory holding tokenizer.json")
+    return data.check_dataset(data_path, d.column, m.seq_len, batch, m.vocab_size, key=key)
+
+
+def check_inputs(cfg: Config) -> None:
+    """What the config names on this machine: data.path exists, data.cache_dir takes files, model.factory
+    imports and has its function (what it returns is checked when plan_layout builds it)."""
+    path = cfg.data.path
+    if path is not None and "://" not in path and not os.path.exists(os.path.expanduser(path)):
+        holding = (f"a Parquet or JSON lines file with text under {cfg.data.text_column!r}" if cfg.data.text_column
+                   else f"a Parquet file with a {cfg.data.column!r} token column")
+        raise ValueError(f"data.path={path!r}: no such file; point it at {holding}, or unset it to use the "
+                         "built-in corpus")
+    if cfg.model.hf is not None and not os.path.isdir(os.path.expanduser(cfg.model.hf)):
+        raise ValueError(f"model.hf={cfg.model.hf!r}: no such directory; point it at a local Hugging Face model "
+                         "directory (config.json, and *.safetensors for pretrained weights)")
+    eval_path = cfg.data.eval_path
+    if eval_path is not None and "://" not in eval_path and not os.path.exists(os.path.expanduser(eval_path)):
+        raise ValueError(f"data.eval_path={eval_path!r}: no such file; point it at a Parquet file of held-out rows "
+                         f"with a '{cfg.data.column}' column, or unset it")
+    data.check_cache_dir(cfg.data.cache_dir)
+    if cfg.model.factory is None:
+        return
+    module_name, _, fn_name = cfg.model.factory.partition(":")
+    try:
+        module = import_user_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"model.factory={cfg.model.factory!r}: cannot import module {module_name!r} ({e})") from e
+    if not callable(getattr(module, fn_name, None)):
+        raise ValueError(f"model.factory={cfg.model.factory!r}: module {module_name!r} has no function {fn_name!r}")
+
+
+def plan_layout(cfg: Config) -> Layout:
+    """The configured layout with the model's layer count and stage cuts (parallel.split_points, else
+    balanced by parallel.balance); a ValueError naming parallel.pp or parallel.split_points when the
+    model cannot be cut so. Needs model.factory importable (``check_inputs``).
+
+    The built-in GPT is built only to balance its cuts, so a run at pp=1 or with split_points keeps
+    torch out of the driver; a model.factory is built to count its layers.
+    """
+    if cfg.model.hf is not None:
+        return _hf_layout(cfg)
+    if cfg.model.factory is None:
+        layout = cfg.gpt_layout()
+        if not layout.needs_cuts:
+            return layout
+        layers = _layers(cfg)
+    else:
+        layers = _layers(cfg)
+        layout = Layout.of(cfg.parallel).for_model(len(layers), "model.factory")
+        check_shardable(layout.fsdp, shardable_rows(layers), "model.factory's largest parameter (or it has a scalar)")
+        if not layout.needs_cuts:
+            return layout
+    from raytrain.pipeline.partition import plan_cuts
+
+    return dataclasses.replace(layout, cuts=tuple(plan_cuts(layers, layout.num_chunks, _timing_input(cfg))))
+
+
+def _hf_layout(cfg: Config) -> Layout:
+    """A Hugging Face model's layout: cut by parameter counts of its meta-device layers (or timed)."""
+    from raytrain.models.hf_plan import check_ties, hf_layout
+    from raytrain.models.hf_weights import hf_layers
+    from raytrain.pipeline.partition import plan_cuts
+
+    _, layers = hf_layers(cfg.model.hf, cfg.model.hf_cut, cfg.model.trust_remote_code)
+    layout = hf_layout(cfg, layers)
+    check_shardable(layout.fsdp, shardable_rows(layers), "model.hf's largest parameter (or it has a scalar)")
+    if layout.needs_cuts:
+        if cfg.parallel.balance == "time":
+            raise ValueError("parallel.balance=time builds the whole model on the driver to time its layers, which "
+                             "model.hf does not do; use parallel.balance=params or parallel.split_points")
+        layout = dataclasses.replace(layout, cuts=tuple(plan_cuts(layers, layout.num_chunks)))
+    check_ties(cfg, layers, layout)
+    return layout
+
+
+def _layers(cfg: Config) -> list:
+    """The model's layers: on the meta device when only the built-in GPT's parameter counts are wanted."""
+    import torch
+
+    from raytrain.models.layers import build_model
+
+    if cfg.model.factory is None and cfg.parallel.balance == "params":
+        with torch.device("meta"):
+            return build_model(cfg.model, cfg.train.seed).layers
+    return build_model(cfg.model, cfg.train.seed).layers
+
+
+def shardable_rows(layers: list) -> int:
+    """The most shards parallel.fsdp may cut these layers into: the rows (dim 0, what FSDP cuts) of the
+    largest parameter, so every shard owns some; 1 when a parameter is a scalar, which FSDP cannot cut."""
+    shapes = [p.shape for layer in layers for p in layer.parameters()]
+    return 1 if any(len(shape) == 0 for shape in shapes) else max((shape[0] for shape in shapes), default=1)
+
+
+def model_layers(cfg: Config) -> list:
+    """The model's cuttable layers, for counting (on the meta device where raytrain builds them)."""
+    import torch
+
+    from raytrain.models.layers import build_model
+
+    if cfg.model.hf is not None:
+        from raytrain.models.hf_weights import hf_layers
+
+        layers = hf_layers(cfg.model.hf, cfg.model.hf_cut, cfg.model.trust_remote_code)[1]
+    elif cfg.model.factory is None:
+        with torch.device("meta"):
+            layers = build_model(cfg.model, cfg.train.seed).layers
+    else:
+        layers = build_model(cfg.model, cfg.train.seed).layers
+    return layers
+
+
+def _timing_input(cfg: Config):
+    """One micro-batch of token ids to time the layers on (parallel.balance=time), else None."""
+    if cfg.parallel.balance != "time":
+        return None
+    import torch
+
+    p = cfg.parallel
+    micro_batch = max(1, cfg.train.global_batch // (p.dp * p.fsdp * p.microbatches))
+    return torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)
+
+
+def _new_run_name(root: str, layout: Layout) -> str:
+    """A timestamp and the layout, with a suffix when a run of the same second already has it.
+
+    The directory is created here with ``os.mkdir``, which fails for all but one of two runs that
+    pick the same name at once: each run gets a directory of its own, never a shared one.
+    """
+    os.makedirs(root, exist_ok=True)
+    base = time.strftime("%Y%m%d-%H%M%S-") + layout.label.replace(" ", "_").replace("=", "")
+    name, n = base, 1
+    while True:
+        try:
+            os.mkdir(os.path.join(root, name))
+            return name
+        except FileExistsError:
+            n += 1
+            name = f"{base}-{n}"
+
+
+def _resume_source(cfg: Config, root: str, ckpt_dir: str) -> Optional[str]:
+    """The checkpoint ``checkpoint.resume`` names, checked; None when not resuming. Checked whole here (every
+    file's size and sha256, each a weights-only torch file), so a damaged one fails before any actor starts.
+
+    ``latest`` means checkpoint.dir's latest when checkpoint.dir is set; else the checkpoint published
+    last by any run under run.dir (each run has its own default checkpoint directory).
+    """
+    if cfg.checkpoint.resume is None:
+        return None
+    where = cfg.checkpoint.resume
+    if where == "latest":
+        where = ckpt_dir if cfg.checkpoint.dir or cfg.run.name else _newest_run_checkpoint(root) or ckpt_dir
+    import_user_module("torch")  # verify loads torch: after the driver's background import of it, never beside it
+    try:
+        resume = checkpoint.resolve(where)
+        manifest = checkpoint.verify(resume)
+    except checkpoint.CheckpointError as e:
+        raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}; point it at another step_NNNNNNNN "
+                         f"directory or a checkpoint.dir that holds one, or drop it to start afresh") from e
+    if manifest["step"] >= cfg.train.steps:
+        raise ValueError(
+            f"checkpoint.resume={cfg.checkpoint.resume!r} ({resume}) is at step {manifest['step']}, not before "
+            f"train.steps={cfg.train.steps}; raise train.steps to train further"
+        )
+    return resume
+
+
+def _newest_run_checkpoint(root: str) -> Optional[str]:
+    """The checkpoint published last under ``<root>/*/checkpoints`` (by its manifest's time)."""
+    newest, newest_time = None, -1.0
+    for run in os.scandir(root) if os.path.isdir(root) else []:
+        found = checkpoint.latest(os.path.join(run.path, "checkpoints")) if run.is_dir() else None
+        if found is not None:
+            published = os.path.getmtime(os.path.join(found, checkpoint.MANIFEST))
+            if published > newest_time:
+                newest, newest_time = found, published
+    return newest

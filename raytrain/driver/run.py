@@ -1,0 +1,224 @@
+"""The driver's side of a run: reserve the workers, start the coordinator, relay its metric rows.
+
+``run(plan)`` trains a prepared plan (raytrain.driver.plan) with the layout it names; ``raytrain.train``
+(raytrain.api) chooses the layout first when parallel.auto is set, and Tune trials call ``run``
+directly. The driver hosts the rendezvous store, holds the checkpoint directory's lease, restarts
+a lost coordinator from the last checkpoint, and writes what a person sees (raytrain.driver.report).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import ray
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raytrain import checkpoint
+from raytrain.control.coordinator import Coordinator
+from raytrain.control.workergroup import WorkersLost
+from raytrain.driver.connect import cluster_reachable, embedded, ensure_ray
+from raytrain.driver.lease import Lease
+from raytrain.driver.placement import request, reserve
+from raytrain.driver.plan import RunPlan
+from raytrain.driver.rendezvous import RendezvousStore, preload_torch_distributed
+from raytrain.driver.report import RunReporter
+from raytrain.driver.signals import Aborted, StopOnSignal
+
+POLL_INTERVAL_S = 1.0
+"""How often the driver collects metric rows from the coordinator."""
+POLL_TIMEOUT_S = 30.0
+"""How long the driver waits for a failed coordinator's last metric rows."""
+
+preload_torch_distributed()  # run() hosts the rendezvous store: import torch meanwhile (ray.init, ...)
+
+
+@dataclass
+class Result:
+    steps: int
+    final_loss: float
+    samples_per_s: float
+    checkpoint: Optional[str]
+    run_dir: str
+    layout: str
+    metrics: list[dict] = field(default_factory=list, repr=False)
+    events: list[dict] = field(default_factory=list, repr=False)
+    worker_pids: list[int] = field(default_factory=list, repr=False)
+    final_pids: list[int] = field(default_factory=list, repr=False)
+    committed_steps: list[int] = field(default_factory=list, repr=False)
+    failures: int = 0
+    recovery_s: list[float] = field(default_factory=list)
+    coordinator_restarts: int = 0
+    auto_layout: Optional[dict] = None
+    """With parallel.auto: the chosen layout and every probe's layout, samples/s and status."""
+    stopped: Optional[str] = None
+    """The signal (SIGINT, SIGTERM) that stopped the run early at a step boundary, after a checkpoint."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """Steps (1-based) not applied because their loss or gradient norm was not finite."""
+    state_digests: dict[str, str] = field(default_factory=dict, repr=False)
+    """With run.record_samples: ``"replica:stage"`` (``"replica:shard:stage"`` with fsdp > 1) -> a digest of that worker's parameters and
+    optimizer state at the end (the replicas of a stage must be identical)."""
+    eval_loss: Optional[float] = None
+    """With eval.every: the last held-out loss (computed after the last step, so of the final
+    parameters, unless the run stopped early); None without evaluation."""
+
+    def summary(self) -> dict:
+        """The JSON object printed as the last line of ``python -m raytrain train``."""
+        return {"steps": self.steps, "final_loss": self.final_loss, "samples_per_s": self.samples_per_s,
+                "checkpoint": self.checkpoint, "run_dir": self.run_dir, "layout": self.layout,
+                "failures": self.failures, "recovery_s": self.recovery_s,
+                "coordinator_restarts": self.coordinator_restarts, "stopped": self.stopped,
+                "skipped_steps": self.skipped_steps, "eval_loss": self.eval_loss,
+                **({"auto_layout": self.auto_layout["chosen"]} if self.auto_layout else {})}
+
+
+def run(plan: RunPlan, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]], None]] = None,
+        placement=None) -> Result:
+    """Train ``plan`` to ``train.steps`` on the current (or an embedded) Ray cluster, with its layout.
+
+    ``on_rows`` receives every batch of new metric rows as they arrive (Tune reports from it).
+    ``placement=(placement_group, first_bundle)`` runs the workers in bundles first_bundle.. of an
+    existing placement group (a Tune trial's) instead of reserving one. SIGINT or SIGTERM (when
+    called from the main thread) stop the run at the next step boundary after a checkpoint; the
+    Result's ``stopped`` names the signal. A second signal aborts at once.
+    """
+    assert not plan.cfg.parallel.auto, "parallel.auto chooses the layout before a run (raytrain.train)"
+    cfg, stages = plan.cfg, plan.layout.stage_ranges
+    held = Lease(cfg.checkpoint.dir, plan.run_dir).acquire()  # a busy directory is a ValueError: exit 2
+    try:
+        ensure_ray()
+        reporter = RunReporter(plan.run_dir, cfg.train.steps, plan.layout, stream)
+        stream.write(f"[raytrain] {plan.layout.label}, {len(stages)} stage(s) "
+                     f"{[f'{s[0]}-{s[-1]}' for s in stages]}, global batch {cfg.train.global_batch}, "
+                     f"{plan.num_samples} samples" + (f" (+{plan.held_out} held out)" if plan.held_out else "")
+                     + f"; run dir {plan.run_dir}\n")
+        with StopOnSignal(stream) as stop:
+            try:
+                summary, restarts = _run_coordinators(plan, placement, reporter, on_rows, stop)
+            except KeyboardInterrupt:
+                raise Aborted(stop.aborted or "SIGINT") from None
+    finally:
+        held.release()
+    return _result(plan, summary, restarts, reporter)
+
+
+def _result(plan: RunPlan, summary: dict, restarts: int, reporter: RunReporter) -> Result:
+    steps = list({r["step"]: r for r in reporter.steps}.values())  # a restart re-runs steps after its checkpoint
+    timed = [r for r in steps[1:] if "step_s" in r]  # the first step pays for warm-up
+    batch = plan.cfg.train.global_batch
+    samples_per_s = len(timed) * batch / sum(r["step_s"] for r in timed) if timed else 0.0
+    evaluated = [r["eval_loss"] for r in steps if "eval_loss" in r]
+    return Result(
+        steps=summary["steps"], final_loss=steps[-1]["loss"] if steps else float("nan"),
+        samples_per_s=samples_per_s, checkpoint=summary["checkpoint"], run_dir=plan.run_dir,
+        layout=plan.layout.label, metrics=steps, events=reporter.events, worker_pids=summary["worker_pids"],
+        final_pids=summary["final_pids"], committed_steps=summary["committed_steps"], failures=summary["failures"],
+        recovery_s=summary["recovery_s"], coordinator_restarts=restarts, stopped=summary["stopped"],
+        skipped_steps=[s + 1 for s in summary["skipped_steps"]], state_digests=summary["digests"],
+        eval_loss=evaluated[-1] if evaluated else None,
+    )
+
+
+def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, stop) -> tuple[dict, int]:
+    """Start a coordinator and drive it to the end, restarting it from the last checkpoint when it
+    is lost; returns its summary and the number of restarts. Placement groups it reserved are
+    removed, and every row received is written, however it ends."""
+    cfg, resume = plan.cfg, plan.resume
+    rendezvous, groups = RendezvousStore(), []
+    try:
+        pg, first_bundle = placement if placement is not None else (reserve(cfg, fixed_cluster=embedded()), 0)
+        groups += [pg] if placement is None else []
+        extra = (cfg.elastic.max_dp or cfg.parallel.dp) - cfg.parallel.dp if placement is None else 0
+        growth = [request(cfg, 1) for _ in range(extra)]  # granted whenever capacity appears
+        groups += growth
+        # The driver built the built-in corpus in its own cache; workers on other machines get its bytes.
+        corpus = [ray.put(Path(plan.data_path).read_bytes())] if cfg.data.path is None else None
+        here = ray.get_runtime_context().get_node_id()
+        host = ray.util.get_node_ip_address()
+        for restarts in range(cfg.elastic.coordinator_restarts + 1):
+            # On the driver's node: losing a worker node never takes the coordinator (or its store) with it.
+            coordinator = ray.remote(Coordinator).options(
+                num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+            ).remote(
+                cfg, plan.data_path, plan.num_samples, plan.stage_layers, pg, first_bundle, resume,
+                extra_placements=tuple(growth), corpus=corpus)
+            try:
+                store = rendezvous.address(host, namespace=f"coordinator{restarts}")
+                return _drive(coordinator, store, reporter, on_rows, stop), restarts
+            except ray.exceptions.RayError as e:
+                if stop.reason is not None and _coordinator_lost(e):
+                    # The signal reached the coordinator's process too (a whole process group or cgroup was
+                    # signalled): the user asked to stop, so stop at the last checkpoint rather than restart.
+                    return _stopped_without_coordinator(cfg, reporter, stop.reason, resume), restarts
+                if not _coordinator_lost(e) or restarts == cfg.elastic.coordinator_restarts:
+                    reporter.add([{"event": "failed", "error": str(getattr(e, "cause", e)).splitlines()[0][:500]}])
+                    raise getattr(e, "cause", e) if isinstance(e, ray.exceptions.RayTaskError) else e from None
+                resume = checkpoint.latest(cfg.checkpoint.dir) or resume
+                reporter.add([{"event": "coordinator_restarted", "resume_from": resume, "restarts": restarts + 1,
+                               "reason": f"coordinator lost: {str(e).splitlines()[0][:200]}"}])
+            finally:
+                _stop(coordinator)
+    finally:
+        if cluster_reachable():  # else Ray blocks a minute on each call: the cluster, and its groups, are gone
+            for group in groups:
+                remove_placement_group(group)
+        rendezvous.close()
+        reporter.finish()
+
+
+def _stopped_without_coordinator(cfg, reporter: RunReporter, reason: str, resume: Optional[str]) -> dict:
+    """The summary of a run stopped by a signal that also ended its coordinator: it ends at the last
+    published checkpoint (the steps after it were never committed to storage)."""
+    last = checkpoint.latest(cfg.checkpoint.dir) or resume
+    step = checkpoint.read_manifest(last)["step"] if last is not None else 0
+    reporter.add([{"event": "stopped", "step": step, "reason": reason, "checkpoint": last,
+                   "note": "the coordinator ended with the signal; resume from this checkpoint"}])
+    return {"steps": step, "checkpoint": last, "stopped": reason, "digests": {}, "worker_pids": [], "final_pids": [],
+            "committed_steps": [], "failures": 0, "recovery_s": [], "skipped_steps": []}
+
+
+def _coordinator_lost(error: Exception) -> bool:
+    """Whether the coordinator actor (or a worker in a place it does not repair) was lost, which a
+    restart from the last checkpoint fixes, rather than an error the coordinator raised on purpose."""
+    if isinstance(error, ray.exceptions.RayTaskError):  # raised in the coordinator: restart only for a lost worker
+        return isinstance(getattr(error, "cause", None), (ray.exceptions.RayActorError, WorkersLost))
+    return isinstance(error, ray.exceptions.RayActorError)
+
+
+def _drive(coordinator, store, reporter: RunReporter, on_rows, stop) -> dict:
+    """Run the coordinator to completion, forwarding its metric rows as they come (also the rows
+    it produced before it failed) and a stop request when a signal arrived."""
+
+    def collect(timeout=None):
+        rows = ray.get(coordinator.poll.remote(), timeout=timeout)
+        reporter.add(rows)
+        if on_rows is not None and rows:
+            on_rows(rows)
+
+    run_ref = coordinator.run.remote(store)
+    asked_to_stop = False
+    try:
+        while not ray.wait([run_ref], timeout=POLL_INTERVAL_S)[0]:
+            if stop.reason is not None and not asked_to_stop:
+                coordinator.request_stop.remote(stop.reason)
+                asked_to_stop = True
+            collect()
+        summary = ray.get(run_ref)
+    finally:
+        try:
+            collect(timeout=POLL_TIMEOUT_S)
+        except ray.exceptions.RayError:
+            pass  # the coordinator is gone: its last rows went with it
+    return summary
+
+
+def _stop(coordinator) -> None:
+    try:
+        ray.get(coordinator.shutdown.remote(), timeout=30)
+    except ray.exceptions.RayError:
+        pass  # already gone: its workers went with it
+    if cluster_reachable():
+        ray.kill(coordinator, no_restart=True)

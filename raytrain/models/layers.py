@@ -1,0 +1,189 @@
+"""Models as ordered lists of layers, so a pipeline can cut them anywhere between two layers.
+
+The built-in model is a small GPT decoder: ``[Embedding, Block x n_layer, Head]``. Global parameter
+names are those of ``nn.Sequential(*layers)`` (``"3.attn.qkv.weight"``), whatever the layout.
+
+A user model is ``model.factory = "pkg.module:function"``; the function takes the ModelConfig and
+returns an ``nn.Sequential`` (or list of modules), or a pair ``(layers, loss_fn)`` where
+``loss_fn(output, targets) -> scalar mean loss``. The default loss is next-token cross entropy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.utils.checkpoint
+import torch.nn.functional as F
+from torch import nn
+
+from raytrain.config import ModelConfig
+from raytrain.driver.rendezvous import import_user_module
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over every token of the batch."""
+    return F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.size(-1)).float(), targets_BT.reshape(-1))
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        pos_T = torch.arange(idx_BT.size(1), device=idx_BT.device)
+        return self.tok(idx_BT) + self.pos(pos_T)  # (B, T, D)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with causal self-attention."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)  # a key bias has no gradient: Adam would amplify noise
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        q, k, v = self.qkv(self.ln1(x_BTD)).split(D, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
+        x_BTD = x_BTD + self.proj(y)
+        return x_BTD + self.out(F.gelu(self.fc(self.ln2(x_BTD))))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln(x_BTD))  # (B, T, V)
+
+
+class Recomputed(nn.Module):
+    """A layer whose activations are recomputed in backward instead of kept from forward (torch's
+    non-reentrant activation checkpointing): same values and gradients, less memory."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False)
+
+
+def _build_gpt_layer(cfg: ModelConfig, index: int) -> nn.Module:
+    if index == 0:
+        return Embedding(cfg)
+    if index == cfg.gpt_layers - 1:
+        return Head(cfg)
+    return Block(cfg)
+
+
+@dataclass
+class ModelSpec:
+    """The layers a worker hosts, with their global indices, and the loss."""
+
+    layers: list[nn.Module]
+    layer_ids: list[int]
+    num_layers: int
+    loss_fn: LossFn
+
+    def param_names(self) -> list[str]:
+        """Global names in ``nn.Sequential(*layers).parameters()`` order: a parameter two layers share
+        (tied embeddings) once, under its first name."""
+        seen: set[int] = set()
+        names = []
+        for i, layer in zip(self.layer_ids, self.layers):
+            for n, p in layer.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    names.append(f"{i}.{n}")
+        return names
+
+
+def build_model(cfg: ModelConfig, seed: int, layer_ids: Optional[Sequence[int]] = None) -> ModelSpec:
+    """Build the layers ``layer_ids`` (all when None), initialised identically under every layout.
+
+    The built-in GPT seeds each layer from (seed, layer index), so a stage builds only its own layers
+    and still gets the same weights as a single process; so does a Hugging Face model (``model.hf``,
+    raytrain.models.hf_weights), built on the meta device with only these layers materialised. A user
+    factory is built whole under ``seed`` and sliced.
+    """
+    if cfg.hf is not None:
+        from raytrain.models.hf_weights import build_hf_stage
+
+        layers, num_layers = build_hf_stage(cfg.hf, cfg.hf_cut, seed, layer_ids, cfg.trust_remote_code)
+        ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
+        return ModelSpec(layers, ids, num_layers, cross_entropy_loss)
+    if cfg.factory is None:
+        n = cfg.gpt_layers
+        ids = list(range(n)) if layer_ids is None else list(layer_ids)
+        layers = []
+        for i in ids:
+            torch.manual_seed(seed * 100_003 + i)
+            layers.append(_build_gpt_layer(cfg, i))
+        return ModelSpec(layers, ids, n, cross_entropy_loss)
+    all_layers, loss_fn = load_factory_model(cfg, seed)
+    ids = list(range(len(all_layers))) if layer_ids is None else list(layer_ids)
+    return ModelSpec([all_layers[i] for i in ids], ids, len(all_layers), loss_fn)
+
+
+def load_factory_model(cfg: ModelConfig, seed: int) -> tuple[list[nn.Module], LossFn]:
+    """The factory's layers and loss, built under ``seed``; a ValueError naming model.factory and what it
+    returned when that is not a model (prepare builds it on the driver, so this fails before any actor)."""
+    module_name, _, fn_name = cfg.factory.partition(":")
+    torch.manual_seed(seed)
+    built = getattr(import_user_module(module_name), fn_name)(cfg)
+    return factory_layers(cfg.factory, built)
+
+
+FACTORY_RETURNS = "an nn.Sequential, a list of nn.Module, or (layers, loss_fn) with loss_fn(output, targets)"
+
+
+def factory_layers(factory: str, built) -> tuple[list[nn.Module], LossFn]:
+    """``built`` (what model.factory returned) as (layers, loss_fn), checked."""
+    def wrong(what: str) -> ValueError:
+        return ValueError(f"model.factory={factory!r} returned {what}; it must return {FACTORY_RETURNS} "
+                          "-> mean loss: fix the function")
+
+    loss_fn: LossFn = cross_entropy_loss
+    pair = ""  # a tuple is read as (layers, loss_fn): say so when its layers are wrong
+    if isinstance(built, tuple):
+        if len(built) != 2:
+            raise wrong(f"a tuple of {len(built)}")
+        built, loss_fn = built
+        pair = "a (layers, loss_fn) pair whose layers are "
+        if not callable(loss_fn):
+            raise wrong(f"{_kind(loss_fn)} as its loss function")
+    iterable = hasattr(built, "__iter__") and not isinstance(built, (nn.Module, str, bytes, dict))
+    if not (iterable or isinstance(built, (nn.Sequential, nn.ModuleList))):
+        raise wrong(pair + _kind(built))
+    layers = list(built)
+    if not layers:
+        raise wrong(f"{pair}an empty {type(built).__name__}")
+    bad = next((i for i, m in enumerate(layers) if not isinstance(m, nn.Module)), None)
+    if bad is not None:
+        raise wrong(f"{pair}a {type(built).__name__} holding {_kind(layers[bad])} at index {bad}")
+    return layers, loss_fn
+
+
+def _kind(value) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def full_model(cfg: ModelConfig, seed: int) -> nn.Sequential:
+    """The whole model as one nn.Sequential: its state_dict keys are the global parameter names."""
+    return nn.Sequential(*build_model(cfg, seed).layers)

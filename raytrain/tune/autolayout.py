@@ -1,0 +1,164 @@
+"""``parallel.auto``: probe the feasible layouts with short Tune trials and train with the fastest.
+
+The candidates are every dp x fsdp x pp layout of the cluster's workers that the config can run.
+One whose estimated training state (fp32 parameters, gradients and AdamW moments of the largest
+stage, divided among its shards) exceeds a worker's memory is not probed, and the probe table says
+so; a layout that fails its probe (out of device memory, for one) is never chosen. The probes are a
+normal raytrain sweep (``raytrain.tune``), kept under ``<run.dir>/auto-layout`` for inspection;
+they run one at a time so that each measures the whole cluster alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Optional, TextIO
+
+import ray
+
+from raytrain.config import Config
+from raytrain.config.layout import Layout
+from raytrain.driver.placement import worker_bundle
+
+
+STATE_BYTES_PER_PARAM = 16
+"""fp32 parameter, gradient and AdamW's two moments."""
+
+
+def candidate_layouts(cfg: Config, workers: int, layers: int) -> list[dict]:
+    """Every layout that uses all ``workers`` workers and that the config can run.
+
+    dp x fsdp data-parallel workers need to divide the global batch (a model.factory's or model.hf's
+    limit on fsdp is applied by ``choose_layout``); pipelines need pp <= ``layers`` and take each of
+    parallel.auto_microbatches that divides each worker's share, with each of parallel.auto_schedules.
+    """
+    p, batch = cfg.parallel, cfg.train.global_batch
+    layouts = []
+    for pp in range(1, min(workers, layers) + 1):
+        for fsdp in (f for f in range(1, workers // pp + 1) if workers % (pp * f) == 0):
+            dp = workers // (pp * fsdp)
+            if batch % (dp * fsdp):
+                continue
+            grid = {"parallel.dp": dp, "parallel.pp": pp, **({"parallel.fsdp": fsdp} if fsdp > 1 else {})}
+            if not _runnable(cfg, grid):
+                continue
+            if pp == 1:
+                layouts.append({**grid, "parallel.microbatches": 1})
+                continue
+            for m in sorted(set(p.auto_microbatches)):
+                if (batch // (dp * fsdp)) % m == 0:
+                    layouts += [{**grid, "parallel.microbatches": m, "parallel.schedule": s} for s in p.auto_schedules]
+    return layouts
+
+
+def _runnable(cfg: Config, grid: dict) -> bool:
+    """Whether the config's own checks pass with this grid (fsdp against the model's rows, for one)."""
+    try:
+        dataclasses.replace(cfg, parallel=dataclasses.replace(
+            cfg.parallel, auto=False, **{k.split(".", 1)[1]: v for k, v in grid.items()}))
+    except ValueError:
+        return False
+    return True
+
+
+def layout_of(params: dict) -> Layout:
+    """The Layout a candidate's parallel.* keys set."""
+    return Layout(**{k.split(".", 1)[1]: v for k, v in params.items()})
+
+
+def state_bytes(layout: Layout, layer_params: list[int]) -> float:
+    """Estimated training state of the layout's fullest worker: its stage's parameters (cut balanced
+    by parameter counts) over its shards, at STATE_BYTES_PER_PARAM each."""
+    from raytrain.pipeline.partition import balanced_cuts
+
+    bounds = [0, *balanced_cuts([float(n) for n in layer_params], layout.pp), len(layer_params)]
+    largest = max(sum(layer_params[a:b]) for a, b in zip(bounds, bounds[1:]))
+    return STATE_BYTES_PER_PARAM * largest / layout.fsdp
+
+
+def too_big(layouts: list[dict], layer_params: list[int], worker_bytes: Optional[float]) -> dict[int, str]:
+    """Why each layout whose estimated state exceeds ``worker_bytes`` cannot run, by its index."""
+    if worker_bytes is None:
+        return {}
+    reasons = {}
+    for i, params in enumerate(layouts):
+        need = state_bytes(layout_of(params), layer_params)
+        if need > worker_bytes:
+            reasons[i] = (f"estimated state {need / 2**30:.2f} GiB per worker (parameters, gradients, AdamW) exceeds "
+                          f"the {worker_bytes / 2**30:.2f} GiB a worker has")
+    return reasons
+
+
+def worker_memory_bytes(cfg: Config) -> Optional[float]:
+    """Memory one worker may use: the cluster's memory per CPU slot times resources.cpus_per_worker;
+    None on GPUs, whose memory Ray does not report (such layouts are probed, not estimated)."""
+    if cfg.resources.use_gpu:
+        return None
+    total = ray.cluster_resources()
+    cpus, memory = total.get("CPU", 0), total.get("memory", 0)
+    return memory * cfg.resources.cpus_per_worker / cpus if cpus and memory else None
+
+
+def cluster_workers(cfg: Config) -> int:
+    """How many workers of this config's bundle the cluster holds, capped by parallel.auto_max_workers."""
+    total = ray.cluster_resources()
+    fits = min(int(total.get(resource, 0) // amount) for resource, amount in worker_bundle(cfg).items())
+    cap = cfg.parallel.auto_max_workers
+    return min(fits, cap) if cap else fits
+
+
+def choose_layout(cfg: Config, layers: int, stream: TextIO) -> tuple[Config, dict]:
+    """Probe every candidate layout; returns the config with the fastest, and what was probed."""
+    from raytrain import tune as rt_tune
+
+    from raytrain.driver.plan import model_layers, shardable_rows
+
+    workers, model = cluster_workers(cfg), model_layers(cfg)
+    max_fsdp = shardable_rows(model)
+    layouts = [c for c in candidate_layouts(cfg, workers, layers) if c.get("parallel.fsdp", 1) <= max_fsdp]
+    if not layouts:
+        raise ValueError(f"parallel.auto=true: no layout of {workers} worker(s) fits train.global_batch="
+                         f"{cfg.train.global_batch} and {layers} layers; set the layout by hand")
+    rejected = too_big(layouts, [sum(p.numel() for p in layer.parameters()) for layer in model], worker_memory_bytes(cfg))
+    skipped = [_rejected_row(layouts[i], reason) for i, reason in rejected.items()]
+    layouts = [params for i, params in enumerate(layouts) if i not in rejected]
+    if not layouts:
+        raise ValueError("parallel.auto=true: no layout's training state fits a worker:\n  "
+                         + "\n  ".join(f"{r.layout}: {r.status}" for r in skipped)
+                         + "\nuse more workers (parallel.auto_max_workers, a bigger cluster) or a smaller model")
+    base = cfg.to_dict()
+    base["parallel"].update(auto=False, split_points=None)
+    base["train"]["steps"] = cfg.parallel.auto_steps
+    base["checkpoint"].update(every=0, resume=None, dir=None)
+    base["run"].update(trace_steps=0, name=None)
+    base["elastic"]["faults"] = []
+    base["eval"]["every"] = 0  # a probe measures steps: evaluations would only make it longer
+    stream.write(f"[raytrain] parallel.auto: probing {len(layouts)} layout(s) of {workers} worker(s), "
+                 f"{cfg.parallel.auto_steps} steps each\n")
+    sweep = rt_tune.SweepConfig(
+        base=base, space={rt_tune.LAYOUTS: layouts}, metric="samples_per_s", mode="max",
+        storage_path=os.path.join(os.path.expanduser(cfg.run.dir), "auto-layout"),
+        name=time.strftime("probe-%Y%m%d-%H%M%S"),
+    )
+    rows = rt_tune.summarize(rt_tune.run_sweep(sweep), sweep)
+    stream.write(rt_tune.format_table(rows + skipped) + "\n")
+    finished = [r for r in rows if r.status == "finished"]
+    if not finished:
+        raise RuntimeError("parallel.auto=true: every probed layout failed (see the table above); "
+                           "set the layout by hand")
+    best = finished[0]  # rows come sorted by samples/s, best first
+    chosen = {key.split(".", 1)[1]: value for key, value in best.params[rt_tune.LAYOUTS].items()}
+    stream.write(f"[raytrain] parallel.auto: chose {best.layout} ({best.samples_per_s:.1f} samples/s)\n")
+    probes = [{"layout": r.layout, "samples_per_s": r.samples_per_s, "status": r.status} for r in rows + skipped]
+    new_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, auto=False, **chosen))
+    return new_cfg, {"chosen": best.layout, "probes": probes, "experiment": sweep.storage_path}
+
+
+def _rejected_row(params: dict, reason: str):
+    """A probe-table row for a layout that was not probed because its state would not fit."""
+    from raytrain.tune import TrialRow
+
+    return TrialRow(trial_id="-", layout=layout_of(params).label, params={"layouts": params},
+                    status=f"not probed: {reason}", steps=0, loss=float("nan"), samples_per_s=0.0,
+                    first_step_s=float("nan"))

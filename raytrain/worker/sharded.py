@@ -1,0 +1,298 @@
+"""A stage's layers sharded over its fsdp group with torch's FSDP2 (``fully_shard``), one unit per layer.
+
+Contract: ``ShardedLayers(cfg, layer_ids, shard, fsdp, device)`` holds this worker's rows of every
+parameter of its stage as plain tensors (``params``, in the stage's parameter order), initialised
+with the values every layout gives them: the built-in GPT is built on the meta device and each
+layer is materialised alone, by its (seed, layer index) rule, to take this shard's rows of it.
+Every generation, ``wrap(groups, mesh, rank, optimizer)`` builds a fresh FSDP2 module on that
+generation's device mesh (1-D over the fsdp group, or 2-D (replicate, shard) for HSDP when dp > 1),
+copies ``params`` into its sharded parameters and re-points ``params`` and the optimizer at them: the
+optimizer steps plain views of FSDP's own shards, so its state is plain tensors that survive a
+re-forming (a wrapping holds the groups of one generation only, and those die with it).
+
+Gradients: FSDP2 reduce-scatters (and, with dp > 1, all-reduces across replicas) in the last
+micro-batch's backward only; losses are scaled by their share of the global batch, so the
+reductions are SUMs (``ShardedGrads``, the sharded counterpart of raytrain.worker.gradsync).
+
+A shard owns rows ``[start, stop)`` of dim 0 of every parameter (``shard_rows``: torch.chunk's cut,
+as FSDP2 makes it); checkpoints record them so any layout can reassemble or re-cut them.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+import torch.distributed as dist
+
+from raytrain.config import Config
+from raytrain.config.mesh import Groups, Mesh
+from raytrain.models.layers import Recomputed, build_model
+
+CommLog = Optional[list]
+"""Where the traced collectives go: (name, start, end) tuples, or None when not tracing."""
+
+
+def shard_rows(rows: int, fsdp: int, shard: int) -> tuple[int, int]:
+    """[start, stop) of dim 0 that shard ``shard`` of ``fsdp`` owns: ceil(rows / fsdp) rows each, the
+    last shards shorter (torch.chunk's cut, which FSDP2 uses)."""
+    chunk = -(-rows // fsdp)
+    start = min(shard * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def device_mesh(groups: Groups, mesh: Mesh, rank: int, device_type: str) -> DeviceMesh:
+    """The FSDP2 mesh of this worker's stage: its fsdp group, with its dp group as HSDP's replicate
+    dimension when there are replicas."""
+    if mesh.dp == 1:
+        return DeviceMesh.from_group(groups.fsdp_group, device_type, mesh_dim_names=("shard",))
+    _, stage = mesh.coords(rank)
+    grid = [[mesh.rank(r, stage, f) for f in range(mesh.fsdp)] for r in range(mesh.dp)]
+    return DeviceMesh.from_group([groups.dp_group, groups.fsdp_group], device_type, mesh=grid,
+                                 mesh_dim_names=("replicate", "shard"))
+
+
+class ShardedLayers:
+    """This worker's rows of its stage's parameters, and the FSDP2 wrapping of each generation."""
+
+    def __init__(self, cfg: Config, layer_ids: list[int], shard: int, fsdp: int, device: torch.device):
+        self.cfg, self.shard, self.fsdp, self.device = cfg, shard, fsdp, device
+        self.meta_layers, self.names, self.loss_fn, full_values, buffers = _meta_stage(cfg, layer_ids)
+        self.rows: list[tuple[int, int, int]] = []
+        """(start, stop, total rows) of each parameter that this shard owns."""
+        self.params: list[torch.Tensor] = []
+        for value in full_values():
+            start, stop = shard_rows(value.shape[0], fsdp, shard)
+            self.rows.append((start, stop, value.shape[0]))
+            self.params.append(value[start:stop].clone().to(device))
+        self.buffers = [b.to(device) for b in buffers]
+        """The stage's buffers (rotary tables, masks: not sharded), in module order."""
+        self.module: Optional[nn.Module] = None
+        self.comm_log: CommLog = None
+
+    def wrap(self, groups: Groups, mesh: Mesh, rank: int, optimizer: torch.optim.Optimizer) -> "ShardedGrads":
+        """Shard a fresh copy of the stage on this generation's groups, holding the current values;
+        ``params`` and ``optimizer`` then step its shards. Collective-free."""
+        assert mesh.fsdp == self.fsdp and mesh.shard(rank) == self.shard, (mesh, rank, self.shard)
+        layers = copy.deepcopy(self.meta_layers)
+        if self.cfg.train.activation_checkpointing:
+            layers = [Recomputed(layer) for layer in layers]
+        module = _fully_shard_stage(layers, device_mesh(groups, mesh, rank, self.device.type), self)
+        module.to_empty(device=self.device)
+        dparams = list(module.parameters())
+        with torch.no_grad():
+            buffers = list(module.buffers())
+            assert len(buffers) == len(self.buffers), (len(buffers), len(self.buffers))
+            for buffer, value in zip(buffers, self.buffers):  # to_empty left them uninitialised
+                buffer.copy_(value)
+            local = [p.to_local() for p in dparams]  # views of FSDP's sharded storage
+            for new, old in zip(local, self.params):
+                assert new.shape == old.shape, (new.shape, old.shape)
+                new.copy_(old)
+        _repoint(optimizer, self.params, local)
+        self.params[:] = local
+        self.module = module
+        return ShardedGrads(module, dparams, self.params)
+
+    def release(self) -> None:
+        """Drop the wrapping (its groups are going); ``params`` keep the values and the prepared gradients.
+
+        DTensor caches the sharding of the ops it dispatched (``to_empty`` makes some) by their
+        specs, which hold the device mesh and through it the process groups: cleared here, or the
+        groups' connections outlive them and peers blocked in a collective with this worker wait
+        for the timeout instead of failing at once."""
+        self.module = None
+        _clear_sharding_prop_cache()  # the only API that clears them; named for debugging
+
+
+def _meta_stage(cfg: Config, layer_ids: list[int]):
+    """The stage's layers on the meta device, their global parameter names, the loss, a generator of
+    each parameter's full initial value in that order (one layer's at a time for the built-in GPT and
+    a model.hf stage; a model.factory's, or a stage whose layers share a parameter, is built whole,
+    once) and the stage's buffers (filled in as the generator runs)."""
+    seed, buffers = cfg.train.seed, []
+    by_layer = _hf_stage_by_layer(cfg, layer_ids) if cfg.model.hf is not None else None
+    if by_layer is not None:
+        return by_layer
+    if cfg.model.factory is None and cfg.model.hf is None:
+        with torch.device("meta"):
+            spec = build_model(cfg.model, seed, layer_ids)
+
+        def values():
+            for layer_id in layer_ids:
+                layer = build_model(cfg.model, seed, [layer_id]).layers[0]
+                buffers.extend(b.detach().clone() for b in layer.buffers())
+                yield from (p.detach() for p in layer.parameters())
+    else:
+        spec = build_model(cfg.model, seed, layer_ids)
+        stage = nn.Sequential(*spec.layers)
+        built = [p.detach().clone() for p in stage.parameters()]
+        buffers += [b.detach().clone() for b in stage.buffers()]
+        _to_meta_keeping_ties(stage)
+
+        def values():
+            while built:
+                yield built.pop(0)
+    return spec.layers, spec.param_names(), spec.loss_fn, values, buffers
+
+
+def _hf_stage_by_layer(cfg: Config, layer_ids: list[int]):
+    """``_meta_stage`` for a Hugging Face stage, one layer materialised at a time (a worker never holds
+    more of the full model than one layer); None when its layers share a parameter (tied embeddings)."""
+    from raytrain.models.hf_weights import hf_layers
+    from raytrain.models.layers import ModelSpec, cross_entropy_loss
+
+    _, every = hf_layers(cfg.model.hf, cfg.model.hf_cut, cfg.model.trust_remote_code)
+    meta = [every[i] for i in layer_ids]
+    stage = nn.Sequential(*meta)
+    if len({id(p) for p in stage.parameters()}) < sum(1 for layer in meta for _ in layer.parameters()):
+        return None
+    buffers: list[torch.Tensor] = []
+    stage_buffers = list(stage.buffers())  # shared ones (the rotary tables of every decoder layer) once
+
+    def values():
+        real: dict[int, torch.Tensor] = {}
+        for layer_id, meta_layer in zip(layer_ids, meta):
+            layer = build_model(cfg.model, cfg.train.seed, [layer_id]).layers[0]
+            for (_, shell), (_, value) in zip(meta_layer.named_buffers(remove_duplicate=False),
+                                              layer.named_buffers(remove_duplicate=False)):
+                real.setdefault(id(shell), value.detach().clone())
+            yield from (p.detach() for p in layer.parameters())
+        buffers.extend(real[id(b)] for b in stage_buffers)
+
+    spec = ModelSpec(meta, layer_ids, len(every), cross_entropy_loss)
+    return spec.layers, spec.param_names(), spec.loss_fn, values, buffers
+
+
+def _to_meta_keeping_ties(module: nn.Module) -> None:
+    """Free ``module``'s storage, leaving it on the meta device with its parameter objects (and so a
+    parameter two layers share stays one): swapped, not replaced."""
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to_empty(device="meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+
+
+def _fully_shard_stage(layers: list[nn.Module], mesh: DeviceMesh, owner: ShardedLayers) -> nn.Module:
+    """``fully_shard`` every layer holding parameters (one unit each; the whole stage as one unit when
+    layers share a parameter), then the stage; gradients SUM; each unit prefetches its neighbour's
+    all-gather (the next in forward, the previous in backward)."""
+    root = nn.Sequential(*layers)
+    shared = len({id(p) for p in root.parameters()}) < sum(1 for layer in layers for _ in layer.parameters())
+    units = [] if shared else [layer for layer in layers if any(True for _ in layer.parameters())]
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(root, mesh=mesh)
+    for unit in units + [root]:
+        unit.set_gradient_divide_factor(1.0)  # losses carry their share of the global batch: reduce by SUM
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_custom_all_gather(TracedAllGather(owner))
+        unit.set_custom_reduce_scatter(TracedReduceScatter(owner))
+    for first, second in zip(units, units[1:]):
+        first.set_modules_to_forward_prefetch([second])
+        second.set_modules_to_backward_prefetch([first])
+    return root
+
+
+def _repoint(optimizer: torch.optim.Optimizer, old: list[torch.Tensor], new: list[torch.Tensor]) -> None:
+    """Move the optimizer's parameters and their state from ``old`` to ``new`` (same order and shapes)."""
+    by_old = {id(o): n for o, n in zip(old, new)}
+    state = dict(optimizer.state)
+    optimizer.state.clear()
+    optimizer.state.update({by_old[id(p)]: s for p, s in state.items()})
+    for group in optimizer.param_groups:
+        group["params"] = [by_old[id(p)] for p in group["params"]]
+
+
+class ShardedGrads:
+    """GradientBuckets' contract for a sharded stage: ``zero`` before a step, ``arm`` before its last
+    backward (FSDP2 then reduces: earlier micro-batches accumulate unsharded gradients locally),
+    ``finish`` after it, then the norm and scaling act on this shard's reduced gradients, which the
+    optimizer's plain ``params`` see as their ``.grad``."""
+
+    def __init__(self, module: nn.Module, dparams: list[nn.Parameter], params: list[torch.Tensor]):
+        self.module, self.dparams, self.params = module, dparams, params
+
+    def zero(self) -> None:
+        for p in self.dparams + self.params:
+            p.grad = None
+        self._sync(False)
+
+    def arm(self) -> None:
+        self._sync(True)
+
+    def _sync(self, last: bool) -> None:
+        assert isinstance(self.module, FSDPModule)
+        self.module.set_requires_gradient_sync(last)
+        self.module.set_is_last_backward(last)
+
+    def finish(self) -> None:
+        with torch.no_grad():
+            for dp, p in zip(self.dparams, self.params):
+                p.grad = dp.grad.to_local() if dp.grad is not None else torch.zeros_like(p)
+
+    def squared_norm(self) -> torch.Tensor:
+        """Sum of squares of this shard's gradients (the global norm sums it over the fsdp and pp groups)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        for p in self.params:
+            if p.grad is not None:
+                total += p.grad.float().pow(2).sum()
+        return total
+
+    def scale_(self, factor: float) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+
+class TracedAllGather:
+    """FSDP2's all-gather, timed into the owner's ``comm_log`` when the step is traced (what
+    ``set_custom_all_gather`` takes: ``allocate`` and a call, as torch's ``AllGather`` declares)."""
+
+    def __init__(self, owner: ShardedLayers):
+        self.owner = owner
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        t0 = time.perf_counter()
+        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        _log(self.owner.comm_log, "all-gather", t0, work)
+        return work
+
+
+class TracedReduceScatter:
+    """FSDP2's reduce-scatter, timed into the owner's ``comm_log`` when the step is traced."""
+
+    def __init__(self, owner: ShardedLayers):
+        self.owner = owner
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        t0 = time.perf_counter()
+        work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        _log(self.owner.comm_log, "reduce-scatter", t0, work)
+        return work
+
+
+def _log(log: CommLog, name: str, t0: float, work) -> None:
+    """Record a collective from its start to its end: now for a blocking one, when its future
+    completes for an asynchronous one (a prefetched all-gather)."""
+    if log is None:
+        return
+    if work is None:
+        log.append((name, t0, time.perf_counter()))
+    else:
+        work.get_future().add_done_callback(lambda _: log.append((name, t0, time.perf_counter())))

@@ -1,0 +1,340 @@
+"""One pipeline stage of one data-parallel replica (or one shard of it): its layers, optimizer, data
+slice and executor.
+
+Hosted by the ``StageWorker`` actor (raytrain.worker.actor). A worker's stage and shard are fixed for its
+life; its place in the grid is not. With parallel.fsdp > 1 the stage's parameters, gradients and
+optimizer state are sharded over its fsdp group with FSDP2 (raytrain.worker.sharded), re-wrapped on the
+groups of every generation it joins. Contract: ``join`` a generation (collective over its members)
+-> optional ``load`` or ``sync_state`` -> ``run_step(step)`` for every step in order (``evaluate``
+between two steps when asked) -> ``save`` on replica 0 of each stage when asked. After a failure the
+coordinator may ``commit_prepared`` and call ``join`` again with a new generation; the worker keeps
+its parameters and optimizer state in memory.
+
+Commit protocol (DESIGN invariant 4): a step's optimizer update happens only after every worker of
+the generation has reduced and clipped its gradients and said so in a world-wide vote. A worker
+whose vote failed keeps its prepared gradients; if any survivor committed, the vote had every
+worker's consent, and the coordinator rolls the others forward with ``commit_prepared``.
+
+Tensors only move through torch.distributed: activations and their gradients point-to-point
+between neighbouring stages, gradients all-reduced in the stage's dp group (reduce-scattered in
+its fsdp group first when sharded), state broadcast from a live peer to new members.
+
+At each phase point (raytrain.testing.faults.PHASES) the stage calls its ``hook``, which does nothing
+unless the fault library armed it for this worker.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import resource
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raytrain import checkpoint, data
+from raytrain.config import Config
+from raytrain.config.mesh import Groups, Mesh
+from raytrain.driver.rendezvous import StoreAddress
+from raytrain.models.layers import Recomputed, build_model
+from raytrain.optim import apply_step, make_optimizer
+from raytrain.testing.faults import PhaseHook, phase_hook
+from raytrain.worker.executor import PlanExecutor
+from raytrain.worker.generation import Generation, form_generation
+from raytrain.worker.gradsync import GradientBuckets
+from raytrain.worker.sharded import ShardedLayers
+from raytrain.worker.stage_eval import HeldOutLoss
+from raytrain.worker.stage_state import StageState, all_finite
+
+HookFactory = Callable[[list[str], int, int, int], PhaseHook]
+"""(fault specs, replica, stage, shard) -> the hook of the worker at that slot."""
+
+
+class Stage:
+    """The layers of one stage of one replica, and how to train them; see the module docstring."""
+
+    def __init__(self, cfg: Config, data_path: str, num_samples: int, stage: int, layer_ids: list[int],
+                 make_hook: HookFactory = phase_hook, shard: int = 0):
+        self.cfg = cfg
+        self.data_path, self.num_samples = data_path, num_samples
+        torch.set_num_threads(cfg.resources.cpus_per_worker)
+        self.device = torch.device("cuda", 0) if cfg.resources.use_gpu else torch.device("cpu")
+        if cfg.resources.use_gpu:
+            torch.cuda.set_device(self.device)
+        self.stage, self.shard_index = stage, shard
+        # with parallel.fsdp > 1: this shard's rows, wrapped per generation (its first join makes the executor)
+        self.sharded, module, names, self.loss_fn = _stage_layers(cfg, layer_ids, shard, self.device)
+        self.params = self.sharded.params if self.sharded is not None else list(module.parameters())
+        self.grads = None if self.sharded is not None else GradientBuckets(self.params, None)
+        self.executor = None if self.sharded is not None else self._executor(module)
+        self.optimizer = make_optimizer(self.params, cfg.train)
+        self.state = StageState(names, self.params, self.optimizer, self.device, cfg.train.fused_optimizer,
+                                self.sharded.rows if self.sharded is not None else None)
+        self.dataset: Optional[data.TokenDataset] = None  # loaded on the first join (first and last stages)
+        self.held_out = HeldOutLoss(cfg, data_path, num_samples, self.device)
+        self.committed = 0  # steps applied so far; the next step to run
+        self.prepared: Optional[int] = None  # a step whose gradients are reduced but not yet applied
+        self.gen: Optional[Generation] = None  # the generation this worker is a member of (None after leave)
+        self.rank: Optional[int] = None  # its rank in the last generation it joined: reports after leave name it
+        self.make_hook = make_hook
+        self.hook = PhaseHook()  # called at every phase point; the last join's faults arm it
+        self.joins = 0  # join attempts so far, successful or not
+
+    # --- membership ------------------------------------------------------------------------------
+
+    def join(self, rank: int, mesh: Mesh, shares: list[int], store: StoreAddress, generation: int,
+             faults: list[str]) -> dict:
+        """Leave the previous generation's groups (if any) and form ``generation``'s (collective)."""
+        self.leave()
+        self.joins += 1
+        replica, stage = mesh.coords(rank)
+        assert (stage, mesh.shard(rank)) == (self.stage, self.shard_index), \
+            f"worker of stage {self.stage} shard {self.shard_index} placed at {mesh.label(rank)}"
+        self.rank, self.hook = rank, self.make_hook(faults, replica, stage, self.shard_index)
+        if generation > 0:  # generation 0 is the start; a join fault names a repair's
+            self.hook("join", self.committed)
+        if self.dataset is None and stage in (0, mesh.pp - 1):
+            self.dataset = data.open_dataset(self.data_path, self.cfg)
+        self.gen = form_generation(self.cfg, rank, mesh, shares, store, generation,
+                                   lambda example: self.executor.output_of(example), self.device,
+                                   on_groups=lambda groups: self._on_groups(groups, mesh, rank))
+        return {"rank": rank, "pid": os.getpid(), "params": sum(p.numel() for p in self.params),
+                "node": os.uname().nodename, "committed": self.committed}
+
+    def _on_groups(self, groups: Groups, mesh: Mesh, rank: int) -> None:
+        """Point the gradient reduction at this generation's groups (a sharded stage re-wraps on them)."""
+        if self.sharded is None:
+            self.grads.group = groups.dp_group
+            return
+        self.grads = self.sharded.wrap(groups, mesh, rank, self.optimizer)
+        self.executor = self._executor(self.sharded.module)
+
+    def _executor(self, module: nn.Module) -> PlanExecutor:
+        return PlanExecutor(module, self.loss_fn, self.grads, self.device, self._autocast, self.cfg.train.global_batch)
+
+    def leave(self) -> None:
+        """Drop this worker's process groups (after a failure they may be broken); state stays.
+
+        Every reference to the groups goes, so their connections really close and peers blocked in
+        a collective with this worker fail at once rather than at the timeout.
+        """
+        self.gen = None
+        if self.sharded is not None:  # the wrapping holds the groups; the values stay in self.params
+            self.sharded.release()
+            self.executor = self.grads = None
+        else:
+            self.grads.detach_group()
+        destroy_groups()
+        if self.joins:
+            gc.collect()  # 0.1 s: worth it only once a join may have left groups behind
+
+    def commit_prepared(self, step: int) -> int:
+        """Roll forward: apply the prepared update of ``step`` (every worker voted for it)."""
+        if self.prepared == step and self.committed == step:
+            apply_step(self.optimizer, self.cfg.train, step)
+            self.committed, self.prepared = step + 1, None
+        return self.committed
+
+    def sync_state(self, src_rank: int) -> int:
+        """Broadcast parameters, optimizer state and step count from ``src_rank`` to this stage's dp group."""
+        group = self.gen.groups.dp_group
+        if group is None:
+            return self.committed
+        self.committed, self.prepared = self.state.broadcast(src_rank, group, self.committed), None
+        return self.committed
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def run_step(self, step: int, trace: bool = False) -> dict[str, Any]:
+        """Run ``step``; returns its metrics with ``ok``. A failed collective returns ``ok=False``.
+
+        A step the coordinator sent ahead of one that failed here finds no groups, or finds the
+        step before it still uncommitted (its vote found a non-finite value): it is skipped.
+        """
+        if self.gen is None or step != self.committed:
+            assert self.gen is None or step == self.committed + 1, (step, self.committed)
+            return {"rank": self.rank, "step": step, "ok": False, "committed": self.committed,
+                    "prepared": self.prepared, "error": "skipped: the step before it was not committed here"}
+        result = {"rank": self.rank, "step": step}
+        try:
+            result.update(self._prepare(step, trace))
+            self.prepared = step
+            if not self._vote(result):
+                self.prepared = None
+                result.update(ok=False, nonfinite=True, committed=self.committed, prepared=None,
+                              error="a loss or gradient norm was not finite")
+                return result
+            self.hook("optimizer", step)
+            t0 = time.perf_counter()
+            apply_step(self.optimizer, self.cfg.train, step)
+            self.committed, self.prepared = step + 1, None
+            result["wall_s"] += time.perf_counter() - t0
+            result["ok"] = True
+        except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
+            result.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+            e.__traceback__ = None  # its frames hold the step's buffers, and through them the groups
+            # Close our connections now: peers blocked on us (not on the dead worker) fail at once
+            # instead of waiting out elastic.detect_timeout_s. State stays; groups re-form on join.
+            self.leave()
+        result.update(committed=self.committed, prepared=self.prepared)
+        return result
+
+    def _vote(self, result: dict[str, Any]) -> bool:
+        """World-wide vote: its completion says everyone reduced and clipped, so everyone may step; its
+        value, the count of non-finite workers, stops the step everywhere if a loss or gradient anywhere
+        is NaN or inf."""
+        nonfinite = torch.tensor([0.0 if self._finite(result) else 1.0], device=self.device)
+        dist.all_reduce(nonfinite)
+        return not bool(nonfinite[0] > 0)
+
+    def _finite(self, result: dict[str, Any]) -> bool:
+        """Whether this worker's share of the step (its loss, its gradients) is finite."""
+        if "loss_sum" in result and not math.isfinite(result["loss_sum"]):
+            return False
+        if result["grad_norm"] is not None:  # the global norm: every worker sees the same value
+            return math.isfinite(result["grad_norm"])
+        return bool(torch.isfinite(self.grads.squared_norm()))
+
+    def skip_step(self, step: int) -> int:
+        """Count ``step`` as done without applying it (its vote found a non-finite value)."""
+        assert self.committed == step and self.prepared is None, (step, self.committed, self.prepared)
+        self.grads.zero()
+        self.committed = step + 1
+        return self.committed
+
+    def _prepare(self, step: int, trace: bool) -> dict[str, Any]:
+        """Forward and backward every micro-batch by the plan, all-reduce and clip: all but the update."""
+        gen, cfg = self.gen, self.cfg
+        t_start = time.perf_counter()
+        begin, end = data.step_positions(step, cfg.train.global_batch, gen.batch_offset, gen.batch_offset + gen.share)
+        ids = data.sample_ids(cfg.train.seed, self.num_samples, begin, end)
+        x = y = None
+        if self.dataset is not None:
+            x, y = (t.to(self.device, non_blocking=True) for t in self.dataset.batch(ids))
+        self.grads.zero()
+        if self.sharded is not None:  # FSDP2's all-gathers and reduce-scatters go into the trace too
+            self.sharded.comm_log = [] if trace else None
+        buf = self.executor.run(gen, step, x, y, self.hook, trace)
+        t_sync = time.perf_counter()
+        self.hook("allreduce", step)  # peers are all-reducing now
+        self.grads.finish()
+        t_reduced = time.perf_counter()
+        grad_norm = self._clip_gradients()
+        t_end = time.perf_counter()
+        result = {
+            "busy_s": buf.busy_s, "wall_s": t_end - t_start,
+            "pipeline_s": t_sync - t_start, "peak_live": buf.peak_live, "grad_norm": grad_norm,
+            "samples": len(ids), "positions": (begin, end), "peak_mem_mb": peak_memory_mb(self.device),
+        }
+        if gen.is_last:
+            result["loss_sum"] = float(buf.loss_sum)
+        if trace:
+            events = buf.events + [("allreduce wait", t_sync, t_reduced), ("clip", t_reduced, t_end)]
+            events += self.sharded.comm_log if self.sharded is not None else []
+            result["events"] = [(name, a - t_start, b - t_start) for name, a, b in events]
+        if cfg.run.record_samples and gen.is_first:
+            result["sample_ids"] = ids
+        return result
+
+    def evaluate(self) -> dict[str, Any]:
+        """The held-out loss of the committed parameters (raytrain.worker.stage_eval): the last stage reports
+        ``loss_sum`` over its ``rows``; a failed collective returns ``ok=False`` and leaves the groups."""
+        result = {"rank": self.rank, "step": self.committed, "ok": False}
+        if self.gen is None:
+            return {**result, "error": "skipped: this worker is in no generation (its groups broke)"}
+        self.hook("eval", self.committed)
+        try:
+            loss_sum, rows = self.held_out.loss_sum(self.executor, self.gen, self.committed, self.dataset)
+        except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
+            result["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            e.__traceback__ = None
+            self.leave()
+            return result
+        if self.gen.is_last:
+            result.update(loss_sum=loss_sum, rows=rows)
+        return {**result, "ok": True}
+
+    def _clip_gradients(self) -> Optional[float]:
+        """Global gradient norm over all shards and stages (the dp replicas already agree), clipped to
+        train.grad_clip; None with clipping off (no collective: ``_finite`` still checks each worker's)."""
+        clip = self.cfg.train.grad_clip
+        if clip == 0:
+            return None
+        sq = self.grads.squared_norm()
+        for group in (self.gen.groups.fsdp_group, self.gen.groups.pp_group):  # shards, then stages
+            if group is not None:
+                dist.all_reduce(sq, group=group)
+        norm = float(sq.sqrt())
+        coef = clip / (norm + 1e-6)
+        if coef < 1.0:
+            self.grads.scale_(coef)
+        return norm
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.resources.bf16)
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def shard(self) -> dict[str, Any]:
+        """This stage's model and optimizer state, keyed by global parameter name, on the CPU."""
+        return self.state.shard()
+
+    def save(self, ckpt_dir: str) -> dict:
+        """Write this stage's shard (its rows of it, when sharded) into ``ckpt_dir``; what the manifest
+        records of it."""
+        part = self.shard_index if self.sharded is not None else None
+        shard, name = self.shard(), checkpoint.shard_name(self.stage, part)
+        self.hook("checkpoint", self.committed, file=checkpoint.join_uri(ckpt_dir, name))
+        return {**checkpoint.save_shard(ckpt_dir, self.stage, shard, part), "finite": all_finite(shard)}
+
+    def load(self, ckpt_dir: str) -> None:
+        """Take this stage's parameters and optimizer state from any layout's checkpoint."""
+        self.committed, self.prepared = self.state.load(ckpt_dir), None
+
+    def state_digest(self) -> str:
+        """A hash of this stage's parameters, optimizer state and committed step: every replica of a
+        stage holds the same state exactly when their digests are equal."""
+        return self.state.digest(self.committed)
+
+    def shutdown(self) -> None:
+        self.leave()
+
+
+def destroy_groups() -> None:
+    """Destroy this process's torch.distributed groups, whether or not its last init succeeded."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    else:
+        # An init_process_group that failed (its peer died during a repair) leaves torch's
+        # process-global group-name counter advanced, and only destroy_process_group (which
+        # needs a successful init) resets it. Group names key the store, so a stale counter would
+        # make this worker wait under different keys than its peers. No public API does this.
+        dist.distributed_c10d._world.group_count = 0
+
+
+def _stage_layers(cfg: Config, layer_ids: list[int], shard: int, device: torch.device):
+    """(sharded layers or None, the replicated module or None, global parameter names, loss function)."""
+    if cfg.parallel.fsdp > 1:
+        sharded = ShardedLayers(cfg, layer_ids, shard, cfg.parallel.fsdp, device)
+        return sharded, None, sharded.names, sharded.loss_fn
+    module, names, loss_fn = _replicated_stage(cfg, layer_ids, device)
+    return None, module, names, loss_fn
+
+
+def _replicated_stage(cfg: Config, layer_ids: list[int], device: torch.device):
+    """This stage's whole layers on ``device`` (every replica holds them), their global names, the loss."""
+    spec = build_model(cfg.model, cfg.train.seed, layer_ids)
+    layers = [Recomputed(layer) for layer in spec.layers] if cfg.train.activation_checkpointing else spec.layers
+    module = nn.Sequential(*layers).to(device)  # parameters in the same order: names stay global
+    return module, spec.param_names(), spec.loss_fn
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak device memory (GPU) or peak resident set (CPU) of this process so far."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,64 @@
+"""A stage's side of the held-out loss (eval.every): forward-only passes over the held-out rows with
+the committed parameters, through the step's own executor, under ``torch.no_grad``.
+
+Hosted by raytrain.worker.stage; the coordinator's side is raytrain.control.evaluation. The held-out rows are read
+in order, ``train.global_batch`` per batch, each batch split across the replicas and into
+micro-batches as a training batch is; the last stage sums the per-row losses. Nothing of the training
+state changes: no gradient is produced (the buckets, the optimizer and the step count are untouched),
+the layers run in eval mode (a user model's dropout draws no random numbers, its batch norm updates no
+statistics) and return to their mode after, and no fault hook of a training step fires.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from raytrain import data
+from raytrain.config import Config
+from raytrain.testing.faults import PhaseHook
+from raytrain.worker.executor import PlanExecutor
+from raytrain.worker.generation import Generation, for_evaluation
+
+
+class HeldOutLoss:
+    """One stage's evaluator: where its held-out rows are, and the forward passes over them."""
+
+    def __init__(self, cfg: Config, data_path: str, num_samples: int, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.path, self.first = data.held_out_source(cfg, data_path, num_samples)
+        self.dataset: Optional[data.TokenDataset] = None  # data.eval_path's rows, opened on first use
+
+    def loss_sum(self, executor: PlanExecutor, gen: Generation, step: int,
+                 train_rows: Optional[data.TokenDataset]) -> tuple[float, int]:
+        """Sum over this worker's share of the held-out rows of their mean next-token loss (meaningful
+        on the last stage only), and how many rows that share is, run by the stage's executor of this
+        generation. ``train_rows``: the stage's training dataset (data.eval_fraction's rows follow its
+        training rows); ``step`` only labels the pass."""
+        plan, rows, B = for_evaluation(gen), self._rows(gen, train_rows), self.cfg.train.global_batch
+        module, total = executor.module, 0.0
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                for batch in range(self.cfg.eval.batches):
+                    x = y = None
+                    if rows is not None:
+                        ids = data.held_out_ids(self.first, batch, B, gen.batch_offset, gen.batch_offset + gen.share)
+                        x, y = (t.to(self.device, non_blocking=True) for t in rows.batch(ids))
+                    total += float(executor.run(plan, step, x, y, PhaseHook(), trace=False).loss_sum)
+        finally:
+            module.train(was_training)
+        return total, self.cfg.eval.batches * gen.share
+
+    def _rows(self, gen: Generation, train_rows: Optional[data.TokenDataset]) -> Optional[data.TokenDataset]:
+        """The dataset the held-out rows are read from (first and last stages only; None elsewhere)."""
+        if not (gen.is_first or gen.is_last):
+            return None
+        if self.cfg.data.eval_path is None:
+            return train_rows
+        if self.dataset is None:
+            cfg = self.cfg
+            self.dataset = data.open_dataset(self.path, cfg)
+        return self.dataset
