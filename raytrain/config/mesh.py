@@ -1,4 +1,5 @@
-"""Rank arithmetic for the dp x fsdp x pp grid, and the torch.distributed groups built on it.
+"""Rank arithmetic for the dp x fsdp x pp grid that the workers' torch.distributed groups are built on
+(raytrain.worker.groups), and the address of the store where a generation's groups meet.
 
 A replica is fsdp x pp workers; a worker's place in it is its slot, ``shard * pp + stage``, and
 its global rank is ``replica * fsdp * pp + slot``. Each worker belongs to three groups:
@@ -17,13 +18,7 @@ change, so survivors can re-form without a restart.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:
-    import torch.distributed as dist
-
-    from raytrain.driver.rendezvous import StoreAddress
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -73,40 +68,10 @@ class Mesh:
         return [self.rank(replica, stage, f) for f in range(self.fsdp)]
 
 
-@dataclass
-class Groups:
-    dp_group: Optional[dist.ProcessGroup]
-    """This rank's data-parallel group; None when dp == 1."""
-    pp_group: Optional[dist.ProcessGroup]
-    """This rank's pipeline group; None when pp == 1."""
-    fsdp_group: Optional[dist.ProcessGroup] = None
-    """This rank's sharding group; None when fsdp == 1."""
+class StoreAddress(NamedTuple):
+    """Where a coordinator incarnation's generations form their groups: a TCPStore the driver hosts."""
 
-
-def init_groups(
-    mesh: Mesh, rank: int, store: StoreAddress, generation: int, backend: str, timeout_s: float
-) -> Groups:
-    """Join generation ``generation`` of the run's process groups (collective over all ranks)."""
-    import torch.distributed as dist
-
-    client = dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    prefixed = dist.PrefixStore(f"{store.namespace}/gen{generation}/", client)
-    dist.init_process_group(
-        backend, store=prefixed, rank=rank, world_size=mesh.world_size, timeout=timedelta(seconds=timeout_s)
-    )
-    mine = {"dp": None, "pp": None, "fsdp": None}
-    # Every rank must create every group, in the same order.
-    for kind, size, members in (
-        ("dp", mesh.dp, [mesh.dp_ranks(s, f) for f in range(mesh.fsdp) for s in range(mesh.pp)]),
-        ("pp", mesh.pp, [mesh.pp_ranks(r, f) for r in range(mesh.dp) for f in range(mesh.fsdp)]),
-        ("fsdp", mesh.fsdp, [mesh.fsdp_ranks(r, s) for r in range(mesh.dp) for s in range(mesh.pp)]),
-    ):
-        if size == 1:
-            continue
-        for ranks in members:
-            # new_group's own default is torch's 30 minutes, not the world's: a frozen peer (its
-            # connections open, its process stopped) would hold a collective that long.
-            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
-            if rank in ranks:
-                mine[kind] = group
-    return Groups(mine["dp"], mine["pp"], mine["fsdp"])
+    host: str
+    port: int
+    namespace: str
+    """Key prefix of one coordinator incarnation; generations go under it."""

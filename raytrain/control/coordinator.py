@@ -31,7 +31,7 @@ import ray
 from raytrain import checkpoint
 from raytrain.config import Config
 from raytrain.config.layout import Layout
-from raytrain.config.mesh import Mesh
+from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.control import steps
 from raytrain.control.evaluation import Evaluation
 from raytrain.control.membership import Member, Membership
@@ -41,8 +41,6 @@ from raytrain.control.runstate import Progress, RunState
 from raytrain.control.steps import NonFiniteStep, StepLost, may_send_ahead
 from raytrain.control.workergroup import SETUP_TIMEOUT_S, RayWorkerGroup, StepFailed, WorkersLost, spawn_in_granted
 from raytrain.data import even_shares
-from raytrain.driver.rendezvous import StoreAddress
-from raytrain.worker.actor import StageWorker
 
 __all__ = ["CapacityLost", "Coordinator", "NonFiniteLoss", "StepFailed", "may_send_ahead"]
 
@@ -67,13 +65,16 @@ class CapacityLost(RuntimeError):
 class Coordinator:
     """Owns one run. Contract: construct (it starts the workers at once), then ``run(store)`` once;
     the driver calls ``poll`` meanwhile, ``request_stop`` on a signal and ``shutdown`` at the end.
-    ``group`` replaces the Ray worker group (tests/helpers.FakeWorkerGroup)."""
+    ``worker_cls`` is the worker actor's class (the driver's raytrain.worker.actor.StageWorker: the
+    control plane imports no worker code); ``group`` replaces the Ray worker group
+    (tests/helpers.FakeWorkerGroup)."""
 
     def __init__(self, config: Config, data_path: str, num_samples: int, stage_layers: list[list[int]],
-                 placement, first_bundle: int, resume_from: Optional[str], worker_cls=StageWorker,
+                 placement, first_bundle: int, resume_from: Optional[str], worker_cls=None,
                  extra_placements: tuple = (), corpus: Optional[list] = None, group=None):
         self.cfg, self.num_samples, self.stage_layers = config, num_samples, stage_layers
         self.placement, self.first_bundle, self.resume_from = placement, first_bundle, resume_from
+        assert group is not None or worker_cls is not None, "the Ray worker group needs the worker class"
         self.group = group or RayWorkerGroup(worker_cls, _worker_options(self.cfg), lambda s, f: (
             config, data_path, num_samples, s, stage_layers[s], corpus, f))
         e = self.cfg.elastic

@@ -19,7 +19,7 @@ from raytrain.config import Config, check_shardable
 from raytrain.config.layout import Layout
 from raytrain.data import text as text_data
 from raytrain.driver.connect import run_root
-from raytrain.driver.rendezvous import import_user_module
+from raytrain.models.user_code import import_user_module
 
 
 @dataclass(frozen=True)

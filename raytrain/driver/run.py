@@ -27,6 +27,7 @@ from raytrain.driver.plan import RunPlan
 from raytrain.driver.rendezvous import RendezvousStore, preload_torch_distributed
 from raytrain.driver.report import RunReporter
 from raytrain.driver.signals import Aborted, StopOnSignal
+from raytrain.worker.actor import StageWorker
 
 POLL_INTERVAL_S = 1.0
 """How often the driver collects metric rows from the coordinator."""
@@ -144,7 +145,7 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
                 num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
             ).remote(
                 cfg, plan.data_path, plan.num_samples, plan.stage_layers, pg, first_bundle, resume,
-                extra_placements=tuple(growth), corpus=corpus)
+                worker_cls=StageWorker, extra_placements=tuple(growth), corpus=corpus)
             try:
                 store = rendezvous.address(host, namespace=f"coordinator{restarts}")
                 return _drive(coordinator, store, reporter, on_rows, stop), restarts

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain.config import ModelConfig
-from raytrain.driver.rendezvous import import_user_module
+from raytrain.models.user_code import import_user_module
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from raytrain import data
 from raytrain.config import Config
-from raytrain.config.mesh import Groups, Mesh, init_groups
-from raytrain.driver.rendezvous import StoreAddress
+from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.pipeline import schedule
 from raytrain.pipeline.schedule import Action
+from raytrain.worker.groups import Groups, init_groups
 
 # Shape handshake: [ndim, dtype code, dims...] padded to this length.
 _SHAPE_MSG_LEN = 10

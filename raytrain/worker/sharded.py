@@ -33,8 +33,9 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 import torch.distributed as dist
 
 from raytrain.config import Config
-from raytrain.config.mesh import Groups, Mesh
+from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed, build_model
+from raytrain.worker.groups import Groups
 
 CommLog = Optional[list]
 """Where the traced collectives go: (name, start, end) tuples, or None when not tracing."""

@@ -38,14 +38,14 @@ from torch import nn
 
 from raytrain import checkpoint, data
 from raytrain.config import Config
-from raytrain.config.mesh import Groups, Mesh
-from raytrain.driver.rendezvous import StoreAddress
+from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.models.layers import Recomputed, build_model
 from raytrain.optim import apply_step, make_optimizer
 from raytrain.testing.faults import PhaseHook, phase_hook
 from raytrain.worker.executor import PlanExecutor
 from raytrain.worker.generation import Generation, form_generation
 from raytrain.worker.gradsync import GradientBuckets
+from raytrain.worker.groups import Groups, destroy_groups
 from raytrain.worker.sharded import ShardedLayers
 from raytrain.worker.stage_eval import HeldOutLoss
 from raytrain.worker.stage_state import StageState, all_finite
@@ -302,18 +302,6 @@ class Stage:
 
     def shutdown(self) -> None:
         self.leave()
-
-
-def destroy_groups() -> None:
-    """Destroy this process's torch.distributed groups, whether or not its last init succeeded."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    else:
-        # An init_process_group that failed (its peer died during a repair) leaves torch's
-        # process-global group-name counter advanced, and only destroy_process_group (which
-        # needs a successful init) resets it. Group names key the store, so a stale counter would
-        # make this worker wait under different keys than its peers. No public API does this.
-        dist.distributed_c10d._world.group_count = 0
 
 
 def _stage_layers(cfg: Config, layer_ids: list[int], shard: int, device: torch.device):

@@ -1,0 +1,64 @@
+"""The torch.distributed groups of one worker in one generation, formed over the run's mesh.
+
+Groups are formed under a generation number: the store prefix changes with every membership
+change, so survivors can re-form without a restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from raytrain.config.mesh import Mesh, StoreAddress
+
+
+@dataclass
+class Groups:
+    dp_group: Optional[dist.ProcessGroup]
+    """This rank's data-parallel group; None when dp == 1."""
+    pp_group: Optional[dist.ProcessGroup]
+    """This rank's pipeline group; None when pp == 1."""
+    fsdp_group: Optional[dist.ProcessGroup] = None
+    """This rank's sharding group; None when fsdp == 1."""
+
+
+def init_groups(
+    mesh: Mesh, rank: int, store: StoreAddress, generation: int, backend: str, timeout_s: float
+) -> Groups:
+    """Join generation ``generation`` of the run's process groups (collective over all ranks)."""
+    client = dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    prefixed = dist.PrefixStore(f"{store.namespace}/gen{generation}/", client)
+    dist.init_process_group(
+        backend, store=prefixed, rank=rank, world_size=mesh.world_size, timeout=timedelta(seconds=timeout_s)
+    )
+    mine = {"dp": None, "pp": None, "fsdp": None}
+    # Every rank must create every group, in the same order.
+    for kind, size, members in (
+        ("dp", mesh.dp, [mesh.dp_ranks(s, f) for f in range(mesh.fsdp) for s in range(mesh.pp)]),
+        ("pp", mesh.pp, [mesh.pp_ranks(r, f) for r in range(mesh.dp) for f in range(mesh.fsdp)]),
+        ("fsdp", mesh.fsdp, [mesh.fsdp_ranks(r, s) for r in range(mesh.dp) for s in range(mesh.pp)]),
+    ):
+        if size == 1:
+            continue
+        for ranks in members:
+            # new_group's own default is torch's 30 minutes, not the world's: a frozen peer (its
+            # connections open, its process stopped) would hold a collective that long.
+            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+            if rank in ranks:
+                mine[kind] = group
+    return Groups(mine["dp"], mine["pp"], mine["fsdp"])
+
+
+def destroy_groups() -> None:
+    """Destroy this process's torch.distributed groups, whether or not its last init succeeded."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    else:
+        # An init_process_group that failed (its peer died during a repair) leaves torch's
+        # process-global group-name counter advanced, and only destroy_process_group (which
+        # needs a successful init) resets it. Group names key the store, so a stale counter would
+        # make this worker wait under different keys than its peers. No public API does this.
+        dist.distributed_c10d._world.group_count = 0
