@@ -16,7 +16,7 @@ MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = 250
 MAX_TOP_LEVEL_MODULES = 12
 PROCESS_FLOORS = {"entry": 5, "tune": 4, "driver": 3, "control": 2, "worker": 1}
-PURE = {"config", "pipeline", "models", "data", "checkpoint", "optim", "testing"}
+PURE = {"compat", "config", "pipeline", "models", "data", "checkpoint", "optim", "testing"}
 """Imported by every process; they import no process package (nor torch.distributed's groups)."""
 
 

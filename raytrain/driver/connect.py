@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import ray
 
+from raytrain.compat import RAY_WORKER_LOGGER, resolve_auto_ray_address
 from raytrain.driver import reaper
 from raytrain.driver.placement import ResourcesUnavailable
 
@@ -132,10 +133,8 @@ def _host_port(address: str) -> Optional[tuple[str, int]]:
     ``auto`` the cluster Ray would pick (the only Ray running on this machine, else the last one
     ``ray start`` started, as its ray_current_cluster file says). None if unknown."""
     if address == "auto":
-        from ray._private.services import canonicalize_bootstrap_address
-
         try:
-            address = canonicalize_bootstrap_address("auto")
+            address = resolve_auto_ray_address()
         except ConnectionError:
             raise ClusterUnreachable(
                 f"RAY_ADDRESS=auto: no running Ray cluster found on this machine; {_FIX}") from None
@@ -166,13 +165,13 @@ def _init_bounded(address: str) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init would set
     quiet = _DropMessage("SIGTERM handler is not set")
-    logging.getLogger("ray._private.worker").addFilter(quiet)
+    logging.getLogger(RAY_WORKER_LOGGER).addFilter(quiet)
     try:
         thread = threading.Thread(target=init, name="raytrain-ray-init", daemon=True)
         thread.start()
         thread.join(CONNECT_TIMEOUT_S)
     finally:
-        logging.getLogger("ray._private.worker").removeFilter(quiet)
+        logging.getLogger(RAY_WORKER_LOGGER).removeFilter(quiet)
     if thread.is_alive():
         raise ClusterUnreachable(
             f"RAY_ADDRESS={address}: Ray did not join a cluster there within {CONNECT_TIMEOUT_S:g}s "

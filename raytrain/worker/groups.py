@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from raytrain.compat import reset_process_group_counter
 from raytrain.config.mesh import Mesh, StoreAddress
 
 
@@ -57,8 +58,4 @@ def destroy_groups() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     else:
-        # An init_process_group that failed (its peer died during a repair) leaves torch's
-        # process-global group-name counter advanced, and only destroy_process_group (which
-        # needs a successful init) resets it. Group names key the store, so a stale counter would
-        # make this worker wait under different keys than its peers. No public API does this.
-        dist.distributed_c10d._world.group_count = 0
+        reset_process_group_counter()  # its last init failed (a peer died during a repair)

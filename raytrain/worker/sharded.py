@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 import torch.distributed as dist
 
+from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed, build_model
@@ -110,7 +110,7 @@ class ShardedLayers:
         groups' connections outlive them and peers blocked in a collective with this worker wait
         for the timeout instead of failing at once."""
         self.module = None
-        _clear_sharding_prop_cache()  # the only API that clears them; named for debugging
+        clear_dtensor_sharding_cache()
 
 
 def _meta_stage(cfg: Config, layer_ids: list[int]):

@@ -1,0 +1,40 @@
+"""Every private torch and Ray symbol raytrain uses, in one place (pinned: torch 2.13, Ray 2.60).
+
+Each has no public equivalent; each wrapper says why it is needed. An upgrade that removes or
+renames one fails here, and in ``tests/test_compat.py``, not deep inside a repair or a connect.
+Imports are lazy: importing this module costs neither torch nor Ray.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+RAY_WORKER_LOGGER = "ray._private.worker"
+"""The logger of ``ray.init``'s messages (the driver filters one it cannot avoid triggering)."""
+
+
+def reset_process_group_counter() -> None:
+    """Reset torch's process-global group-name counter after an ``init_process_group`` that failed.
+
+    Only ``destroy_process_group`` resets it, and it needs a successful init. Group names key the
+    rendezvous store, so a stale counter would make a worker wait under other keys than its peers'.
+    """
+    import torch.distributed as dist
+
+    dist.distributed_c10d._world.group_count = 0
+
+
+def clear_dtensor_sharding_cache() -> None:
+    """Clear DTensor's cache of op shardings, whose specs hold device meshes and through them process
+    groups: without it a left generation's connections outlive it (the only API that clears it)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
+def resolve_auto_ray_address() -> Optional[str]:
+    """The address ``RAY_ADDRESS=auto`` means on this machine (ConnectionError when none runs), so the
+    driver can probe it before ``ray.init`` waits on it for minutes."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    return canonicalize_bootstrap_address("auto")
