@@ -19,7 +19,7 @@ def test_label_names_the_layout_and_the_schedule_of_a_pipeline():
     assert Layout.of(ParallelConfig(pp=2, microbatches=4, schedule="gpipe")).label == "dp=1 pp=2 m=4 gpipe"
     assert Layout(dp=3, pp=2, microbatches=2).with_dp(1).label == "dp=1 pp=2 m=2 1f1b"
     cfg = load_config(None, ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"])
-    assert cfg.layout() == Layout.of(cfg.parallel).label == "dp=2 pp=2 m=2 1f1b"
+    assert cfg.layout() == Layout.of(cfg.parallel) and cfg.layout().label == "dp=2 pp=2 m=2 1f1b"
 
 
 @pytest.mark.parametrize("overrides, ranges", [

@@ -175,7 +175,7 @@ class Coordinator:
             self.emit({"event": "resumed", "from": self.resume_from, "step": step})
         self.progress.step = self.first_step = step
         self.form_generation(step)
-        self.emit({"event": "started", "layout": self.cfg.layout(), "replicas": self.team.dp,
+        self.emit({"event": "started", "layout": self.cfg.layout().label, "replicas": self.team.dp,
                    "generation": self.generation, "pids": self.original_pids, "coordinator_pid": os.getpid()})
         return RunState.RUNNING
 

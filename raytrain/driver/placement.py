@@ -41,12 +41,12 @@ def reserve(cfg: Config, fixed_cluster: bool = False) -> PlacementGroup:
     pg = request(cfg, cfg.parallel.dp)
     if not pg.wait(timeout_seconds=cfg.resources.wait_s):
         remove_placement_group(pg)
-        world = cfg.parallel.dp * cfg.parallel.fsdp * cfg.parallel.pp
+        world = cfg.layout().world_size
         total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
         free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
         nodes = sum(1 for n in ray.nodes() if n["Alive"])
         raise ResourcesUnavailable(
-            f"layout {cfg.layout()} needs {world} workers x {worker_bundle(cfg)} "
+            f"layout {cfg.layout().label} needs {world} workers x {worker_bundle(cfg)} "
             f"(resources.placement_strategy={cfg.resources.placement_strategy}) but the cluster did not grant "
             f"them within resources.wait_s={cfg.resources.wait_s:g}s (cluster: {nodes} node(s), total {total}, "
             f"free now {free}); lower parallel.dp / parallel.fsdp / parallel.pp, free resources, or add nodes"
@@ -55,12 +55,12 @@ def reserve(cfg: Config, fixed_cluster: bool = False) -> PlacementGroup:
 
 
 def _refuse_what_never_fits(cfg: Config) -> None:
-    world = cfg.parallel.dp * cfg.parallel.fsdp * cfg.parallel.pp
+    world = cfg.layout().world_size
     total = ray.cluster_resources()
     short = {k: (world * v, total.get(k, 0)) for k, v in worker_bundle(cfg).items() if world * v > total.get(k, 0)}
     if short:
         needs = ", ".join(f"{need:g} {k} (it has {have:g})" for k, (need, have) in short.items())
         raise ResourcesUnavailable(
-            f"layout {cfg.layout()} needs {world} workers x {worker_bundle(cfg)} = {needs} on this machine's "
+            f"layout {cfg.layout().label} needs {world} workers x {worker_bundle(cfg)} = {needs} on this machine's "
             "embedded Ray, which cannot grow (RAY_ADDRESS is unset); lower parallel.dp / parallel.fsdp / "
             "parallel.pp or resources.cpus_per_worker, or start a cluster and set RAY_ADDRESS")

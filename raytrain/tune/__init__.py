@@ -260,7 +260,7 @@ def raytrain_trainable(params: dict) -> None:
             metrics = {
                 "step": row["step"], "loss": row["loss"],
                 "samples_per_s": state["samples"] / state["seconds"] if state["seconds"] else row.get("samples_per_s", 0.0),
-                "bubble": row.get("bubble"), "layout": cfg.layout(), "first_step_s": state["first_step_s"],
+                "bubble": row.get("bubble"), "layout": cfg.layout().label, "first_step_s": state["first_step_s"],
             }
             if "eval_loss" in row:
                 state["eval_loss"], state["eval_step"] = row["eval_loss"], row["step"]

@@ -1,0 +1,189 @@
+"""Reading a configuration: a YAML file (every mapping's keys unique), then ``--set key=value`` overrides
+in order, each value coerced to its field's type, then the schema's checks (raytrain.config.schema).
+
+A file that is missing, a directory, unreadable or not YAML, an unknown key and an override whose
+value is not YAML are ValueErrors naming it (the CLI's one line, exit 2), never a yaml or OS traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import typing
+from typing import Any, Optional
+
+import yaml
+
+from raytrain.config.schema import Config
+
+
+def all_keys() -> list[str]:
+    """Every valid dotted key, e.g. ``train.lr``."""
+    return [f"{section}.{f.name}" for section, cls in _section_types().items() for f in dataclasses.fields(cls)]
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def _unknown_key_error(key: str) -> ValueError:
+    nearest = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.0)
+    hint = f"; did you mean '{nearest[0]}'?" if nearest else ""
+    return ValueError(f"unknown config key '{key}'{hint} (valid keys: see README, 'Configuration')")
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML value to the field's declared type, or say which key is wrong."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Union and type(None) in args:
+        if value is None:
+            return None
+        annotation = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(annotation)
+    if annotation is list or origin is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        raise ValueError(f"config key '{key}' expects a list like [2, 4], got {value!r}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"config key '{key}' expects true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"config key '{key}' expects an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                number = float(value)
+            except OverflowError:  # an integer beyond any float
+                number = math.inf
+            if not math.isfinite(number):  # a YAML .nan or .inf passes every '<= 0' check
+                raise ValueError(f"{key}={value!r}: not a finite number; give a finite value")
+            return number
+        raise ValueError(f"config key '{key}' expects a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"config key '{key}' expects a string, got {value!r}")
+    return value
+
+
+def flatten_sections(raw: dict, where: str) -> dict[str, Any]:
+    """``{"train": {"lr": 0.1}}`` -> ``{"train.lr": 0.1}``; ``where`` names the source in errors."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: the config must be a mapping of sections (model:, train:, ...)")
+    flat = {}
+    for section, body in raw.items():
+        if not isinstance(body, dict):
+            raise _unknown_key_error(str(section)) if section not in _section_types() else ValueError(
+                f"{where}: section '{section}' must be a mapping of keys"
+            )
+        for k, v in body.items():
+            flat[f"{section}.{k}"] = v
+    return flat
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``'train.lr=1e-3'`` -> ``('train.lr', 0.001)``; values are parsed as YAML scalars/lists."""
+    if "=" not in text:
+        raise ValueError(f"--set expects key=value (e.g. --set train.lr=1e-3), got {text!r}")
+    key, _, raw = text.partition("=")
+    value = yaml.safe_load(raw) if raw.strip() else None
+    if isinstance(value, str) and value.strip().lower() in ("none", "null"):
+        value = None
+    return key.strip(), value
+
+
+def build_config(values: dict[str, Any]) -> Config:
+    """Build and validate a Config from flat dotted keys."""
+    sections = _section_types()
+    per_section: dict[str, dict] = {name: {} for name in sections}
+    for key, value in values.items():
+        section, _, name = key.partition(".")
+        if section not in sections:
+            raise _unknown_key_error(key)
+        hints = typing.get_type_hints(sections[section])
+        if name not in {f.name for f in dataclasses.fields(sections[section])}:
+            raise _unknown_key_error(key)
+        # Scientific notation without a dot ("1e-3") is a string to YAML 1.1: accept it for floats.
+        if hints[name] is float and isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        per_section[section][name] = _coerce(key, value, hints[name])
+    built = {name: sections[name](**kwargs) for name, kwargs in per_section.items()}
+    return Config(**built)
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping: plain YAML keeps the last one
+    silently, so a config with two ``train:`` sections would train with the first one dropped."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice (first on line {first_line[key]}); keep one",
+                        key_node.start_mark)
+                first_line[key] = key_node.start_mark.line + 1
+            except TypeError:  # an unhashable key: the base class names it
+                break
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(stream) -> Any:
+    """A YAML document (a config or a sweep file) with every mapping's keys unique."""
+    return yaml.load(stream, Loader=UniqueKeyLoader)
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Load ``path`` (YAML), apply ``--set`` overrides in order, validate, and return the Config.
+
+    What needs this machine (data.path, model.factory) is checked later, by raytrain.driver.plan.prepare. A file
+    that is missing, a directory, unreadable or not YAML, and an override whose value is not YAML, are
+    ValueErrors naming it (the CLI's one line, exit 2), never a yaml or OS traceback."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.exists(path):
+            raise ValueError(f"config file {path!r} does not exist; pass an existing YAML file to --config")
+        if os.path.isdir(path):
+            inside = sorted(n for n in os.listdir(path) if n.endswith((".yaml", ".yml")))[:3]
+            raise ValueError(f"config file {path!r} is a directory; pass --config a YAML file"
+                             + (f" (it holds {', '.join(inside)})" if inside else ""))
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = load_yaml(f) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+            at = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(f"config file {path!r}{at}: not valid YAML ({problem}); fix the YAML syntax there") from e
+        except UnicodeDecodeError as e:
+            raise ValueError(f"config file {path!r} is not UTF-8 text (byte {e.start}); save it as UTF-8") from e
+        except OSError as e:
+            raise ValueError(f"config file {path!r} cannot be read ({e.strerror}); pass --config a readable "
+                             "YAML file") from e
+        values.update(flatten_sections(raw, path))
+    for text in overrides or []:
+        try:
+            key, value = parse_override(text)
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(f"--set {text!r}: the value is not valid YAML ({problem}); fix it, or quote it "
+                             "(lists: --set parallel.split_points=[2,4])") from e
+        values[key] = value
+    return build_config(values)
+
+
+def config_from_dict(nested: dict) -> Config:
+    """Build a Config from a nested dict (as ``Config.to_dict`` produces)."""
+    return build_config(flatten_sections(nested, "config"))

@@ -1,0 +1,495 @@
+"""The run configuration's schema: one dataclass per section, each field a public, documented key
+(``section.field``), checked in ``__post_init__``.
+
+Errors are ``ValueError``s that name the key and say how to fix it (``_require``). The checks are pure
+(no disk, no imports of user code): every node builds a Config, and what only the driver's machine
+can answer (data.path exists, model.factory imports) is checked once, by ``raytrain.driver.plan.prepare``.
+YAML files and ``--set`` overrides are read by raytrain.config.loader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+from raytrain.config.layout import Layout
+
+SCHEDULES = ("gpipe", "1f1b")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+BALANCE_MODES = ("params", "time")
+MAX_SEED = 2**32 - 1
+"""Largest train.seed: layer seeds are seed * 100_003 + layer, and torch.manual_seed takes at most 64 bits."""
+
+
+def _require(ok: bool, key: str, value: Any, fix: str) -> None:
+    """Raise the one form of a config error: ``key=value: fix``."""
+    if not ok:
+        raise ValueError(f"{key}={value!r}: {fix}")
+
+
+def _blank(text: Optional[str]) -> bool:
+    """An empty or all-space string: a path or name given as '' (None, unset, is not blank)."""
+    return text is not None and not text.strip()
+
+
+HF_CUTS = ("auto", "layers", "whole")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 4
+    """Transformer blocks in the built-in GPT."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_head: int = 4
+    """Attention heads; must divide d_model."""
+    seq_len: int = 64
+    """Tokens per sample (the data holds seq_len + 1 to form next-token targets)."""
+    vocab_size: int = 256
+    """Vocabulary size; the built-in corpus is bytes, so 256."""
+    factory: Optional[str] = None
+    """Optional ``module:function`` returning a user model (see raytrain.models.layers.build_model)."""
+    hf: Optional[str] = None
+    """A local Hugging Face causal-LM directory (config.json, safetensors if pretrained); its config sets
+    the architecture, so n_layer, d_model, n_head and vocab_size are read from it."""
+    hf_cut: str = "auto"
+    """How model.hf becomes pipeline layers: ``layers`` (embedding, decoder layers, norm + head),
+    ``whole`` (one layer: data parallel only), ``auto`` (layers if they reproduce the model's own
+    forward on a two-layer copy, checked before the run starts; else whole)."""
+    trust_remote_code: bool = False
+    """Run the Python files a model.hf directory's config.json names in ``auto_map`` (transformers'
+    custom code). Off: such a directory is refused before anything starts, since it is code, not data."""
+
+    def __post_init__(self):
+        for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
+                "pick n_head that divides d_model"
+            )
+        _require(self.hf is None or self.factory is None, "model.hf", self.hf,
+                 "set model.hf or model.factory, not both")
+        _require(self.hf_cut in HF_CUTS, "model.hf_cut", self.hf_cut, f"use one of {', '.join(HF_CUTS)}")
+        _require(self.hf is None or (isinstance(self.hf, str) and self.hf.strip() != ""), "model.hf", self.hf,
+                 "give a directory path")
+        if self.factory is not None:
+            module, _, function = self.factory.partition(":")
+            _require(all(p.isidentifier() for p in module.split(".")) and function.isidentifier(), "model.factory",
+                     self.factory, "write it as 'package.module:function', with importable names")
+
+    @property
+    def gpt_layers(self) -> int:
+        """Cuttable layers of the built-in GPT: the embedding, model.n_layer blocks and the head."""
+        return self.n_layer + 2
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    """Optimizer steps to run in total (a resumed run counts the steps already done)."""
+    global_batch: int = 8
+    """Samples per optimizer step, whatever the layout: dp and micro-batches only divide it."""
+    lr: float = 3e-4
+    """AdamW learning rate (0: the parameters stay as they are)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    fused_optimizer: bool = True
+    """AdamW's fused kernel: one pass over each parameter instead of a chain of tensor ops (on CPU
+    its step is 3-6x faster). The same update up to float rounding; false uses torch's default."""
+    seed: int = 0
+    """Seeds the model initialisation and the sample order."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    lr_schedule: str = "constant"
+    """After the warm-up: constant at train.lr, or cosine / linear decay to train.min_lr at train.steps."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from train.lr / warmup_steps to train.lr."""
+    min_lr: float = 0.0
+    """Where cosine and linear decay end."""
+    activation_checkpointing: bool = False
+    """Keep only each layer's input in forward and recompute the layer in backward (torch's
+    non-reentrant checkpoint): the same parameters for less activation memory and more compute."""
+    skip_nonfinite: int = 0
+    """Steps whose loss or gradient norm is not finite that the run may skip (not apply) before it
+    stops; 0 stops at the first, naming the step and the last good checkpoint."""
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"train.steps must be >= 1, got {self.steps}")
+        if self.global_batch < 1:
+            raise ValueError(f"train.global_batch must be >= 1, got {self.global_batch}")
+        _require(self.lr >= 0, "train.lr", self.lr, "use >= 0 (0 changes nothing: a dry run, or an export round trip)")
+        if self.grad_clip < 0:
+            raise ValueError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
+        _require(self.skip_nonfinite >= 0, "train.skip_nonfinite", self.skip_nonfinite,
+                 "use >= 0 (0 stops at the first non-finite step)")
+        _require(self.lr_schedule in LR_SCHEDULES, "train.lr_schedule", self.lr_schedule,
+                 f"use one of {', '.join(LR_SCHEDULES)}")
+        _require(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "use >= 0 (0: no warm-up)")
+        _require(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr, f"use 0..train.lr ({self.lr:g})")
+        _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "AdamW needs >= 0 (0: no decay)")
+        _require(0 <= self.seed <= MAX_SEED, "train.seed", self.seed, "use an integer in 0..2**32-1")
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    """Data-parallel replicas (each fsdp x pp worker actors)."""
+    fsdp: int = 1
+    """Workers that shard one replica's parameters, gradients and optimizer state (FSDP2; HSDP with dp > 1)."""
+    pp: int = 1
+    """Pipeline stages the model is cut into."""
+    microbatches: int = 1
+    """Micro-batches each replica splits its share of the global batch into."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe or 1f1b."""
+    split_backward: bool = False
+    """Stages after the first send their input gradient before computing weight gradients (W actions):
+    a shorter cool-down per step for more memory and per-layer autograd overhead (experiments/RESULTS.md)."""
+    split_points: Optional[list] = None
+    """Hand-set cuts: indices of the first layer of stages 1..pp-1 (overrides balance)."""
+    balance: str = "params"
+    """How to cut the layers when split_points is not set: params or time."""
+    auto: bool = False
+    """Probe the feasible layouts with short Tune trials, then train with the fastest (raytrain.tune.autolayout)."""
+    auto_steps: int = 6
+    """Steps per probe trial (the first is warm-up and not timed)."""
+    auto_max_workers: Optional[int] = None
+    """Workers a probed layout may use (default: every CPU slot or GPU of the cluster)."""
+    auto_microbatches: list = field(default_factory=lambda: [2, 4, 8])
+    """Micro-batch counts probed for pipeline layouts."""
+    auto_schedules: list = field(default_factory=lambda: ["1f1b"])
+    """Schedules probed for pipeline layouts (1F1B has GPipe's bubble with less memory)."""
+
+    def __post_init__(self):
+        for name in ("dp", "fsdp", "pp", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"parallel.schedule={self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+        if self.balance not in BALANCE_MODES:
+            raise ValueError(f"parallel.balance={self.balance!r} is unknown; use one of {', '.join(BALANCE_MODES)}")
+        if self.split_points is not None:
+            _require(all(_is_int(c) for c in self.split_points), "parallel.split_points", self.split_points,
+                     "cuts are layer indices: use a list of integers like [2, 4]")
+            if len(self.split_points) != self.pp - 1:
+                raise ValueError(
+                    f"parallel.split_points has {len(self.split_points)} cuts but parallel.pp={self.pp} "
+                    f"needs {self.pp - 1}"
+                )
+            if list(self.split_points) != sorted(set(self.split_points)):
+                raise ValueError(f"parallel.split_points must be strictly increasing, got {self.split_points}")
+        _require(self.fsdp == 1 or not self.split_backward, "parallel.split_backward", True,
+                 "sharded stages (parallel.fsdp > 1) reduce-scatter in the whole backward: turn it off")
+        if self.auto and self.split_points is not None:
+            raise ValueError("parallel.auto=true chooses pp, so parallel.split_points cannot be set; drop one")
+        self._check_auto()
+
+    def _check_auto(self):
+        """The probe settings, checked whether or not parallel.auto is on: a bad value is bad either way."""
+        if self.auto_steps < 2:
+            raise ValueError(f"parallel.auto_steps={self.auto_steps}: a probe needs >= 2 steps (the first is warm-up)")
+        bad = [s for s in self.auto_schedules if s not in SCHEDULES]
+        if bad or not self.auto_schedules:
+            raise ValueError(f"parallel.auto_schedules={self.auto_schedules}: use a non-empty list of "
+                             f"{', '.join(SCHEDULES)}")
+        if not self.auto_microbatches or any(not _is_int(m) or m < 1 for m in self.auto_microbatches):
+            raise ValueError(f"parallel.auto_microbatches={self.auto_microbatches}: use a list of integers >= 1")
+        _require(self.auto_max_workers is None or self.auto_max_workers >= 1, "parallel.auto_max_workers",
+                 self.auto_max_workers, "a probed layout needs >= 1 worker; unset it to use the whole cluster")
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None
+    """Parquet file with a token column (or text: see data.text_column, which also reads JSON lines); unset
+    uses the built-in corpus (Python stdlib source, bytes). That it exists is checked on the driver's
+    machine, by raytrain.driver.plan.prepare; workers read it (and data.tokenizer) at the same path."""
+    column: str = "tokens"
+    """Name of the token column in data.path (list<int> or bytes); each row needs >= seq_len + 1 tokens."""
+    cache_dir: str = "~/.cache/raytrain"
+    """Where the built-in corpus is built once, and where each machine keeps decoded token rows (decoded/)."""
+    max_bytes: int = 8_000_000
+    """Cap on the source bytes read into the built-in corpus."""
+    text_column: Optional[str] = None
+    """Raw text instead of token ids: the string column of a Parquet data.path, or the key of each line of a
+    JSON lines data.path (``.jsonl``/``.json``). Tokenised with data.tokenizer once per machine and packed
+    into rows of seq_len + 1 tokens (raytrain.data.text); data.column is then unused."""
+    tokenizer: Optional[str] = None
+    """Local Hugging Face tokenizer directory holding ``tokenizer.json``, used with data.text_column only."""
+    eval_fraction: float = 0.0
+    """Hold out the last floor(rows x eval_fraction) rows of the data for the held-out loss (eval.every):
+    they are never trained on (the sample order covers only the rows before them). 0: none."""
+    eval_path: Optional[str] = None
+    """A separate file of held-out rows in the data's format (token column, or text with data.text_column),
+    instead of data.eval_fraction; checked like data.path."""
+
+    def __post_init__(self):
+        _require(not _blank(self.column), "data.column", self.column, "name the token column of data.path")
+        _require(not _blank(self.cache_dir), "data.cache_dir", self.cache_dir,
+                 "give a directory (default ~/.cache/raytrain)")
+        _require(self.max_bytes >= 1, "data.max_bytes", self.max_bytes, "the built-in corpus needs >= 1 byte")
+        self._check_text()
+        _require(0 <= self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction,
+                 "use a fraction in [0, 1): the share of the rows held out for eval (0: none)")
+        _require(not _blank(self.eval_path), "data.eval_path", self.eval_path,
+                 "give a Parquet file of held-out rows, or unset it")
+        _require(self.eval_path is None or self.eval_fraction == 0, "data.eval_path", self.eval_path,
+                 f"held-out rows come from data.eval_fraction={self.eval_fraction:g} or data.eval_path, "
+                 "not both: unset one of them")
+
+    def _check_text(self):
+        """data.text_column and data.tokenizer come together, and only with a data.path to read."""
+        _require(not _blank(self.text_column), "data.text_column", self.text_column,
+                 "name the text column (Parquet) or key (JSON lines) of data.path, or unset it")
+        _require(not _blank(self.tokenizer), "data.tokenizer", self.tokenizer,
+                 "give a directory holding tokenizer.json, or unset it")
+        _require(self.tokenizer is not None or self.text_column is None, "data.text_column", self.text_column,
+                 "text needs a tokenizer: set data.tokenizer to a directory holding tokenizer.json, "
+                 "or unset data.text_column to read token ids from data.column")
+        _require(self.text_column is not None or self.tokenizer is None, "data.tokenizer", self.tokenizer,
+                 "a tokenizer is used only on text: set data.text_column to the text column of data.path, "
+                 "or unset data.tokenizer")
+        _require(self.text_column is None or self.path is not None, "data.text_column", self.text_column,
+                 "the built-in corpus (data.path unset) is bytes, not text: point data.path at a Parquet or "
+                 "JSON lines file holding the text")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Directory or URI (pyarrow.fs: local path, s3://, gs://...) for checkpoints; default <run_dir>/checkpoints."""
+    every: int = 0
+    """Save every this many steps (0: only at the end)."""
+    resume: Optional[str] = None
+    """Checkpoint to resume from: a step directory, a checkpoint.dir (its latest), or 'latest'."""
+    keep: int = 3
+    """Committed checkpoints to keep (oldest are deleted after a newer one is published)."""
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every must be >= 0, got {self.every}")
+        if self.keep < 1:
+            raise ValueError(f"checkpoint.keep must be >= 1, got {self.keep}")
+        _require(not _blank(self.dir), "checkpoint.dir", self.dir,
+                 "give a directory or URI, or unset it (<run_dir>/checkpoints)")
+        _require(not _blank(self.resume), "checkpoint.resume", self.resume,
+                 "give a step directory, a checkpoint.dir, or 'latest'; or unset it")
+
+
+@dataclass
+class ElasticConfig:
+    min_dp: Optional[int] = None
+    """Fewest replicas the run may shrink to after losing workers (default parallel.dp: replace, never shrink)."""
+    max_dp: Optional[int] = None
+    """Most replicas: the run grows to this when capacity appears (default parallel.dp: it grows back only)."""
+    grow_poll_s: float = 2.0
+    """How often a run below max_dp checks whether the cluster granted more replicas."""
+    detect_timeout_s: float = 60.0
+    """A collective stuck this long on a silent peer fails, so the peer is declared lost."""
+    wait_s: float = 60.0
+    """Below min_dp, how long to wait for capacity before failing (the last checkpoint stays intact)."""
+    max_failures: int = 20
+    """Give up after this many repairs in one run."""
+    coordinator_restarts: int = 3
+    """Times the driver restarts a lost coordinator (it resumes from the last committed checkpoint)."""
+    faults: list = field(default_factory=list)
+    """A test knob, for chaos runs and tests: kill workers at 'replica:stage@step:phase' (see
+    raytrain.testing.faults). Leave it empty in production runs."""
+
+    def __post_init__(self):
+        from raytrain.testing.faults import Fault
+
+        for text in self.faults:
+            Fault.parse(str(text))
+        for name in ("detect_timeout_s", "wait_s", "grow_poll_s"):
+            value = getattr(self, name)
+            _require(value > 0, f"elastic.{name}", value, "a duration must be > 0 seconds")
+        for name in ("min_dp", "max_dp"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"elastic.{name}", value,
+                     "a run needs >= 1 replica; unset it to follow parallel.dp")
+        for name in ("max_failures", "coordinator_restarts"):
+            value = getattr(self, name)
+            _require(value >= 0, f"elastic.{name}", value, "use a count >= 0")
+
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass
+class ResourcesConfig:
+    use_gpu: bool = False
+    """One GPU per worker with NCCL; otherwise one CPU slot per worker with gloo."""
+    cpus_per_worker: int = 1
+    """CPU slots (and torch threads) per worker."""
+    bf16: bool = False
+    """bf16 autocast for forward and backward, on GPU or CPU; parameters and AdamW state stay fp32."""
+    wait_s: float = 60.0
+    """How long to wait for the cluster to grant the workers' resources before failing."""
+    step_timeout_s: float = 300.0
+    """A worker silent for longer than this in one step is killed and repaired like a lost worker (it
+    counts against elastic.max_failures), so a hung worker never hangs the run."""
+    placement_strategy: str = "PACK"
+    """Ray placement-group strategy for the workers: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD
+    (one worker per node, so a node's loss costs one worker)."""
+
+    def __post_init__(self):
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"resources.placement_strategy={self.placement_strategy!r}: use one of "
+                             f"{', '.join(PLACEMENT_STRATEGIES)}")
+        if self.cpus_per_worker < 1:
+            raise ValueError(f"resources.cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
+        for name in ("wait_s", "step_timeout_s"):
+            value = getattr(self, name)
+            _require(value > 0, f"resources.{name}", value, "a duration must be > 0 seconds")
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Compute the held-out loss (eval_loss) after every this many steps and after the last; 0: never.
+    Needs held-out rows: data.eval_fraction or data.eval_path."""
+    batches: int = 4
+    """Global batches (of train.global_batch rows) of held-out rows each evaluation reads: always the
+    same first eval.batches x train.global_batch held-out rows."""
+
+    def __post_init__(self):
+        _require(self.every >= 0, "eval.every", self.every, "use a count of steps >= 0 (0: no evaluation)")
+        _require(self.batches >= 1, "eval.batches", self.batches, "an evaluation needs >= 1 batch")
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs"
+    """Parent directory of run directories (metrics.jsonl, loss.png, trace.json)."""
+    name: Optional[str] = None
+    """Run directory name; default a timestamp."""
+    trace_steps: int = 3
+    """Steps whose per-action timeline goes into trace.json (Chrome trace)."""
+    record_samples: bool = False
+    """A test knob, for chaos runs and tests: every metrics row lists the sample ids its step consumed
+    (to check exactly-once), and the Result has a digest of every worker's state at the end (to check
+    that the replicas of a stage are identical); costs a little."""
+
+    def __post_init__(self):
+        _require(not _blank(self.dir), "run.dir", self.dir, "give a directory for the run directories (default runs)")
+        _require(self.name is None or (not _blank(self.name) and self.name not in (".", "..")
+                                       and "/" not in self.name and os.sep not in self.name),
+                 "run.name", self.name, "a run directory name without '/' (it goes under run.dir); or unset it")
+        _require(self.trace_steps >= 0, "run.trace_steps", self.trace_steps, "use a count of steps >= 0 (0: no trace)")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        """Checks that span sections; the per-section checks ran in their own __post_init__."""
+        p, t = self.parallel, self.train
+        _require(not (t.activation_checkpointing and p.split_backward), "train.activation_checkpointing", True,
+                 "recomputed layers cannot be split into input and weight halves: turn off parallel.split_backward")
+        self._check_batch_division()
+        if self.model.factory is None and self.model.hf is None:
+            self.gpt_layout()  # a model.factory's or model.hf's layers are counted by raytrain.driver.plan.plan_layout
+            rows = max(4 * self.model.d_model, self.model.seq_len, self.model.vocab_size)
+            check_shardable(p.fsdp, rows, "the built-in GPT's largest parameter")
+        if self.data.path is None:
+            self._check_builtin_corpus()
+        d = self.data
+        _require(self.eval.every == 0 or d.eval_fraction > 0 or d.eval_path is not None, "eval.every", self.eval.every,
+                 "the held-out loss needs held-out rows: set data.eval_fraction (e.g. 0.05: the last 5% of the rows, "
+                 "never trained on) or data.eval_path (a Parquet file of the same token format); or set eval.every=0")
+        e = self.elastic
+        if p.auto and (e.min_dp is not None or e.max_dp is not None):
+            raise ValueError("parallel.auto=true chooses parallel.dp, so elastic.min_dp / elastic.max_dp cannot be "
+                             "set with it; drop them, or set the layout by hand")
+        if e.min_dp is not None and not 1 <= e.min_dp <= p.dp:
+            raise ValueError(f"elastic.min_dp={e.min_dp} must lie in 1..parallel.dp={p.dp}")
+        if e.max_dp is not None and e.max_dp < p.dp:
+            raise ValueError(f"elastic.max_dp={e.max_dp} is below parallel.dp={p.dp}, where the run starts; "
+                             f"set elastic.max_dp >= {p.dp} (or lower parallel.dp)")
+        if e.max_dp is not None and e.max_dp * p.fsdp * p.microbatches > t.global_batch:
+            shards = f" x parallel.fsdp={p.fsdp}" if p.fsdp > 1 else ""
+            raise ValueError(f"elastic.max_dp={e.max_dp} replicas{shards} x parallel.microbatches={p.microbatches} "
+                             f"exceed train.global_batch={t.global_batch}: some micro-batch would be empty; lower "
+                             "elastic.max_dp")
+
+    def _check_batch_division(self):
+        """The global batch divides over dp x fsdp data-parallel workers, and each one's share over its micro-batches."""
+        p, t = self.parallel, self.train
+        if t.global_batch % p.dp:
+            raise ValueError(
+                f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp}; "
+                f"use a multiple of {p.dp} (e.g. {p.dp * max(1, t.global_batch // p.dp)})"
+            )
+        ranks = p.dp * p.fsdp
+        if t.global_batch % ranks:
+            raise ValueError(
+                f"train.global_batch={t.global_batch} is not divisible by parallel.dp x parallel.fsdp={ranks} (every "
+                f"shard trains on its own slice of its replica's share); use a multiple of {ranks}, or lower parallel.fsdp"
+            )
+        share = t.global_batch // ranks
+        if share % p.microbatches:
+            per = "train.global_batch / parallel.dp" + (" / parallel.fsdp" if p.fsdp > 1 else "")
+            raise ValueError(
+                f"parallel.microbatches={p.microbatches} does not divide the per-replica batch "
+                f"{share} ({per}); pick a divisor of {share}"
+            )
+
+    def gpt_layout(self) -> Layout:
+        """The layout over the built-in GPT's layers; a ValueError when parallel.pp or
+        parallel.split_points cannot cut them."""
+        m = self.model
+        return Layout.of(self.parallel).for_model(
+            m.gpt_layers, f"the model (model.n_layer={m.n_layer} blocks + embedding + head)")
+
+    def _check_builtin_corpus(self):
+        """With data.path unset the data are bytes (ids 0..255), cut into rows of model.seq_len + 1."""
+        m, t = self.model, self.train
+        if m.vocab_size < 256:
+            raise ValueError(f"model.vocab_size={m.vocab_size}: the built-in corpus (data.path unset) is "
+                             "bytes, token ids 0..255; set model.vocab_size >= 256, or point data.path at your tokens")
+        corpus_bytes = t.global_batch * (m.seq_len + 1)
+        if self.data.max_bytes < corpus_bytes:
+            raise ValueError(f"data.max_bytes={self.data.max_bytes}: the built-in corpus needs train.global_batch="
+                             f"{t.global_batch} rows of model.seq_len + 1 = {m.seq_len + 1} bytes; "
+                             f"set data.max_bytes >= {corpus_bytes}")
+
+    # --- public helpers -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def layout(self) -> Layout:
+        """The configured layout (its ``label``: ``dp=2 pp=1 m=1``); without the model's layer count
+        and cuts, which raytrain.driver.plan adds."""
+        return Layout.of(self.parallel)
+
+
+def check_shardable(fsdp: int, rows: int, what: str) -> None:
+    """FSDP cuts every parameter into parallel.fsdp row slices (torch.chunk's cut: a small parameter
+    leaves some shards empty, which works); a shard must own rows of some parameter, or the extra
+    worker holds nothing. ``rows``: the largest parameter's rows (1 when a scalar cannot be cut)."""
+    _require(fsdp <= rows, "parallel.fsdp", fsdp,
+             f"more shards than the {rows} rows of {what}, so some shard would own nothing; use "
+             f"parallel.fsdp <= {rows}")
