@@ -10,6 +10,18 @@ from raytrain.config import load_config
 from tests.helpers import TEST_RAY_CPUS
 
 
+RAY_FIXTURES = {"ray_cluster", "ray_session", "ray_tmpdir"}
+"""A test that uses one of these (itself or through another fixture) runs on Ray."""
+
+
+def pytest_collection_modifyitems(items):
+    """Mark every test that needs Ray ``ray``: ``pytest -m "not ray"`` is the fast tier (pure functions,
+    fake workers, forked stages); modules that start a Ray of their own mark themselves."""
+    for item in items:
+        if RAY_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.ray)
+
+
 # Node loss must be noticed in seconds, not Ray's default tens of seconds, for node tests to stay short.
 FAST_NODE_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 3}
 

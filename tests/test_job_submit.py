@@ -12,6 +12,8 @@ import pytest
 
 from tests.private_cluster import pids_using, private_machine, unshare_works
 
+pytestmark = pytest.mark.ray  # ray start, ray job submit
+
 REPO = Path(__file__).resolve().parents[1]
 
 README_MARKER = "<!-- tests/test_job_submit.py runs this block as written -->"

@@ -32,6 +32,7 @@ def test_a_sharded_world_the_cluster_cannot_hold_names_parallel_fsdp(ray_session
     assert "dp=2 fsdp=4" in message and "8 workers" in message and "parallel.fsdp" in message
 
 
+@pytest.mark.ray  # the CLI starts an embedded Ray
 def test_a_layout_larger_than_the_embedded_ray_is_refused_at_once(tmp_path, data_cache):
     """With RAY_ADDRESS unset raytrain starts a Ray of this machine's size, which never grows: a
     layout that needs more fails in one line (exit 3) without waiting resources.wait_s."""

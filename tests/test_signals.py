@@ -12,6 +12,8 @@ import pytest
 
 from raytrain import checkpoint
 from tests.helpers import pid_alive
+
+pytestmark = pytest.mark.ray  # every test runs the CLI on a Ray
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 120
 

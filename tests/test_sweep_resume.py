@@ -30,6 +30,8 @@ from ray.tune import Tuner
 from raytrain import tune as rt_tune
 from tests.private_cluster import kill_all_using, pids_using
 
+pytestmark = pytest.mark.ray  # every test runs the CLI on a Ray
+
 REPO = Path(__file__).resolve().parents[1]
 
 SWEEP_TIMEOUT_S = 300.0
