@@ -7,14 +7,13 @@ parallel.auto is set (raytrain.tune.autolayout), then runs it (raytrain.driver.r
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from typing import Callable, Optional
 
 from raytrain.config import Config
 from raytrain.driver import run as driver
 from raytrain.driver.placement import ResourcesUnavailable
-from raytrain.driver.plan import RunPlan, prepare
+from raytrain.driver.plan import RunPlan, prepare, remove_if_empty
 from raytrain.driver.run import Result, ensure_ray
 from raytrain.tune.autolayout import choose_layout
 
@@ -35,15 +34,7 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     ensure_ray()
     cfg, auto_layout = choose_layout(cfg, checked.layout.num_layers, stream)
     if cfg.run.name is None:  # the run is named after the layout it trains: drop the check's empty directory
-        _remove_if_empty(checked.run_dir)
+        remove_if_empty(checked.run_dir)
     result = driver.run(prepare(cfg), stream, on_rows, placement)
     return dataclasses.replace(result, auto_layout=auto_layout)
 
-
-def _remove_if_empty(run_dir: str) -> None:
-    """Remove a run directory that holds nothing but an empty checkpoints directory."""
-    for path in (os.path.join(run_dir, "checkpoints"), run_dir):
-        try:
-            os.rmdir(path)
-        except OSError:
-            return  # not empty (or already gone): keep it

@@ -24,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a model.hf run's checkpoint as a Hugging Face model directory")
     e.add_argument("--checkpoint", required=True, help="a step directory, or a checkpoint directory (its latest)")
     e.add_argument("--out", required=True, help="the directory to create (config.json + model.safetensors)")
+    e.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model.hf directory's auto_map code (only code you have read; off: refused)")
     e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="tensor dtype (default: the model's own, from its config.json; else float32)")
     return parser
@@ -75,7 +77,7 @@ def _export(args) -> int:
     from raytrain.models.export import export_hf
 
     try:
-        step_dir = export_hf(args.checkpoint, args.out, args.dtype)
+        step_dir = export_hf(args.checkpoint, args.out, args.dtype, args.trust_remote_code)
     except ValueError as e:  # a CheckpointError too
         return _fail(f"export: {e}", 2)
     print(json.dumps({"exported": step_dir, "out": args.out}))

@@ -84,6 +84,21 @@ def test_the_workers_and_the_export_refuse_it_too(tmp_path, known_type):
     assert not os.path.exists(sentinel) and not os.path.exists(tmp_path / "out")
 
 
+def test_a_checkpoint_cannot_turn_custom_code_on_for_export(tmp_path):
+    """A manifest is data: one that says model.trust_remote_code=true (a checkpoint from someone else)
+    does not make ``raytrain export`` run the directory's code; only the user's --trust-remote-code does."""
+    from raytrain.models.export import export_hf
+
+    path, sentinel = custom_code_dir(tmp_path, known_type=False)
+    step = checkpoint.step_dir(str(tmp_path / "ckpt"), 1)
+    cfg = load_config(None, [f"model.hf={path}", "model.trust_remote_code=true"])
+    os.makedirs(step)
+    checkpoint.publish(step, {"step": 1, "shards": [], "config": cfg.to_dict()})
+    with pytest.raises(ValueError, match="config.json names custom Python code in auto_map"):
+        export_hf(step, str(tmp_path / "out"))
+    assert not os.path.exists(sentinel)
+
+
 def test_model_trust_remote_code_true_is_passed_to_transformers(tmp_path):
     """The opt-in works: the directory's own classes build the model (its code runs, as asked)."""
     path, sentinel = custom_code_dir(tmp_path, known_type=False)

@@ -271,3 +271,17 @@ def test_long_rows_train_every_window_exactly_once_per_epoch(ray_session, make_c
     assert sorted(first_epoch) == list(range(len(windows)))
     seen = np.sort(data.TokenDataset(path, "tokens", seq_len=16).rows[first_epoch].reshape(-1))
     assert seen.tolist() == np.sort(windows.reshape(-1)).tolist()  # every window's tokens, once each
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("space: {train.lr: [0.1]\n", "not valid YAML"),
+    ("train: {steps: 2}\nspace: {train.lr: [0.1, 0.2]}\ntrain: {steps: 3}\n", "key 'train' appears twice"),
+])
+def test_a_broken_sweep_file_is_one_line_naming_it(tmp_path, text, needle):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    out = subprocess.run([sys.executable, "-m", "raytrain", "sweep", "--config", str(path)], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "sweep.yaml" in lines[0] and needle in lines[0] and "Traceback" not in out.stderr, lines

@@ -42,7 +42,9 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops_naming_the_last_good_che
     # step 1 trains (finite); steps 2 and 3 are skipped; step 4 is the third non-finite one: stop
     assert [r["step"] for r in steps] == [1, 2, 3] and [bool(r.get("skipped")) for r in steps] == [False, True, True]
     assert all(len(r["sample_ids"]) == 8 for r in steps)
-    good = os.path.join(run_dir, "checkpoints", "step_00000002")
+    # the workers saved the three committed steps (two of them skipped) before stopping, beside step 2's save
+    good = os.path.join(run_dir, "checkpoints", "step_00000003")
+    assert os.path.isdir(os.path.join(run_dir, "checkpoints", "step_00000002"))
     assert "step 4" in str(err.value) and good in str(err.value) and "train.skip_nonfinite" in str(err.value)
     assert [r["event"] for r in rows if "event" in r][-1] == "failed"  # the rows up to the failure are kept
     # the checkpoint holds step 1's finite parameters: nothing of a skipped step was applied

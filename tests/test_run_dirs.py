@@ -3,6 +3,8 @@
 import threading
 import time
 
+import pytest
+
 from raytrain.api import prepare
 from raytrain.driver import plan
 
@@ -30,3 +32,11 @@ def test_concurrent_runs_never_share_a_directory(tmp_path, monkeypatch):
         t.join(timeout=30)
     assert len(names) == 8 and len(set(names)) == 8, names
     assert all((tmp_path / n).is_dir() for n in names)
+
+
+def test_a_run_refused_in_prepare_leaves_no_run_directory(make_config, tmp_path):
+    cfg = make_config(f"checkpoint.resume={tmp_path / 'no-such-checkpoint'}")
+    with pytest.raises(ValueError, match="checkpoint.resume"):
+        prepare(cfg)
+    runs = tmp_path / "runs"
+    assert not runs.exists() or list(runs.iterdir()) == []

@@ -145,42 +145,53 @@ def load_yaml(stream) -> Any:
     return yaml.load(stream, Loader=UniqueKeyLoader)
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Load ``path`` (YAML), apply ``--set`` overrides in order, validate, and return the Config.
+def read_yaml_file(path: str, what: str = "config file") -> dict:
+    """A YAML file's mapping (``{}`` when empty), every mapping's keys unique. A file that is missing, a
+    directory, unreadable, not UTF-8 or not YAML is a ValueError naming it (``what``) and the line."""
+    if not os.path.exists(path):
+        raise ValueError(f"{what} {path!r} does not exist; pass an existing YAML file to --config")
+    if os.path.isdir(path):
+        inside = sorted(n for n in os.listdir(path) if n.endswith((".yaml", ".yml")))[:3]
+        raise ValueError(f"{what} {path!r} is a directory; pass --config a YAML file"
+                         + (f" (it holds {', '.join(inside)})" if inside else ""))
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = load_yaml(f) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"{what} {path!r}{at}: not valid YAML ({problem}); fix the YAML syntax there") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path!r} is not UTF-8 text (byte {e.start}); save it as UTF-8") from e
+    except OSError as e:
+        raise ValueError(f"{what} {path!r} cannot be read ({e.strerror}); pass --config a readable YAML file") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} {path!r}: the config must be a mapping of sections (model:, train:, ...), not a "
+                         f"YAML {type(raw).__name__}")
+    return raw
 
-    What needs this machine (data.path, model.factory) is checked later, by raytrain.driver.plan.prepare. A file
-    that is missing, a directory, unreadable or not YAML, and an override whose value is not YAML, are
-    ValueErrors naming it (the CLI's one line, exit 2), never a yaml or OS traceback."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        if not os.path.exists(path):
-            raise ValueError(f"config file {path!r} does not exist; pass an existing YAML file to --config")
-        if os.path.isdir(path):
-            inside = sorted(n for n in os.listdir(path) if n.endswith((".yaml", ".yml")))[:3]
-            raise ValueError(f"config file {path!r} is a directory; pass --config a YAML file"
-                             + (f" (it holds {', '.join(inside)})" if inside else ""))
+
+def parse_overrides(texts: Optional[list[str]]) -> list[tuple[str, Any]]:
+    """``--set key=value`` strings as (key, value) pairs; a value that is not YAML is a ValueError naming it."""
+    pairs = []
+    for text in texts or []:
         try:
-            with open(path, encoding="utf-8") as f:
-                raw = load_yaml(f) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-            at = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ValueError(f"config file {path!r}{at}: not valid YAML ({problem}); fix the YAML syntax there") from e
-        except UnicodeDecodeError as e:
-            raise ValueError(f"config file {path!r} is not UTF-8 text (byte {e.start}); save it as UTF-8") from e
-        except OSError as e:
-            raise ValueError(f"config file {path!r} cannot be read ({e.strerror}); pass --config a readable "
-                             "YAML file") from e
-        values.update(flatten_sections(raw, path))
-    for text in overrides or []:
-        try:
-            key, value = parse_override(text)
+            pairs.append(parse_override(text))
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ValueError(f"--set {text!r}: the value is not valid YAML ({problem}); fix it, or quote it "
                              "(lists: --set parallel.split_points=[2,4])") from e
-        values[key] = value
+    return pairs
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Load ``path`` (YAML), apply ``--set`` overrides in order, validate, and return the Config.
+
+    What needs this machine (data.path, model.factory) is checked later, by raytrain.driver.plan.prepare.
+    Every input error is a ValueError naming the file or override (the CLI's one line, exit 2)."""
+    values: dict[str, Any] = flatten_sections(read_yaml_file(path), path) if path is not None else {}
+    values.update(parse_overrides(overrides))
     return build_config(values)
 
 

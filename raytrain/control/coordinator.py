@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import ray
 
@@ -65,9 +65,8 @@ class CapacityLost(RuntimeError):
 class Coordinator:
     """Owns one run. Contract: construct (it starts the workers at once), then ``run(store)`` once;
     the driver calls ``poll`` meanwhile, ``request_stop`` on a signal and ``shutdown`` at the end.
-    ``worker_cls`` is the worker actor's class (the driver's raytrain.worker.actor.StageWorker: the
-    control plane imports no worker code); ``group`` replaces the Ray worker group
-    (tests/helpers.FakeWorkerGroup)."""
+    ``worker_cls``: the workers' actor class (the driver's: control/ imports no worker code);
+    ``group`` replaces the Ray worker group (tests/helpers.FakeWorkerGroup)."""
 
     def __init__(self, config: Config, data_path: str, num_samples: int, stage_layers: list[list[int]],
                  placement, first_bundle: int, resume_from: Optional[str], worker_cls=None,
@@ -262,7 +261,7 @@ class Coordinator:
         loss = steps.loss_of(bad.results, self.cfg, self.team.mesh().columns)
         decision = self.policy.nonfinite(len(self.skipped_steps))
         if decision.action is Action.GIVE_UP:
-            raise nonfinite_loss(step, loss, norm, decision, self.last_checkpoint)
+            self.give_up(decision, lambda last: nonfinite_loss(step, loss, norm, decision, last))
         members = self.team.members()
         for m, committed in zip(members, self.group.call([(m, "skip_step", (step,)) for m in members], SETUP_TIMEOUT_S)):
             m.committed = committed
@@ -303,15 +302,16 @@ class Coordinator:
                    "checkpoint": self.last_checkpoint})
         return RunState.FINISHED
 
-    def give_up(self, decision: Decision) -> None:
-        """End the run with CapacityLost, after saving the survivors' state when no checkpoint has it."""
+    def give_up(self, decision: Decision, error: Optional[Callable[[Optional[str]], Exception]] = None) -> None:
+        """End the run with CapacityLost (or ``error(last checkpoint)``), after saving the survivors'
+        state when no checkpoint has it."""
         self.flush_row(None)  # a committed step's held row is kept however the run ends
         saved, event = save_survivors(self.group, self.team, self.progress, self.last_checkpoint, self.cfg,
                                       self.stage_layers)
         if event is not None:
             self.emit(event)
         self.last_checkpoint = saved or self.last_checkpoint
-        raise capacity_lost(decision, self.last_checkpoint, saved is not None)
+        raise error(self.last_checkpoint) if error else capacity_lost(decision, self.last_checkpoint, saved is not None)
 
 
 def capacity_lost(decision: Decision, last_checkpoint: Optional[str], saved: bool = False) -> CapacityLost:
@@ -332,7 +332,11 @@ def save_survivors(group, team: Membership, progress: Progress, last_checkpoint:
     needs no collective). Returns the published directory (None when not saved) and the event to record
     (None when the last checkpoint already has the step)."""
     step = progress.step
-    if step <= (checkpoint.read_manifest(last_checkpoint)["step"] if last_checkpoint else 0):
+    try:
+        saved_step = checkpoint.read_manifest(last_checkpoint)["step"] if last_checkpoint else 0
+    except checkpoint.CheckpointError:
+        saved_step = -1  # unreadable now: save anew
+    if step <= saved_step:
         return None, None
     holders = team.holders(step, excluding=progress.lost)
     try:

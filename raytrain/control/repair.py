@@ -110,6 +110,7 @@ class Repairs:
                 c.form_generation(step)
                 return step, capacity
             except WorkersLost as more:  # a failure during repair: repair again
+                c.progress.lost = c.progress.lost + more.dead  # not to be saved from if the run gives up
                 self.count_failure()
                 c.faults = FaultPlan.remaining(c.faults, step, keep_join=False)
                 c.emit({"event": "repair_failed", "step": step, "lost": len(more.dead),

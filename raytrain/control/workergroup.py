@@ -153,10 +153,13 @@ def _wait_settled(refs: list, timeout: float, settle_s: Optional[float]) -> list
 
 
 def _failed(ref) -> bool:
+    """Whether a reply is a worker's own report of a failed step (a collective that failed against a
+    peer). A dead worker's reply is not: its healthy peers may still be computing towards the
+    collective where they will notice, however long their step takes."""
     try:
         value = ray.get(ref)
     except ray.exceptions.RayError:
-        return True
+        return False
     return isinstance(value, dict) and value.get("ok") is False
 
 

@@ -64,12 +64,13 @@ def prepare(cfg: Config) -> RunPlan:
     root = run_root(cfg.run.dir)  # under ~/raytrain in a Ray job: the job's working dir is temporary
     run_name = cfg.run.name or _new_run_name(root, layout)
     ckpt_dir = cfg.checkpoint.dir or os.path.join(root, run_name, "checkpoints")
-    resume = _resume_source(cfg, root, ckpt_dir)
     try:
-        checkpoint.check_writable(ckpt_dir)
-    except checkpoint.CheckpointError as e:
-        raise ValueError(f"checkpoint.dir={ckpt_dir!r}: {e}; point checkpoint.dir at a writable directory or a "
-                         f"pyarrow.fs URI (s3://, gs://, hdfs://) whose credentials this machine has") from e
+        resume = _resume_source(cfg, root, ckpt_dir)
+        _check_checkpoint_dir(ckpt_dir)
+    except ValueError:
+        if cfg.run.name is None:  # the run that claimed this directory never starts: leave nothing behind
+            remove_if_empty(os.path.join(root, run_name))
+        raise
     cfg = dataclasses.replace(
         cfg,
         run=dataclasses.replace(cfg.run, dir=root, name=run_name),
@@ -77,6 +78,25 @@ def prepare(cfg: Config) -> RunPlan:
     )
     return RunPlan(cfg=cfg, layout=layout, data_path=data_path, num_samples=num_samples, resume=resume,
                    held_out=held_out)
+
+
+def _check_checkpoint_dir(ckpt_dir: str) -> None:
+    try:
+        checkpoint.check_writable(ckpt_dir)
+    except checkpoint.CheckpointError as e:
+        raise ValueError(f"checkpoint.dir={ckpt_dir!r}: {e}; point checkpoint.dir at a writable directory or a "
+                         f"pyarrow.fs URI (s3://, gs://, hdfs://) whose credentials this machine has") from e
+
+
+def remove_if_empty(run_dir: str) -> None:
+    """Remove a run directory that holds nothing but an empty checkpoints directory."""
+    for path in (os.path.join(run_dir, "checkpoints"), run_dir):
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return  # not empty: keep it
 
 
 def split_held_out(cfg: Config, rows: int) -> tuple[int, int]:

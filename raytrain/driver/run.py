@@ -163,7 +163,7 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
             finally:
                 _stop(coordinator)
     finally:
-        if cluster_reachable():  # else Ray blocks a minute on each call: the cluster, and its groups, are gone
+        if not embedded() or cluster_reachable():  # an embedded Ray gone with a group signal blocks each call
             for group in groups:
                 remove_placement_group(group)
         rendezvous.close()
@@ -221,5 +221,5 @@ def _stop(coordinator) -> None:
         ray.get(coordinator.shutdown.remote(), timeout=30)
     except ray.exceptions.RayError:
         pass  # already gone: its workers went with it
-    if cluster_reachable():
+    if not embedded() or cluster_reachable():
         ray.kill(coordinator, no_restart=True)

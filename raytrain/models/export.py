@@ -28,9 +28,12 @@ COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.js
 """Files of the model.hf directory the export carries over when they exist."""
 
 
-def export_hf(ckpt: str, out_dir: str, dtype: Optional[str] = None) -> str:
+def export_hf(ckpt: str, out_dir: str, dtype: Optional[str] = None, trust_remote_code: bool = False) -> str:
     """Write checkpoint ``ckpt`` (a step directory, or a checkpoint directory: its latest) as a Hugging
-    Face directory at ``out_dir``; returns the step directory exported. A ValueError names what is wrong."""
+    Face directory at ``out_dir``; returns the step directory exported. A ValueError names what is wrong.
+
+    ``trust_remote_code`` is the exporting user's own choice (``--trust-remote-code``), never the
+    checkpoint's: a checkpoint is data, and its manifest must not be able to turn custom code on."""
     step_dir = checkpoint.resolve(ckpt)
     cfg = config_from_dict(checkpoint.read_manifest(step_dir)["config"])
     if cfg.model.hf is None:
@@ -41,7 +44,7 @@ def export_hf(ckpt: str, out_dir: str, dtype: Optional[str] = None) -> str:
     if not os.path.isdir(os.path.expanduser(cfg.model.hf)):
         raise ValueError(f"--checkpoint {ckpt}: its run's model.hf directory {cfg.model.hf!r} is gone; the export "
                          "needs its config.json there: restore it")
-    trust = cfg.model.trust_remote_code  # the run's own choice: a directory with auto_map is refused without it
+    trust = trust_remote_code
     config = load_hf_config(cfg.model.hf, trust)
     model, layers = hf_layers(cfg.model.hf, cfg.model.hf_cut, trust)
     config.dtype = _dtype(config, dtype, stored_dtype(weight_files(cfg.model.hf)))

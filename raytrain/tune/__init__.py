@@ -100,14 +100,9 @@ class SweepConfig:
 
 def load_sweep_config(path: str, overrides: Optional[list[str]] = None) -> SweepConfig:
     """A sweep file: a train config (sections) plus ``space:`` and optional ``sweep:`` settings."""
-    import yaml
+    from raytrain.config.loader import parse_overrides, read_yaml_file
 
-    from raytrain.config import parse_override
-
-    if not os.path.exists(path):
-        raise ValueError(f"sweep config {path!r} does not exist")
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    raw = read_yaml_file(path, what="sweep config")
     space = raw.pop("space", None)
     if not space:
         raise ValueError(f"{path}: a sweep config needs a 'space:' section (config key -> values)")
@@ -117,8 +112,7 @@ def load_sweep_config(path: str, overrides: Optional[list[str]] = None) -> Sweep
         if key not in known:
             raise ValueError(f"{path}: unknown sweep setting 'sweep.{key}' (valid: {', '.join(sorted(known))})")
     base = raw
-    for text in overrides or []:
-        key, value = parse_override(text)
+    for key, value in parse_overrides(overrides):
         section, _, name = key.partition(".")
         if section == "sweep":
             settings[name] = value
@@ -461,12 +455,12 @@ class SweepStop(logging.Filter):
     def _watch_cluster(self) -> None:
         """While Tune stops: a signal to the whole process group (``timeout``, systemd, Slurm) ends an
         embedded Ray too, and Tune's clean-up then blocks a minute on each call to it; exit at once."""
-        from raytrain.driver.connect import cluster_reachable
+        from raytrain.driver.connect import cluster_reachable, embedded
         from raytrain.driver.signals import exit_code
 
         while not self._reporting:
             time.sleep(CLUSTER_POLL_S)
-            if not self._reporting and not cluster_reachable():
+            if not self._reporting and embedded() and not cluster_reachable():
                 hint = f"; continue it with: {self.resume_command}" if self.resume_command else ""
                 self.stream.write(f"raytrain: sweep stopped by {self.reason}, which also ended Ray; Tune's last "
                                   f"saved state is kept{hint}\n")
