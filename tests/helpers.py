@@ -126,6 +126,9 @@ class FakeWorkerGroup:
     def kill(self, member: Member) -> None:
         member.handle.alive = False
 
+    def kill_hung(self, member: Member) -> None:
+        self.kill(member)
+
     def granted(self, requests: list, timeout: float) -> list:
         return [(pg, r) for pg, r in requests if r in self.granted_tokens]
 

@@ -55,7 +55,7 @@ def collect(group, call: StepCall, timeout_s: float, layout: str, settle_s: Opti
     outcomes = group.collect(call.members, call.refs, timeout_s, settle_s)
     for o in outcomes:
         if o.silent:
-            group.kill(o.member)
+            group.kill_hung(o.member)
         if o.error is not None:
             raise StepFailed(f"step {call.step + 1} raised on a worker of stage {o.member.stage} (layout {layout}): "
                              f"{worker_error(o.error)}")

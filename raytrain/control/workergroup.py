@@ -116,9 +116,13 @@ class RayWorkerGroup:
         return [o.value for o in outcomes]
 
     def kill(self, member: Member) -> None:
-        """End the member's actor and its process: a stopped (SIGSTOP) or hung process does not act on
-        ray.kill, and would keep its bundle's resources from a replacement for ever."""
+        """End the member's actor (at the end of a run, or when it is lost)."""
         ray.kill(member.handle, no_restart=True)
+
+    def kill_hung(self, member: Member) -> None:
+        """End a member that stopped answering, actor and process: a stopped (SIGSTOP) or hung process
+        does not act on ray.kill, and would keep its bundle's resources from a replacement for ever."""
+        self.kill(member)
         if member.pid is not None:
             # On the member's node: a task in the member's own bundle (it needs no resources of it).
             _kill_process.options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -190,7 +194,7 @@ def lost_members(group, outcomes: list[Outcome]) -> list[Member]:
     bundle is free for a replacement (a hung actor would hold it for ever)."""
     for o in outcomes:
         if o.silent:
-            group.kill(o.member)
+            group.kill_hung(o.member)
     return [o.member for o in outcomes if o.dead or o.silent]
 
 
