@@ -53,9 +53,9 @@ def _run_worker(cfg, data_path: str, num_samples: int, stage_layers: list[list[i
     peak_live = 0
     for step in range(stage.committed, steps):
         result = stage.run_step(step)
-        if not result["ok"]:
-            raise RuntimeError(f"rank {rank} failed step {step}: {result.get('error')}")
-        peak_live = max(peak_live, result["peak_live"])
+        if not result.ok:
+            raise RuntimeError(f"rank {rank} failed step {step}: {result.error}")
+        peak_live = max(peak_live, result.peak_live)
     if replica == 0:
         torch.save(stage.shard(), os.path.join(out_dir, f"stage{stage_index}-{shard}.pt"))
         with open(os.path.join(out_dir, f"stage{stage_index}-{shard}.json"), "w") as f:

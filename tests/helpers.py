@@ -1,6 +1,6 @@
 """Test helpers: a fake worker group that runs the coordinator's state machine without processes.
 
-``FakeWorkerGroup`` has the methods of ``raytrain.control.workergroup.RayWorkerGroup``. Its workers keep a
+``FakeWorkerGroup`` implements the worker protocol (``raytrain.control.protocol.WorkerGroup``). Its workers keep a
 stand-in for their state: the chain of the steps they applied (``value``), which only equals the
 fault-free chain if every step was applied exactly once, in order. Faults use the same
 ``replica:stage@step:phase`` spec as real workers (``elastic.faults``); a step's fate is decided for
@@ -22,7 +22,8 @@ import torch
 
 from raytrain import checkpoint
 from raytrain.control.membership import Member
-from raytrain.control.workergroup import Outcome, StepFailed, WorkersLost, lost_members
+from raytrain.control.protocol import Outcome, StepFailed, WorkerGroup, WorkersLost, lost_members
+from raytrain.reports import EvalReport, JoinReport, ShardReport, StepReport
 from raytrain.testing.faults import Fault
 
 # Logical CPU slots for the session's Ray: dp=4 and dp=2 x pp=2 need 4 workers of 1 slot each.
@@ -65,7 +66,9 @@ class FakeWorker:
                    for f in map(Fault.parse, self.faults))
 
 
-class FakeRef:
+class FakeReply:
+    """A reply of a call whose outcome is collected later: decided when first collected."""
+
     def __init__(self, resolve):
         self._resolve, self._done, self._outcome = resolve, False, None
 
@@ -75,13 +78,13 @@ class FakeRef:
         return self._outcome
 
 
-class FakeWorkerGroup:
+class FakeWorkerGroup(WorkerGroup):
     """In-process workers; ``capacity`` bounds how many replacements can start (None: unbounded),
     ``nonfinite_steps`` are steps whose loss is NaN, ``init_error`` makes every worker's start fail."""
 
     def __init__(self, pp: int, initial: int, capacity: Optional[int] = None, nonfinite_steps=(),
                  init_error: Optional[str] = None, hangs_in: Optional[str] = None):
-        """``hangs_in``: the first call of that method (on any worker) never answers, as a hung
+        """``hangs_in``: the first call of that protocol method (on any worker) never answers, as a hung
         process would: the caller sees it silent."""
         self.pp, self.initial, self.capacity, self.hangs_in = pp, initial, capacity, hangs_in
         self.nonfinite_steps, self.init_error = set(nonfinite_steps), init_error
@@ -89,7 +92,7 @@ class FakeWorkerGroup:
         self.granted_tokens: set = set()
         self.spawned = 0
 
-    # --- the RayWorkerGroup interface -----------------------------------------------------------
+    # --- starting and ending workers ----------------------------------------------------------
 
     def spawn(self, stage: int, placement, bundle: int, shard: int = 0) -> Member:
         self.spawned += 1
@@ -107,21 +110,8 @@ class FakeWorkerGroup:
             raise StepFailed(f"a worker of stage {member.stage} failed to start: ValueError: {self.init_error}")
         return member.handle.pid if member.handle.alive else None
 
-    def submit(self, members: list[Member], method: str, *args) -> list:
-        if method == "run_step":
-            batch = {}
-            return [FakeRef(lambda m, b=batch: self._step_outcome(m, members, args[0], b)) for _ in members]
-        return [FakeRef(lambda m: self._call_outcome(m, method, args)) for _ in members]
-
-    def collect(self, members: list[Member], refs: list, timeout: float, settle_s=None) -> list[Outcome]:
-        return [ref.outcome(m) for m, ref in zip(members, refs)]
-
-    def call(self, calls: list[tuple[Member, str, tuple]], timeout: float) -> list:
-        outcomes = [self._call_outcome(m, method, args) for m, method, args in calls]
-        dead = lost_members(self, outcomes)  # as RayWorkerGroup.call: the silent are killed too
-        if dead:
-            raise WorkersLost(dead)
-        return [o.value for o in outcomes]
+    def granted(self, requests: list, timeout: float) -> list:
+        return [(pg, r) for pg, r in requests if r in self.granted_tokens]
 
     def kill(self, member: Member) -> None:
         member.handle.alive = False
@@ -129,41 +119,84 @@ class FakeWorkerGroup:
     def kill_hung(self, member: Member) -> None:
         self.kill(member)
 
-    def granted(self, requests: list, timeout: float) -> list:
-        return [(pg, r) for pg, r in requests if r in self.granted_tokens]
+    # --- calls every member answers before the caller goes on ---------------------------------
+
+    def join(self, ranked: list[tuple[int, Member]], mesh, shares: list[int], store, generation: int,
+             faults: list[str]) -> list[JoinReport]:
+        calls = {id(m): rank for rank, m in ranked}
+        return self._answers("join", [m for _, m in ranked],
+                             lambda m, w: self._join(w, calls[id(m)], mesh, shares, generation, faults))
+
+    def sync_state(self, sources: list[tuple[Member, int]]) -> list[int]:
+        ranks = {id(m): src for m, src in sources}
+        return self._answers("sync_state", [m for m, _ in sources], lambda m, w: self._sync_state(w, ranks[id(m)]))
+
+    def skip_step(self, members: list[Member], step: int) -> list[int]:
+        return self._answers("skip_step", members, lambda m, w: self._skip_step(w, step))
+
+    def evaluate(self, members: list[Member], timeout: float) -> list[EvalReport]:
+        return self._answers("evaluate", members, lambda m, w: self._evaluate(w))
+
+    def save(self, members: list[Member], ckpt_dir: str) -> list[ShardReport]:
+        return self._answers("save", members, lambda m, w: self._save(w, ckpt_dir))
+
+    def load(self, members: list[Member], ckpt_dir: str) -> None:
+        self._answers("load", members, lambda m, w: self._load(w, ckpt_dir))
+
+    def state_digest(self, members: list[Member]) -> list[str]:
+        return self._answers("state_digest", members, lambda m, w: f"{w.value}@{w.committed}")
+
+    def _answers(self, method: str, members: list[Member], act) -> list:
+        outcomes = [self._outcome(method, m, act) for m in members]
+        dead = lost_members(self, outcomes)  # as RayWorkerGroup: the silent are killed too
+        if dead:
+            raise WorkersLost(dead)
+        return [o.value for o in outcomes]
+
+    # --- calls whose replies are collected later ----------------------------------------------
+
+    def send_step(self, members: list[Member], step: int, trace: bool) -> list:
+        batch = {}
+        return [FakeReply(lambda m, b=batch: self._step_outcome(m, members, step, b)) for _ in members]
+
+    def send_commit_prepared(self, members: list[Member], step: int) -> list:
+        return [FakeReply(lambda m: self._outcome("send_commit_prepared", m, lambda _, w: self._commit_prepared(w, step)))
+                for _ in members]
+
+    def send_leave(self, members: list[Member]) -> None:
+        for m in members:
+            m.handle.joined = False
+
+    def collect(self, members: list[Member], replies: list, timeout: float, settle_s=None) -> list[Outcome]:
+        return [reply.outcome(m) for m, reply in zip(members, replies)]
 
     # --- worker behaviour -----------------------------------------------------------------------
 
-    def _call_outcome(self, member: Member, method: str, args: tuple) -> Outcome:
+    def _outcome(self, method: str, member: Member, act) -> Outcome:
+        """``act(member, worker)``'s value as the member's outcome: dead, silent (``hangs_in``) or answered."""
         w = member.handle
         if not w.alive:
             return Outcome(member, dead=True)
         if method == self.hangs_in:
             self.hangs_in = None
             return Outcome(member, silent=True)
-        if method == "join":
-            rank, mesh, shares, _store, generation, faults = args
-            w.rank, (w.replica, _), w.faults, w.joined = rank, mesh.coords(rank), list(faults), True
-            w.share = shares[w.replica]
-            if generation > 0 and w.fault(w.committed, "join"):
-                w.alive = False
-                return Outcome(member, dead=True)
-            return Outcome(member, {"rank": rank, "committed": w.committed})
         try:
-            return Outcome(member, getattr(self, f"_{method}")(w, *args))
+            return Outcome(member, act(member, w))
         except _Died:
             return Outcome(member, dead=True)
 
-    def _leave(self, w: FakeWorker) -> None:
-        w.joined = False
+    def _join(self, w: FakeWorker, rank: int, mesh, shares: list[int], generation: int, faults: list[str]) -> JoinReport:
+        w.rank, (w.replica, _), w.faults, w.joined = rank, mesh.coords(rank), list(faults), True
+        w.share = shares[w.replica]
+        if generation > 0 and w.fault(w.committed, "join"):
+            w.alive = False
+            raise _Died()
+        return JoinReport(rank=rank, committed=w.committed, pid=w.pid)
 
     def _commit_prepared(self, w: FakeWorker, step: int) -> int:
         if w.prepared == step and w.committed == step:
             w.value, w.committed, w.prepared = chain(range(step, step + 1), w.value), step + 1, None
         return w.committed
-
-    def _state_digest(self, w: FakeWorker) -> str:
-        return f"{w.value}@{w.committed}"
 
     def _skip_step(self, w: FakeWorker, step: int) -> int:
         w.committed, w.prepared = step + 1, None
@@ -174,25 +207,25 @@ class FakeWorkerGroup:
         w.value, w.committed, w.prepared = source.value, source.committed, None
         return w.committed
 
-    def _evaluate(self, w: FakeWorker) -> dict:
+    def _evaluate(self, w: FakeWorker) -> EvalReport:
         """A held-out loss that is a function of the steps the worker applied (``fake_eval_loss``), so
         that an evaluation of any other state shows; summed over its replica's rows, as a last stage does."""
         if w.fault(w.committed, "eval"):
             w.alive = False
             raise _Died()
-        report = {"rank": w.rank, "step": w.committed, "ok": True}
+        report = EvalReport(rank=w.rank, step=w.committed, ok=True)
         if w.stage == self.pp - 1:
-            report.update(loss_sum=w.share * fake_eval_loss(w.value), rows=w.share)
+            report.loss_sum, report.rows = w.share * fake_eval_loss(w.value), w.share
         return report
 
-    def _save(self, w: FakeWorker, ckpt_dir: str) -> dict:
+    def _save(self, w: FakeWorker, ckpt_dir: str) -> ShardReport:
         if w.fault(w.committed, "checkpoint"):
             checkpoint.write_bytes(f"{ckpt_dir}/stage-{w.stage}.json", b"half")
             w.alive = False
             raise _Died()
         data = json.dumps({"value": w.value}).encode()
         checkpoint.write_bytes(f"{ckpt_dir}/stage-{w.stage}.json", data)
-        return {"file": f"stage-{w.stage}.json", "bytes": len(data), "finite": True}
+        return ShardReport(entry={"file": f"stage-{w.stage}.json", "bytes": len(data)}, finite=True)
 
     def _load(self, w: FakeWorker, ckpt_dir: str) -> None:
         w.value = json.loads(checkpoint.read_bytes(f"{ckpt_dir}/stage-{w.stage}.json"))["value"]
@@ -228,14 +261,13 @@ class FakeWorkerGroup:
                 fate[id(m)] = Outcome(m, self._report(w, step, ok=True))
         return fate
 
-    def _report(self, w: FakeWorker, step: int, ok: bool, nonfinite: bool = False) -> dict:
-        report = {"rank": w.rank, "step": step, "ok": ok, "committed": w.committed, "prepared": w.prepared,
-                  "error": "" if ok else "a peer was lost", "busy_s": 0.001, "wall_s": 0.001, "pipeline_s": 0.001,
-                  "peak_live": 1, "grad_norm": float("nan") if nonfinite else 1.0, "peak_mem_mb": 1.0, "samples": 0}
-        if nonfinite:
-            report["nonfinite"] = True
+    def _report(self, w: FakeWorker, step: int, ok: bool, nonfinite: bool = False) -> StepReport:
+        report = StepReport(rank=w.rank, step=step, ok=ok, committed=w.committed, prepared=w.prepared,
+                            error="" if ok else "a peer was lost", nonfinite=nonfinite, busy_s=0.001, wall_s=0.001,
+                            pipeline_s=0.001, peak_live=1, grad_norm=float("nan") if nonfinite else 1.0,
+                            peak_mem_mb=1.0)
         if w.stage == self.pp - 1:
-            report["loss_sum"] = float("nan") if nonfinite else 1.0
+            report.loss_sum = float("nan") if nonfinite else 1.0
         return report
 
 

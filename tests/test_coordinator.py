@@ -5,7 +5,7 @@ import pytest
 
 from raytrain import checkpoint
 from raytrain.control.coordinator import CapacityLost, Coordinator, NonFiniteLoss, StepFailed
-from raytrain.control.policy import Action, ElasticPolicy
+from raytrain.control.policy import NO_DECISION, Action, ElasticPolicy
 from raytrain.control.runstate import RunState
 from tests.helpers import FakePlacement, FakeWorkerGroup, chain, fake_config
 
@@ -33,10 +33,10 @@ def assert_every_live_worker_applied_each_step_once(coordinator, steps):
 
 def test_a_fault_free_run_commits_every_step_once_and_checkpoints(tmp_path):
     coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=2")
-    assert summary["committed_steps"] == list(range(6)) and summary["failures"] == 0
+    assert summary.committed_steps == list(range(6)) and summary.failures == 0
     assert [r["step"] for r in rows if "loss" in r and "event" not in r] == [1, 2, 3, 4, 5, 6]
     assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "ckpt"))] == [2, 4, 6]
-    assert coordinator.state is RunState.FINISHED
+    assert coordinator.state.kind is RunState.FINISHED
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 
@@ -45,8 +45,8 @@ def test_a_loss_before_the_vote_retries_the_step_with_a_replacement(tmp_path):
     repair = events(rows, "repair")[0]
     assert repair["retrying_step"] == 2 and not repair["rolled_forward"]
     assert [d["decision"] for d in repair["decisions"]] == ["retry", "continue"]
-    assert repair["new_layout"] == "dp=2 pp=1" and summary["failures"] == 1
-    assert summary["committed_steps"] == list(range(6)) and group.spawned == 3
+    assert repair["new_layout"] == "dp=2 pp=1" and summary.failures == 1
+    assert summary.committed_steps == list(range(6)) and group.spawned == 3
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 
@@ -56,7 +56,7 @@ def test_a_loss_after_the_vote_rolls_the_step_forward(tmp_path):
     repair = events(rows, "repair")[0]
     assert repair["rolled_forward"] and repair["decisions"][0]["decision"] == "roll_forward"
     assert [r["step"] for r in rows if r.get("rolled_forward") is True and "event" not in r] == [4]
-    assert summary["committed_steps"] == list(range(6))
+    assert summary.committed_steps == list(range(6))
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 
@@ -65,7 +65,7 @@ def test_without_capacity_the_run_shrinks_to_min_dp(tmp_path):
                                         group=FakeWorkerGroup(1, initial=2, capacity=0))
     repair = events(rows, "repair")[0]
     assert repair["new_layout"] == "dp=1 pp=1" and "shrinks to dp=1" in repair["decisions"][1]["reason"]
-    assert summary["committed_steps"] == list(range(6))
+    assert summary.committed_steps == list(range(6))
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 
@@ -96,7 +96,7 @@ def test_a_stop_while_waiting_for_replacements_saves_from_the_live_replicas_at_o
     group = StopWhenReplacing(1, initial=2, capacity=0)
     _, _, summary, rows = run(tmp_path, "elastic.wait_s=20", "elastic.faults=['1:0@1:forward']", group=group,
                               on_start=lambda coordinator, g: setattr(g, "coordinator", coordinator))
-    assert summary["stopped"] == "SIGTERM" and summary["steps"] == 1
+    assert summary.stopped == "SIGTERM" and summary.steps == 1
     assert "stopping" in events(rows, "repair")[0]["decisions"][-1]["reason"]
     assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "ckpt"))] == [1]
 
@@ -105,7 +105,7 @@ def test_a_stage_without_a_live_copy_reloads_the_checkpoint(tmp_path):
     coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=2", "elastic.faults=['0:1@3:forward']", dp=1, pp=2)
     reload = events(rows, "reload")[0]
     assert reload["step"] == 2 and reload["steps_lost"] == 1 and reload["decision"] == "reload"
-    assert summary["committed_steps"] == list(range(6))
+    assert summary.committed_steps == list(range(6))
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 
@@ -121,7 +121,7 @@ def test_more_losses_than_max_failures_give_up(tmp_path):
 
 def test_a_loss_while_saving_is_repaired_and_the_save_retried_in_a_new_directory(tmp_path):
     coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=2", "elastic.faults=['0:0@2:checkpoint']")
-    assert events(rows, "repair")[0]["during"] == "checkpoint" and summary["failures"] == 1
+    assert events(rows, "repair")[0]["during"] == "checkpoint" and summary.failures == 1
     published = checkpoint.list_checkpoints(str(tmp_path / "ckpt"))
     assert [s for s, _ in published] == [2, 4, 6] and published[0][1].endswith("step_00000002.1")
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
@@ -132,7 +132,7 @@ def test_a_worker_that_hangs_in_a_save_is_killed_and_replaced(tmp_path):
     coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=2", group=group)
     hung = group.workers[0]
     assert not hung.alive, "a worker declared lost must be killed: it holds the bundle its replacement needs"
-    assert events(rows, "repair")[0]["during"] == "checkpoint" and summary["failures"] == 1
+    assert events(rows, "repair")[0]["during"] == "checkpoint" and summary.failures == 1
     assert group.spawned == 3 and coordinator.team.dp == 2
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
@@ -140,8 +140,8 @@ def test_a_worker_that_hangs_in_a_save_is_killed_and_replaced(tmp_path):
 def test_a_loss_while_re_forming_is_a_second_failure(tmp_path):
     coordinator, _, summary, rows = run(tmp_path, "parallel.dp=3", "train.global_batch=6", "elastic.min_dp=1",
                                         "elastic.faults=['1:0@2:forward', '0:0@2:join']", dp=3)
-    assert len(events(rows, "repair_failed")) == 1 and summary["failures"] == 2
-    assert summary["committed_steps"] == list(range(6))
+    assert len(events(rows, "repair_failed")) == 1 and summary.failures == 2
+    assert summary.committed_steps == list(range(6))
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 
@@ -175,7 +175,7 @@ def test_a_stop_request_ends_at_a_step_boundary_after_a_checkpoint(tmp_path):
         coordinator.request_stop("SIGTERM")
 
     coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=4", on_start=stop_now)
-    assert summary["stopped"] == "SIGTERM" and summary["steps"] == 0
+    assert summary.stopped == "SIGTERM" and summary.steps == 0
     assert events(rows, "stopped")[0]["checkpoint"].endswith("step_00000000")
 
 
@@ -186,7 +186,10 @@ def test_policy_decisions_are_plain_values():
     assert policy.capacity(2, waited_s=0).action is Action.CONTINUE
     assert policy.capacity(1, waited_s=1).action is Action.WAIT
     assert policy.capacity(1, waited_s=6).config_key == "elastic.min_dp"
-    assert policy.after_failure(1) is None and policy.after_failure(2).config_key == "elastic.max_failures"
-    assert policy.stale_stages([], None) is None and policy.stale_stages(["stage 1"], "ckpt").action is Action.RELOAD
-    assert policy.grow(3, 1) is None and policy.grow(2, 1).action is Action.GROW
+    # "Nothing to decide" is a decision of its own, never None.
+    assert policy.after_failure(1) is NO_DECISION and policy.after_failure(2).config_key == "elastic.max_failures"
+    assert policy.stale_stages([], None) is NO_DECISION
+    assert policy.stale_stages(["stage 1"], "ckpt").action is Action.RELOAD
+    assert policy.grow(3, 1) is NO_DECISION and policy.grow(2, 1).action is Action.GROW
+    assert NO_DECISION.action is Action.NONE
     assert policy.nonfinite(0).action is Action.GIVE_UP

@@ -122,15 +122,15 @@ def test_the_coordinator_evaluates_the_committed_state_and_holds_the_row_for_it(
     assert evaluated(rows) == {4: fake_eval_loss(chain(range(4))), 6: fake_eval_loss(chain(range(6)))}
     by_step = {r["step"]: r for r in rows if "event" not in r}
     assert by_step[4]["eval_rows"] == 8 and by_step[4]["checkpoint"].endswith("step_00000004")
-    assert summary["committed_steps"] == list(range(6)) and summary["failures"] == 0
+    assert summary.committed_steps == list(range(6)) and summary.failures == 0
 
 
 def test_a_worker_lost_during_an_evaluation_is_repaired_and_the_evaluation_run_again(tmp_path):
     coordinator, group, summary, rows = fake_run(tmp_path, "eval.every=2", "elastic.faults=['1:0@4:eval']")
     repair = [r for r in rows if r.get("event") == "repair"]
-    assert [(r["during"], r["step"]) for r in repair] == [("eval", 4)] and summary["failures"] == 1
+    assert [(r["during"], r["step"]) for r in repair] == [("eval", 4)] and summary.failures == 1
     assert evaluated(rows) == {s: fake_eval_loss(chain(range(s))) for s in (2, 4, 6)}
-    assert group.spawned == 3 and summary["committed_steps"] == list(range(6))
+    assert group.spawned == 3 and summary.committed_steps == list(range(6))
     assert {m.handle.committed for m in coordinator.team.members()} == {6}
 
 
@@ -162,7 +162,7 @@ def test_an_evaluation_changes_no_training_state(make_config):
     rendezvous = RendezvousStore()
     try:
         stage.join(0, Mesh(1, 1), [8], rendezvous.address("127.0.0.1", "eval-state"), generation=0, faults=[])
-        assert stage.run_step(0)["ok"]
+        assert stage.run_step(0).ok
         digest, grads, rng = stage.state_digest(), [b.clone() for b in stage.grads.buffers], torch.get_rng_state()
         recorder.calls.clear()
         result = stage.evaluate()
@@ -171,8 +171,8 @@ def test_an_evaluation_changes_no_training_state(make_config):
         assert stage.executor.module.training and stage.committed == 1 and stage.prepared is None
         assert recorder.calls == [("eval", 1)]  # no phase of a training step: no step fault fires
         model, _ = train_reference(plan.cfg, 1)
-        assert result["ok"] and result["rows"] == 16
-        assert result["loss_sum"] / result["rows"] == pytest.approx(reference_eval_loss(plan.cfg, model), rel=1e-5)
+        assert result.ok and result.rows == 16
+        assert result.loss_sum / result.rows == pytest.approx(reference_eval_loss(plan.cfg, model), rel=1e-5)
     finally:
         stage.shutdown()
         rendezvous.close()

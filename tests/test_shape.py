@@ -16,7 +16,7 @@ MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = 250
 MAX_TOP_LEVEL_MODULES = 12
 PROCESS_FLOORS = {"entry": 5, "tune": 4, "driver": 3, "control": 2, "worker": 1}
-PURE = {"compat", "config", "pipeline", "models", "data", "checkpoint", "optim", "testing"}
+PURE = {"compat", "config", "pipeline", "models", "data", "checkpoint", "optim", "reports", "testing"}
 """Imported by every process; they import no process package (nor torch.distributed's groups)."""
 
 
@@ -138,3 +138,19 @@ def test_no_private_name_is_imported_across_modules():
     private = [f"{f.relative_to(REPO)}: {module}.{n}" for f in sources
                for module, names in _imports(ast.parse(f.read_text())) for n in names if n.startswith("_")]
     assert not private, private
+
+
+def test_no_module_holds_the_coordinator():
+    """The coordinator's collaborators (crew, ledger, repairs, evaluation) get what they need, not the
+    coordinator: nothing outside its module imports the class (the driver creates its actor) or takes it."""
+    holders = []
+    for name, tree in _modules().items():
+        if name == "raytrain.control.coordinator":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "raytrain.control.coordinator" \
+                    and "Coordinator" in {a.name for a in node.names} and _package(name) != "driver":
+                holders.append(f"{name} imports the coordinator")
+            if isinstance(node, ast.arg) and node.annotation is not None and "Coordinator" in ast.unparse(node.annotation):
+                holders.append(f"{name}: parameter {node.arg} takes the coordinator")
+    assert not holders, holders

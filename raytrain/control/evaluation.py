@@ -1,4 +1,4 @@
-"""The coordinator's EVALUATING state: the held-out loss (``eval_loss``) once every eval.every steps
+"""What the coordinator's EVALUATING state computes: the held-out loss (``eval_loss``) once every eval.every steps
 are committed and after the last step, computed by every worker between two steps (raytrain.worker.stage_eval).
 
 No step is sent ahead across such a boundary (raytrain.control.steps.may_send_ahead), so the workers
@@ -16,45 +16,31 @@ does their evaluation.
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from raytrain.control import steps
-from raytrain.control.runstate import RunState
-from raytrain.control.workergroup import StepFailed, WorkersLost
-
-if TYPE_CHECKING:
-    from raytrain.control.coordinator import Coordinator
+from raytrain.control.membership import Member
+from raytrain.control.protocol import StepFailed, WorkerGroup
 
 
-class Evaluation:
-    """EVALUATING for one coordinator (whose team, group and progress it uses)."""
+@dataclass(frozen=True)
+class HeldOutLoss:
+    """The held-out loss of the committed parameters: the mean over ``rows`` held-out rows."""
 
-    def __init__(self, coordinator: "Coordinator"):
-        self.c = coordinator
+    loss: float
+    rows: int
 
-    def due(self, committed: int) -> bool:
-        """Whether an evaluation follows once ``committed`` steps are done."""
-        return steps.eval_due(committed, self.c.cfg.train.steps, self.c.cfg.eval.every)
 
-    def evaluating(self) -> RunState:
-        """Every member evaluates; the held step row gets the loss; then a checkpoint, if one is due."""
-        c, p = self.c, self.c.progress
-        t0 = time.perf_counter()
-        calls = [(m, "evaluate", ()) for m in c.team.members()]
-        try:
-            reports = c.group.call(calls, c.cfg.resources.step_timeout_s)  # a silent worker is killed: lost
-        except WorkersLost as lost:
-            p.lost, p.reports, p.during = lost.dead, [], "eval"
-            return RunState.REPAIRING
-        failed = [r for r in reports if not r["ok"]]
-        if failed:
-            raise StepFailed(f"the evaluation after step {p.step} failed with every worker alive "
-                             f"(layout {c.layout()}): {failed[0]['error']}")
-        last = [r for r in reports if "loss_sum" in r]
-        columns = c.team.mesh().columns  # every shard of every replica evaluates its own rows
-        assert len(last) == columns and p.row is not None, (len(last), columns, p.row)
-        rows = sum(r["rows"] for r in last)
-        p.row.update(eval_loss=sum(r["loss_sum"] for r in last) / rows, eval_rows=rows,
-                     eval_s=round(time.perf_counter() - t0, 3))
-        return c.after_commit(evaluated=True)
+def evaluate(group: WorkerGroup, members: list[Member], columns: int, timeout_s: float, step: int,
+             layout: str) -> HeldOutLoss:
+    """Every member evaluates (a silent one is killed: WorkersLost); ``columns`` last stages (every
+    shard of every replica evaluates its own rows) report their sums. StepFailed if one failed with
+    every worker alive."""
+    reports = group.evaluate(members, timeout_s)
+    failed = [r for r in reports if not r.ok]
+    if failed:
+        raise StepFailed(f"the evaluation after step {step} failed with every worker alive "
+                         f"(layout {layout}): {failed[0].error}")
+    last = [r for r in reports if r.loss_sum is not None]
+    assert len(last) == columns, (len(last), columns)
+    rows = sum(r.rows for r in last)
+    return HeldOutLoss(sum(r.loss_sum for r in last) / rows, rows)

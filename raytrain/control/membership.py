@@ -2,8 +2,8 @@
 outside it (spares) and the workers still starting (pending). A replica is fsdp x pp workers, one
 per slot (shard, stage); it is the unit of repair: losing any of its workers drops it whole.
 
-The coordinator changes the generation only through these verbs (drop the dead, admit the started,
-fill to the target), so every loss and every growth is counted and reported one way.
+Only these verbs change its lists (start, drop the dead, add and admit the started, fill to the
+target), so every loss and every growth is counted and reported one way.
 """
 
 from __future__ import annotations
@@ -66,6 +66,24 @@ class Membership:
 
     def everyone(self) -> list[Member]:
         return self.members() + self.spares + self.pending
+
+    def add_pending(self, starting: list[Member]) -> None:
+        """Workers that were just spawned: they wait in ``pending`` until they have started."""
+        self.pending += starting
+
+    def start(self, started: list[Member]) -> None:
+        """The first workers, started, form the first replicas in slot order (``pending`` empties)."""
+        size = len(self.slots)
+        self.pending = [m for m in self.pending if m not in started]
+        self.replicas = [started[r * size:(r + 1) * size] for r in range(len(started) // size)]
+
+    def restart(self, dead: Member, replacement: Member) -> None:
+        """A worker died while starting: its replacement takes its place in ``pending``."""
+        self.pending[self.pending.index(dead)] = replacement
+
+    def clear(self) -> None:
+        """Every worker was ended (the run is over)."""
+        self.replicas, self.spares, self.pending = [], [], []
 
     def drop_dead(self, dead: list[Member]) -> None:
         """Remove the dead; a replica that lost a worker leaves the generation and its live workers

@@ -28,6 +28,8 @@ class Action(str, Enum):
     """A step's loss or gradient was not finite: count it as done without applying it."""
     GIVE_UP = "give_up"
     """Stop the run; ``reason`` says why and ``config_key`` what to change."""
+    NONE = "none"
+    """Nothing to decide: no limit reached, every stage has a live copy, nothing to grow into."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class Decision:
                 **({"config_key": self.config_key} if self.config_key else {})}
 
 
+NO_DECISION = Decision(Action.NONE, "nothing to decide")
+"""What a choice returns when there is nothing to choose (never None)."""
+
+
 @dataclass(frozen=True)
 class ElasticPolicy:
     min_dp: int
@@ -50,14 +56,14 @@ class ElasticPolicy:
     wait_s: float
     skip_nonfinite: int
 
-    def after_failure(self, failures: int) -> Optional[Decision]:
+    def after_failure(self, failures: int) -> Decision:
         """A GIVE_UP once more workers were lost in this run than elastic.max_failures allows."""
         if failures > self.max_failures:
             return Decision(Action.GIVE_UP, f"{failures} repairs after lost workers in one run, more than "
                             f"elastic.max_failures="
                             f"{self.max_failures}: find why workers keep dying (their logs), or raise it",
                             "elastic.max_failures")
-        return None
+        return NO_DECISION
 
     @staticmethod
     def settle_step(step: int, committed_by_survivors: list[int]) -> Decision:
@@ -81,11 +87,11 @@ class ElasticPolicy:
                         "elastic.min_dp")
 
     @staticmethod
-    def stale_stages(stages: list[str], last_checkpoint: Optional[str]) -> Optional[Decision]:
+    def stale_stages(stages: list[str], last_checkpoint: Optional[str]) -> Decision:
         """Stages (or shards of a stage, named by raytrain.control.membership) with no up-to-date worker: their
         state survives only in the last checkpoint. A sharded run at dp=1 has no live copy of a lost shard."""
         if not stages:
-            return None
+            return NO_DECISION
         what = ", ".join(stages)
         if last_checkpoint is None:
             return Decision(Action.GIVE_UP, f"{what} lost every replica and there is no checkpoint to "
@@ -93,10 +99,10 @@ class ElasticPolicy:
         return Decision(Action.RELOAD, f"{what} lost every replica (no live copy of their state): it "
                         "survives only in the checkpoint, which every worker reloads", "parallel.dp")
 
-    def grow(self, live_replicas: int, formable: int) -> Optional[Decision]:
+    def grow(self, live_replicas: int, formable: int) -> Decision:
         """Bring started workers in at a step boundary when they form more replicas, up to the target."""
         if live_replicas >= self.target_dp or formable <= 0:
-            return None
+            return NO_DECISION
         return Decision(Action.GROW, f"{formable} more replica(s) can be formed: dp {live_replicas} -> "
                         f"{min(self.target_dp, live_replicas + formable)}", "elastic.max_dp")
 

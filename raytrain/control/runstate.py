@@ -1,13 +1,19 @@
-"""The coordinator's states and the progress they hand each other (raytrain.control.coordinator, raytrain.control.repair)."""
+"""The coordinator's states, each a value carrying what its handler needs (raytrain.control.coordinator).
+
+A handler receives its state and returns the next one: REPAIRING gets the workers that were lost,
+what they were doing and the survivors' replies; GROWING gets the decision to grow. Nothing else
+passes between states except what the run has committed (raytrain.control.ledger.Ledger).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import ClassVar
 
 from raytrain.control.membership import Member
-from raytrain.control.steps import StepCall
+from raytrain.control.policy import Decision
+from raytrain.reports import StepReport
 
 
 class RunState(str, Enum):
@@ -22,18 +28,67 @@ class RunState(str, Enum):
     FAILED = "failed"
 
 
-@dataclass
-class Progress:
-    """Where the run is: what the states hand each other."""
+class Interrupted(str, Enum):
+    """What lost workers were doing: a REPAIRING at the same step goes back to it."""
 
-    step: int = 0
-    """Committed steps: the next step to run."""
-    call: Optional[StepCall] = None
-    """The step in flight, if any."""
-    row: Optional[dict] = None
-    """A committed step's metrics row, held until its held-out loss (if due) and its checkpoint's path are known."""
-    lost: list[Member] = field(default_factory=list)
-    """Workers lost, for REPAIRING; ``reports`` are the survivors' replies of the failed step."""
-    reports: list[dict] = field(default_factory=list)
-    during: str = "step"
-    """What the lost workers were doing: step, checkpoint, eval or grow."""
+    STEP = "step"
+    CHECKPOINT = "checkpoint"
+    EVAL = "eval"
+    GROW = "grow"
+
+
+@dataclass(frozen=True)
+class State:
+    kind: ClassVar[RunState]
+
+
+@dataclass(frozen=True)
+class Starting(State):
+    kind = RunState.STARTING
+
+
+@dataclass(frozen=True)
+class Running(State):
+    kind = RunState.RUNNING
+
+
+@dataclass(frozen=True)
+class Evaluating(State):
+    kind = RunState.EVALUATING
+
+
+@dataclass(frozen=True)
+class Checkpointing(State):
+    kind = RunState.CHECKPOINTING
+
+
+@dataclass(frozen=True)
+class Repairing(State):
+    kind = RunState.REPAIRING
+    lost: tuple[Member, ...]
+    interrupted: Interrupted
+    reports: tuple[StepReport, ...] = field(default=())
+    """The survivors' replies of the failed step (empty unless a step was interrupted)."""
+
+
+@dataclass(frozen=True)
+class Growing(State):
+    kind = RunState.GROWING
+    decision: Decision
+
+
+@dataclass(frozen=True)
+class Stopping(State):
+    kind = RunState.STOPPING
+
+
+@dataclass(frozen=True)
+class Finished(State):
+    kind = RunState.FINISHED
+
+
+@dataclass(frozen=True)
+class Failed(State):
+    """The run raised out of ``Coordinator.run`` (the exception says why)."""
+
+    kind = RunState.FAILED

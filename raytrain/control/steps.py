@@ -1,5 +1,6 @@
 """One training step as the coordinator sees it: send ``run_step`` to every member, collect the
-replies, and turn them into a metrics row. Also the rules for what may happen between two steps.
+replies (raytrain.reports.StepReport), and turn them into a metrics row. Also the rules for what may
+happen between two steps, and which state follows a committed step.
 """
 
 from __future__ import annotations
@@ -11,15 +12,19 @@ from typing import Optional
 from raytrain import data
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
+from raytrain.control.ledger import Ledger
 from raytrain.control.membership import Member
-from raytrain.control.workergroup import Outcome, StepFailed, WorkersLost, lost_members, worker_error
+from raytrain.control.protocol import StepFailed, WorkerGroup, WorkersLost, lost_members
+from raytrain.control.runstate import Checkpointing, Evaluating, Running, State
+from raytrain.control.workergroup import worker_error
 from raytrain.optim.lr_schedule import learning_rate
+from raytrain.reports import StepReport
 
 
 class NonFiniteStep(Exception):
     """Internal: every worker voted against applying ``step`` (a loss or gradient was not finite)."""
 
-    def __init__(self, step: int, results: list[dict]):
+    def __init__(self, step: int, results: list[StepReport]):
         super().__init__(f"step {step} was not finite")
         self.step, self.results = step, results
 
@@ -27,7 +32,7 @@ class NonFiniteStep(Exception):
 class StepLost(WorkersLost):
     """Workers died during a step; ``reports`` are the survivors' replies (their committed steps)."""
 
-    def __init__(self, dead: list[Member], reports: list[dict]):
+    def __init__(self, dead: list[Member], reports: list[StepReport]):
         super().__init__(dead)
         self.reports = reports
 
@@ -42,11 +47,12 @@ class StepCall:
     started: Optional[float]  # None while it waits behind the step before it
 
 
-def send(group, members: list[Member], step: int, trace: bool, started: Optional[float]) -> StepCall:
-    return StepCall(step, members, group.submit(members, "run_step", step, trace), started)
+def send(group: WorkerGroup, members: list[Member], step: int, trace: bool, started: Optional[float]) -> StepCall:
+    return StepCall(step, members, group.send_step(members, step, trace), started)
 
 
-def collect(group, call: StepCall, timeout_s: float, layout: str, settle_s: Optional[float] = None) -> list[dict]:
+def collect(group: WorkerGroup, call: StepCall, timeout_s: float, layout: str,
+            settle_s: Optional[float] = None) -> list[StepReport]:
     """Every member's report of ``call.step``; StepLost, NonFiniteStep or StepFailed when it did not commit.
 
     A member silent for longer than a step may take, or for ``settle_s`` after another reported a
@@ -59,26 +65,22 @@ def collect(group, call: StepCall, timeout_s: float, layout: str, settle_s: Opti
         if o.error is not None:
             raise StepFailed(f"step {call.step + 1} raised on a worker of stage {o.member.stage} (layout {layout}): "
                              f"{worker_error(o.error)}")
-    reports = [o.value for o in outcomes if _answered(o)]
+    reports = [o.value for o in outcomes if o.answered]
     for o in outcomes:
-        if _answered(o):
-            o.member.committed = o.value["committed"]
-    dead = [o.member for o in outcomes if not _answered(o)]
+        if o.answered:
+            o.member.committed = o.value.committed
+    dead = [o.member for o in outcomes if not o.answered]
     if dead:
         raise StepLost(dead, reports)
-    if any(r.get("nonfinite") for r in reports):
+    if any(r.nonfinite for r in reports):
         raise NonFiniteStep(call.step, reports)
-    failed = [r for r in reports if not r["ok"]]
+    failed = [r for r in reports if not r.ok]
     if failed:
-        raise StepFailed(f"step {call.step + 1} failed with every worker alive (layout {layout}): {failed[0]['error']}")
+        raise StepFailed(f"step {call.step + 1} failed with every worker alive (layout {layout}): {failed[0].error}")
     return reports
 
 
-def _answered(o: Outcome) -> bool:
-    return not (o.dead or o.silent)
-
-
-def drain(group, call: Optional[StepCall], timeout_s: float) -> list[Member]:
+def drain(group: WorkerGroup, call: Optional[StepCall], timeout_s: float) -> list[Member]:
     """Wait out a step sent ahead of one that failed; returns the members that died meanwhile.
 
     Workers whose own step failed skip it; the others fail it against their lost peers, so it ends
@@ -89,7 +91,7 @@ def drain(group, call: Optional[StepCall], timeout_s: float) -> list[Member]:
     outcomes = group.collect(call.members, call.refs, timeout_s)
     for o in outcomes:
         if o.value is not None:
-            o.member.committed = o.value["committed"]
+            o.member.committed = o.value.committed
     return lost_members(group, outcomes)
 
 
@@ -115,40 +117,51 @@ def eval_due(committed: int, steps: int, eval_every: int) -> bool:
     return eval_every > 0 and committed > 0 and checkpoint_due(committed, steps, eval_every)
 
 
-def aggregate_step(step: int, results: list[dict], wall_s: float, cfg: Config, mesh: Mesh, layout: str) -> dict:
+def after_commit(ledger: Ledger, cfg: Config, evaluated: bool = False) -> State:
+    """The state after a step was committed (run, rolled forward or skipped): its evaluation, then
+    its checkpoint, if due; else the next step, and the step's row goes out now."""
+    if not evaluated and eval_due(ledger.step, cfg.train.steps, cfg.eval.every):
+        return Evaluating()
+    if checkpoint_due(ledger.step, cfg.train.steps, cfg.checkpoint.every):
+        return Checkpointing()
+    ledger.flush_row(None)
+    return Running()
+
+
+def aggregate_step(step: int, results: list[StepReport], wall_s: float, cfg: Config, mesh: Mesh, layout: str) -> dict:
     """One metrics.jsonl row from every worker's report of a step; ``dp`` is its live replica count."""
     B = cfg.train.global_batch
-    last_stage = [r for r in results if mesh.coords(r["rank"])[1] == mesh.pp - 1]
-    loss = sum(r["loss_sum"] for r in last_stage) / B
+    last_stage = [r for r in results if mesh.coords(r.rank)[1] == mesh.pp - 1]
+    loss = sum(r.loss_sum for r in last_stage) / B
     # Bubble: idle share of each replica's pipeline span (its stages x its slowest stage's span).
     bubbles = []
     for replica in range(mesh.dp):
-        stages = [r for r in results if mesh.coords(r["rank"])[0] == replica]
-        span = max(r["pipeline_s"] for r in stages)
-        bubbles.append(1.0 - sum(r["busy_s"] for r in stages) / (len(stages) * span) if span > 0 else 0.0)
+        stages = [r for r in results if mesh.coords(r.rank)[0] == replica]
+        span = max(r.pipeline_s for r in stages)
+        bubbles.append(1.0 - sum(r.busy_s for r in stages) / (len(stages) * span) if span > 0 else 0.0)
     row = {
         "step": step + 1,
         "loss": loss,
-        "grad_norm": results[0]["grad_norm"],
+        "grad_norm": results[0].grad_norm,
         "step_s": wall_s,
         "time": time.time(),
         "samples_per_s": B / wall_s,
-        "worker_step_s": max(r["wall_s"] for r in results),
+        "worker_step_s": max(r.wall_s for r in results),
         "bubble": sum(bubbles) / len(bubbles),
-        "peak_live_activations": {str(r["rank"]): r["peak_live"] for r in results},
-        "peak_mem_mb": {str(r["rank"]): round(r["peak_mem_mb"], 1) for r in results},
+        "peak_live_activations": {str(r.rank): r.peak_live for r in results},
+        "peak_mem_mb": {str(r.rank): round(r.peak_mem_mb, 1) for r in results},
         "layout": layout,
         "lr": learning_rate(cfg.train, step),
         "dp": mesh.dp,
     }
-    if any("events" in r for r in results):
-        row["events"] = {str(r["rank"]): r["events"] for r in results if "events" in r}
+    if any(r.events is not None for r in results):
+        row["events"] = {str(r.rank): r.events for r in results if r.events is not None}
     if cfg.run.record_samples:
-        row["sample_ids"] = [i for r in sorted(results, key=lambda r: r["rank"]) for i in r.get("sample_ids", [])]
+        row["sample_ids"] = [i for r in sorted(results, key=lambda r: r.rank) for i in r.sample_ids or []]
     return row
 
 
-def rolled_forward_row(step: int, results: list[dict], cfg: Config, mesh: Mesh, num_samples: int, layout: str) -> dict:
+def rolled_forward_row(step: int, results: list[StepReport], cfg: Config, mesh: Mesh, num_samples: int, layout: str) -> dict:
     """The row of a step committed by roll-forward: every worker voted for it, some died before replying.
 
     Its loss is known only if the last stage of every column survived; its samples are the whole
@@ -158,10 +171,10 @@ def rolled_forward_row(step: int, results: list[dict], cfg: Config, mesh: Mesh, 
                                 loss=loss_of(results, cfg, mesh.columns), lr=learning_rate(cfg.train, step))
 
 
-def loss_of(results: list[dict], cfg: Config, columns: int) -> Optional[float]:
+def loss_of(results: list[StepReport], cfg: Config, columns: int) -> Optional[float]:
     """The step's mean loss when the last stage of every pipeline column (replica, or shard of one:
     ``Mesh.columns``) reported it, else None."""
-    last = [r["loss_sum"] for r in results if "loss_sum" in r]
+    last = [r.loss_sum for r in results if r.loss_sum is not None]
     return sum(last) / cfg.train.global_batch if len(last) == columns else None
 
 

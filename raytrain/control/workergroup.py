@@ -1,6 +1,6 @@
-"""The coordinator's only contact with Ray: start worker actors in placement-group bundles, call
-them, learn who died. Tests put a fake with the same methods in its place (tests/helpers.py), so
-the coordinator's decisions are tested in milliseconds without processes.
+"""The coordinator's only contact with Ray: the worker protocol (raytrain.control.protocol) over
+worker actors in placement-group bundles. Tests put a fake implementing the same protocol in its
+place (tests/helpers.py), so the coordinator's decisions are tested in milliseconds without processes.
 """
 
 from __future__ import annotations
@@ -14,37 +14,15 @@ from typing import Any, Callable, Optional
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.control.membership import Member
-
-SETUP_TIMEOUT_S = 300.0
-"""Bound on any call that is not a step: start-up, joining a generation, state transfer, a save."""
-
-
-class StepFailed(RuntimeError):
-    """A step failed for a reason other than a lost worker (a bug, bad data): not repairable."""
+from raytrain.control.protocol import (SETUP_TIMEOUT_S, Outcome, StepFailed, WorkerGroup, WorkersLost,
+                                       lost_members)
+from raytrain.reports import EvalReport, JoinReport, ShardReport, StepReport
 
 
-class WorkersLost(Exception):
-    """Internal: these members died during an operation."""
-
-    def __init__(self, dead: list[Member]):
-        super().__init__(f"{len(dead)} worker(s) lost")
-        self.dead = dead
-
-
-@dataclass
-class Outcome:
-    """One member's answer to a call: its value, or that it died, raised or stayed silent."""
-
-    member: Member
-    value: Any = None
-    dead: bool = False
-    error: Optional[Exception] = None
-    silent: bool = False
-
-
-class RayWorkerGroup:
-    """Worker actors of one class, each on one placement-group bundle."""
+class RayWorkerGroup(WorkerGroup):
+    """Worker actors of one class (raytrain.worker.actor.StageWorker), each on one placement-group bundle."""
 
     def __init__(self, worker_cls, options: dict, args_for_slot: Callable[[int, int], tuple]):
         """``args_for_slot(stage, shard)``: the worker constructor's arguments for that slot."""
@@ -78,17 +56,14 @@ class RayWorkerGroup:
                 raise StepFailed(f"a worker of stage {member.stage} failed to start: {worker_error(e)}") from None
             return None
 
-    def submit(self, members: list[Member], method: str, *args) -> list:
-        return [getattr(m.handle, method).remote(*args) for m in members]
-
-    def collect(self, members: list[Member], refs: list, timeout: float,
+    def collect(self, members: list[Member], replies: list, timeout: float,
                 settle_s: Optional[float] = None) -> list[Outcome]:
         """Every member's outcome, waiting up to ``timeout`` in all; with ``settle_s``, only that long
         after the first member reported a failed step (``ok`` false): its collectives failed against
         a peer, and a peer still silent once the others' have timed out is hung, not slow."""
-        ready = _wait_settled(refs, timeout, settle_s)
+        ready = _wait_settled(replies, timeout, settle_s)
         outcomes = []
-        for m, ref in zip(members, refs):
+        for m, ref in zip(members, replies):
             if ref not in ready:
                 outcomes.append(Outcome(m, silent=True))
                 continue
@@ -100,20 +75,63 @@ class RayWorkerGroup:
                 outcomes.append(Outcome(m, error=e))
         return outcomes
 
-    def call(self, calls: list[tuple[Member, str, tuple]], timeout: float) -> list:
-        """Call every member and wait; WorkersLost names the dead (a live member whose call failed
+    # --- calls every member answers before the caller goes on ----------------------------------
+
+    def join(self, ranked: list[tuple[int, Member]], mesh: Mesh, shares: list[int], store: StoreAddress,
+             generation: int, faults: list[str]) -> list[JoinReport]:
+        members = [m for _, m in ranked]
+        replies = [m.handle.join.remote(rank, mesh, shares, store, generation, faults) for rank, m in ranked]
+        return self._answers("join", members, replies, SETUP_TIMEOUT_S)
+
+    def sync_state(self, sources: list[tuple[Member, int]]) -> list[int]:
+        members = [m for m, _ in sources]
+        replies = [m.handle.sync_state.remote(src_rank) for m, src_rank in sources]
+        return self._answers("sync_state", members, replies, SETUP_TIMEOUT_S)
+
+    def skip_step(self, members: list[Member], step: int) -> list[int]:
+        replies = [m.handle.skip_step.remote(step) for m in members]
+        return self._answers("skip_step", members, replies, SETUP_TIMEOUT_S)
+
+    def evaluate(self, members: list[Member], timeout: float) -> list[EvalReport]:
+        replies = [m.handle.evaluate.remote() for m in members]
+        return self._answers("evaluate", members, replies, timeout)
+
+    def save(self, members: list[Member], ckpt_dir: str) -> list[ShardReport]:
+        replies = [m.handle.save.remote(ckpt_dir) for m in members]
+        return self._answers("save", members, replies, SETUP_TIMEOUT_S)
+
+    def load(self, members: list[Member], ckpt_dir: str) -> None:
+        replies = [m.handle.load.remote(ckpt_dir) for m in members]
+        self._answers("load", members, replies, SETUP_TIMEOUT_S)
+
+    def state_digest(self, members: list[Member]) -> list[str]:
+        replies = [m.handle.state_digest.remote() for m in members]
+        return self._answers("state_digest", members, replies, SETUP_TIMEOUT_S)
+
+    def _answers(self, what: str, members: list[Member], replies: list, timeout: float) -> list:
+        """Every member's answer; WorkersLost names the dead (a live member whose call failed
         because a peer died is not an error of its own), else StepFailed for an exception."""
-        members = [m for m, _, _ in calls]
-        refs = [getattr(m.handle, method).remote(*args) for m, method, args in calls]
-        outcomes = self.collect(members, refs, timeout)
+        outcomes = self.collect(members, replies, timeout)
         dead = lost_members(self, outcomes)
         if dead:
             raise WorkersLost(dead)
         errors = [o for o in outcomes if o.error is not None]
         if errors:
-            raise StepFailed(f"a worker of stage {errors[0].member.stage} failed in {calls[0][1]}: "
+            raise StepFailed(f"a worker of stage {errors[0].member.stage} failed in {what}: "
                              f"{worker_error(errors[0].error)}")
         return [o.value for o in outcomes]
+
+    # --- calls whose replies are collected later -----------------------------------------------
+
+    def send_step(self, members: list[Member], step: int, trace: bool) -> list:
+        return [m.handle.run_step.remote(step, trace) for m in members]
+
+    def send_commit_prepared(self, members: list[Member], step: int) -> list:
+        return [m.handle.commit_prepared.remote(step) for m in members]
+
+    def send_leave(self, members: list[Member]) -> None:
+        for m in members:
+            m.handle.leave.remote()
 
     def kill(self, member: Member) -> None:
         """End the member's actor (at the end of a run, or when it is lost)."""
@@ -164,7 +182,7 @@ def _failed(ref) -> bool:
         value = ray.get(ref)
     except ray.exceptions.RayError:
         return False
-    return isinstance(value, dict) and value.get("ok") is False
+    return isinstance(value, StepReport) and not value.ok
 
 
 @ray.remote(num_cpus=0)
@@ -177,25 +195,6 @@ def _kill_process(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except (OSError, ProcessLookupError):
         pass  # gone already
-
-
-def spawn_in_granted(group, placements: list, slots: list[tuple[int, int]], timeout: float) -> list[Member]:
-    """Start one replica's workers (one per (shard, stage) slot) in every placement group of ``placements``
-    that Ray has granted within ``timeout``; those leave ``placements``."""
-    members = []
-    for pg, ready in group.granted(placements, timeout):
-        placements.remove((pg, ready))
-        members += [group.spawn(s, pg, i, shard=f) for i, (f, s) in enumerate(slots)]
-    return members
-
-
-def lost_members(group, outcomes: list[Outcome]) -> list[Member]:
-    """The members an operation lost: dead ones, and silent ones, which are killed so that their
-    bundle is free for a replacement (a hung actor would hold it for ever)."""
-    for o in outcomes:
-        if o.silent:
-            group.kill_hung(o.member)
-    return [o.member for o in outcomes if o.dead or o.silent]
 
 
 def worker_error(error: Exception) -> str:

@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain import checkpoint
 from raytrain.control.coordinator import Coordinator
-from raytrain.control.workergroup import WorkersLost
+from raytrain.control.protocol import WorkersLost
 from raytrain.driver.connect import cluster_reachable, embedded, ensure_ray
 from raytrain.driver.lease import Lease
 from raytrain.driver.placement import request, reserve
@@ -27,6 +27,7 @@ from raytrain.driver.plan import RunPlan
 from raytrain.driver.rendezvous import RendezvousStore, preload_torch_distributed
 from raytrain.driver.report import RunReporter
 from raytrain.driver.signals import Aborted, StopOnSignal
+from raytrain.reports import RunSummary
 from raytrain.worker.actor import StageWorker
 
 POLL_INTERVAL_S = 1.0
@@ -106,24 +107,24 @@ def run(plan: RunPlan, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     return _result(plan, summary, restarts, reporter)
 
 
-def _result(plan: RunPlan, summary: dict, restarts: int, reporter: RunReporter) -> Result:
+def _result(plan: RunPlan, summary: RunSummary, restarts: int, reporter: RunReporter) -> Result:
     steps = list({r["step"]: r for r in reporter.steps}.values())  # a restart re-runs steps after its checkpoint
     timed = [r for r in steps[1:] if "step_s" in r]  # the first step pays for warm-up
     batch = plan.cfg.train.global_batch
     samples_per_s = len(timed) * batch / sum(r["step_s"] for r in timed) if timed else 0.0
     evaluated = [r["eval_loss"] for r in steps if "eval_loss" in r]
     return Result(
-        steps=summary["steps"], final_loss=steps[-1]["loss"] if steps else float("nan"),
-        samples_per_s=samples_per_s, checkpoint=summary["checkpoint"], run_dir=plan.run_dir,
-        layout=plan.layout.label, metrics=steps, events=reporter.events, worker_pids=summary["worker_pids"],
-        final_pids=summary["final_pids"], committed_steps=summary["committed_steps"], failures=summary["failures"],
-        recovery_s=summary["recovery_s"], coordinator_restarts=restarts, stopped=summary["stopped"],
-        skipped_steps=[s + 1 for s in summary["skipped_steps"]], state_digests=summary["digests"],
+        steps=summary.steps, final_loss=steps[-1]["loss"] if steps else float("nan"),
+        samples_per_s=samples_per_s, checkpoint=summary.checkpoint, run_dir=plan.run_dir,
+        layout=plan.layout.label, metrics=steps, events=reporter.events, worker_pids=summary.worker_pids,
+        final_pids=summary.final_pids, committed_steps=summary.committed_steps, failures=summary.failures,
+        recovery_s=summary.recovery_s, coordinator_restarts=restarts, stopped=summary.stopped,
+        skipped_steps=[s + 1 for s in summary.skipped_steps], state_digests=summary.digests,
         eval_loss=evaluated[-1] if evaluated else None,
     )
 
 
-def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, stop) -> tuple[dict, int]:
+def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, stop) -> tuple[RunSummary, int]:
     """Start a coordinator and drive it to the end, restarting it from the last checkpoint when it
     is lost; returns its summary and the number of restarts. Placement groups it reserved are
     removed, and every row received is written, however it ends."""
@@ -170,15 +171,14 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
         reporter.finish()
 
 
-def _stopped_without_coordinator(cfg, reporter: RunReporter, reason: str, resume: Optional[str]) -> dict:
+def _stopped_without_coordinator(cfg, reporter: RunReporter, reason: str, resume: Optional[str]) -> RunSummary:
     """The summary of a run stopped by a signal that also ended its coordinator: it ends at the last
     published checkpoint (the steps after it were never committed to storage)."""
     last = checkpoint.latest(cfg.checkpoint.dir) or resume
     step = checkpoint.read_manifest(last)["step"] if last is not None else 0
     reporter.add([{"event": "stopped", "step": step, "reason": reason, "checkpoint": last,
                    "note": "the coordinator ended with the signal; resume from this checkpoint"}])
-    return {"steps": step, "checkpoint": last, "stopped": reason, "digests": {}, "worker_pids": [], "final_pids": [],
-            "committed_steps": [], "failures": 0, "recovery_s": [], "skipped_steps": []}
+    return RunSummary(steps=step, checkpoint=last, stopped=reason)
 
 
 def _coordinator_lost(error: Exception) -> bool:
@@ -189,7 +189,7 @@ def _coordinator_lost(error: Exception) -> bool:
     return isinstance(error, ray.exceptions.RayActorError)
 
 
-def _drive(coordinator, store, reporter: RunReporter, on_rows, stop) -> dict:
+def _drive(coordinator, store, reporter: RunReporter, on_rows, stop) -> RunSummary:
     """Run the coordinator to completion, forwarding its metric rows as they come (also the rows
     it produced before it failed) and a stop request when a signal arrived."""
 

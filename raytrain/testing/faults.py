@@ -101,7 +101,7 @@ class PhaseHook:
     def __call__(self, phase: str, step: int, file: Optional[str] = None) -> None:
         """The worker reached ``phase`` of ``step``; ``file`` is the checkpoint file it is about to write."""
 
-    def reply(self, step: int, result: dict) -> dict:
+    def reply(self, step: int, result):
         """What the worker's actor returns to the caller of ``run_step(step)``: ``result`` itself here."""
         return result
 
@@ -139,7 +139,7 @@ class FaultHook(PhaseHook):
         if ack is not None:
             ack.wait(REPLY_READ_TIMEOUT_S)
 
-    def reply(self, step: int, result: dict) -> dict:
+    def reply(self, step: int, result):
         if not any((step + 1, phase) in self._due for phase in STEP_PHASES):
             return result
         self._acks[step + 1] = ack = ReplyAck()
@@ -160,14 +160,14 @@ class ReplyAck:
 
     Ray deserialises an actor method's result in the caller's process, when the caller gets it; so
     a result whose unpickling opens a connection to this worker proves that the caller holds it.
-    Unpickled, the reply is the plain dict it carried. Nothing here sleeps or guesses a delay.
+    Unpickled, the reply is the report it carried. Nothing here sleeps or guesses a delay.
     """
 
     def __init__(self):
         self._server = socket.create_server(("", 0))  # every interface: the caller may be on another node
         self.address = (_node_address(), self._server.getsockname()[1])
 
-    def attach(self, result: dict) -> dict:
+    def attach(self, result):
         return _AckingReply(result, self.address)
 
     def wait(self, timeout_s: float) -> bool:
@@ -183,17 +183,18 @@ class ReplyAck:
             self._server.close()
 
 
-class _AckingReply(dict):
-    def __init__(self, result: dict, address: tuple[str, int]):
-        super().__init__(result)
-        self.address = address
+class _AckingReply:
+    """A reply that, unpickled in the caller, connects back to the worker and becomes the reply itself."""
+
+    def __init__(self, result, address: tuple[str, int]):
+        self.result, self.address = result, address
 
     def __reduce__(self):
-        return _acknowledge, (dict(self), self.address)
+        return _acknowledge, (self.result, self.address)
 
 
-def _acknowledge(result: dict, address: tuple[str, int]) -> dict:
-    """Runs in the caller as it deserialises the reply: tell the worker, return the plain dict."""
+def _acknowledge(result, address: tuple[str, int]):
+    """Runs in the caller as it deserialises the reply: tell the worker, return the reply itself."""
     try:
         socket.create_connection(address, timeout=ACK_CONNECT_TIMEOUT_S).close()
     except OSError:

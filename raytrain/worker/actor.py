@@ -15,6 +15,7 @@ import ray
 
 from raytrain.config import Config
 from raytrain.data.atomic import atomic_path
+from raytrain.reports import EvalReport, JoinReport, ShardReport, StepReport
 
 
 class StageWorker:
@@ -28,7 +29,7 @@ class StageWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def join(self, rank, mesh, shares, store, generation, faults) -> dict:
+    def join(self, rank, mesh, shares, store, generation, faults) -> JoinReport:
         return self.stage.join(rank, mesh, shares, store, generation, faults)
 
     def leave(self) -> None:
@@ -44,14 +45,14 @@ class StageWorker:
         return self.stage.sync_state(src_rank)
 
     @ray.method(enable_task_events=False)  # called every step: not worth tracing in Ray's task table
-    def run_step(self, step: int, trace: bool = False) -> dict:
+    def run_step(self, step: int, trace: bool = False) -> StepReport:
         # The hook sees the reply: a fault due in the next step waits until the caller has read it.
         return self.stage.hook.reply(step, self.stage.run_step(step, trace))
 
-    def evaluate(self) -> dict:
+    def evaluate(self) -> EvalReport:
         return self.stage.evaluate()
 
-    def save(self, ckpt_dir: str) -> dict:
+    def save(self, ckpt_dir: str) -> ShardReport:
         return self.stage.save(ckpt_dir)
 
     def load(self, ckpt_dir: str) -> None:

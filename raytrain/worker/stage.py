@@ -40,6 +40,7 @@ from raytrain import checkpoint, data
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.models.layers import Recomputed, build_model
+from raytrain.reports import EvalReport, JoinReport, ShardReport, StepReport
 from raytrain.optim import apply_step, make_optimizer
 from raytrain.testing.faults import PhaseHook, phase_hook
 from raytrain.worker.executor import PlanExecutor
@@ -87,7 +88,7 @@ class Stage:
     # --- membership ------------------------------------------------------------------------------
 
     def join(self, rank: int, mesh: Mesh, shares: list[int], store: StoreAddress, generation: int,
-             faults: list[str]) -> dict:
+             faults: list[str]) -> JoinReport:
         """Leave the previous generation's groups (if any) and form ``generation``'s (collective)."""
         self.leave()
         self.joins += 1
@@ -102,8 +103,8 @@ class Stage:
         self.gen = form_generation(self.cfg, rank, mesh, shares, store, generation,
                                    lambda example: self.executor.output_of(example), self.device,
                                    on_groups=lambda groups: self._on_groups(groups, mesh, rank))
-        return {"rank": rank, "pid": os.getpid(), "params": sum(p.numel() for p in self.params),
-                "node": os.uname().nodename, "committed": self.committed}
+        return JoinReport(rank=rank, committed=self.committed, pid=os.getpid(), node=os.uname().nodename,
+                          params=sum(p.numel() for p in self.params))
 
     def _on_groups(self, groups: Groups, mesh: Mesh, rank: int) -> None:
         """Point the gradient reduction at this generation's groups (a sharded stage re-wraps on them)."""
@@ -149,7 +150,7 @@ class Stage:
 
     # --- one step ---------------------------------------------------------------------------------
 
-    def run_step(self, step: int, trace: bool = False) -> dict[str, Any]:
+    def run_step(self, step: int, trace: bool = False) -> StepReport:
         """Run ``step``; returns its metrics with ``ok``. A failed collective returns ``ok=False``.
 
         A step the coordinator sent ahead of one that failed here finds no groups, or finds the
@@ -157,46 +158,45 @@ class Stage:
         """
         if self.gen is None or step != self.committed:
             assert self.gen is None or step == self.committed + 1, (step, self.committed)
-            return {"rank": self.rank, "step": step, "ok": False, "committed": self.committed,
-                    "prepared": self.prepared, "error": "skipped: the step before it was not committed here"}
-        result = {"rank": self.rank, "step": step}
+            return StepReport(rank=self.rank, step=step, ok=False, committed=self.committed, prepared=self.prepared,
+                              error="skipped: the step before it was not committed here")
+        report = StepReport(rank=self.rank, step=step, ok=False, committed=self.committed)
         try:
-            result.update(self._prepare(step, trace))
+            self._prepare(step, trace, report)
             self.prepared = step
-            if not self._vote(result):
+            if not self._vote(report):
                 self.prepared = None
-                result.update(ok=False, nonfinite=True, committed=self.committed, prepared=None,
-                              error="a loss or gradient norm was not finite")
-                return result
+                report.nonfinite, report.error = True, "a loss or gradient norm was not finite"
+                return report
             self.hook("optimizer", step)
             t0 = time.perf_counter()
             apply_step(self.optimizer, self.cfg.train, step)
             self.committed, self.prepared = step + 1, None
-            result["wall_s"] += time.perf_counter() - t0
-            result["ok"] = True
+            report.wall_s += time.perf_counter() - t0
+            report.ok = True
         except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
-            result.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+            report.error = f"{type(e).__name__}: {str(e)[:300]}"
             e.__traceback__ = None  # its frames hold the step's buffers, and through them the groups
             # Close our connections now: peers blocked on us (not on the dead worker) fail at once
             # instead of waiting out elastic.detect_timeout_s. State stays; groups re-form on join.
             self.leave()
-        result.update(committed=self.committed, prepared=self.prepared)
-        return result
+        report.committed, report.prepared = self.committed, self.prepared
+        return report
 
-    def _vote(self, result: dict[str, Any]) -> bool:
+    def _vote(self, report: StepReport) -> bool:
         """World-wide vote: its completion says everyone reduced and clipped, so everyone may step; its
         value, the count of non-finite workers, stops the step everywhere if a loss or gradient anywhere
         is NaN or inf."""
-        nonfinite = torch.tensor([0.0 if self._finite(result) else 1.0], device=self.device)
+        nonfinite = torch.tensor([0.0 if self._finite(report) else 1.0], device=self.device)
         dist.all_reduce(nonfinite)
         return not bool(nonfinite[0] > 0)
 
-    def _finite(self, result: dict[str, Any]) -> bool:
+    def _finite(self, report: StepReport) -> bool:
         """Whether this worker's share of the step (its loss, its gradients) is finite."""
-        if "loss_sum" in result and not math.isfinite(result["loss_sum"]):
+        if report.loss_sum is not None and not math.isfinite(report.loss_sum):
             return False
-        if result["grad_norm"] is not None:  # the global norm: every worker sees the same value
-            return math.isfinite(result["grad_norm"])
+        if report.grad_norm is not None:  # the global norm: every worker sees the same value
+            return math.isfinite(report.grad_norm)
         return bool(torch.isfinite(self.grads.squared_norm()))
 
     def skip_step(self, step: int) -> int:
@@ -206,8 +206,9 @@ class Stage:
         self.committed = step + 1
         return self.committed
 
-    def _prepare(self, step: int, trace: bool) -> dict[str, Any]:
-        """Forward and backward every micro-batch by the plan, all-reduce and clip: all but the update."""
+    def _prepare(self, step: int, trace: bool, report: StepReport) -> None:
+        """Forward and backward every micro-batch by the plan, all-reduce and clip: all but the update.
+        Fills in ``report``'s timings and values."""
         gen, cfg = self.gen, self.cfg
         t_start = time.perf_counter()
         begin, end = data.step_positions(step, cfg.train.global_batch, gen.batch_offset, gen.batch_offset + gen.share)
@@ -225,38 +226,37 @@ class Stage:
         t_reduced = time.perf_counter()
         grad_norm = self._clip_gradients()
         t_end = time.perf_counter()
-        result = {
-            "busy_s": buf.busy_s, "wall_s": t_end - t_start,
-            "pipeline_s": t_sync - t_start, "peak_live": buf.peak_live, "grad_norm": grad_norm,
-            "samples": len(ids), "positions": (begin, end), "peak_mem_mb": peak_memory_mb(self.device),
-        }
+        report.busy_s, report.wall_s, report.pipeline_s = buf.busy_s, t_end - t_start, t_sync - t_start
+        report.peak_live, report.grad_norm, report.samples = buf.peak_live, grad_norm, len(ids)
+        report.peak_mem_mb = peak_memory_mb(self.device)
         if gen.is_last:
-            result["loss_sum"] = float(buf.loss_sum)
+            report.loss_sum = float(buf.loss_sum)
         if trace:
             events = buf.events + [("allreduce wait", t_sync, t_reduced), ("clip", t_reduced, t_end)]
             events += self.sharded.comm_log if self.sharded is not None else []
-            result["events"] = [(name, a - t_start, b - t_start) for name, a, b in events]
+            report.events = [(name, a - t_start, b - t_start) for name, a, b in events]
         if cfg.run.record_samples and gen.is_first:
-            result["sample_ids"] = ids
-        return result
+            report.sample_ids = ids
 
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self) -> EvalReport:
         """The held-out loss of the committed parameters (raytrain.worker.stage_eval): the last stage reports
         ``loss_sum`` over its ``rows``; a failed collective returns ``ok=False`` and leaves the groups."""
-        result = {"rank": self.rank, "step": self.committed, "ok": False}
+        report = EvalReport(rank=self.rank, step=self.committed, ok=False)
         if self.gen is None:
-            return {**result, "error": "skipped: this worker is in no generation (its groups broke)"}
+            report.error = "skipped: this worker is in no generation (its groups broke)"
+            return report
         self.hook("eval", self.committed)
         try:
             loss_sum, rows = self.held_out.loss_sum(self.executor, self.gen, self.committed, self.dataset)
         except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
-            result["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            report.error = f"{type(e).__name__}: {str(e)[:300]}"
             e.__traceback__ = None
             self.leave()
-            return result
+            return report
         if self.gen.is_last:
-            result.update(loss_sum=loss_sum, rows=rows)
-        return {**result, "ok": True}
+            report.loss_sum, report.rows = loss_sum, rows
+        report.ok = True
+        return report
 
     def _clip_gradients(self) -> Optional[float]:
         """Global gradient norm over all shards and stages (the dp replicas already agree), clipped to
@@ -283,13 +283,13 @@ class Stage:
         """This stage's model and optimizer state, keyed by global parameter name, on the CPU."""
         return self.state.shard()
 
-    def save(self, ckpt_dir: str) -> dict:
+    def save(self, ckpt_dir: str) -> ShardReport:
         """Write this stage's shard (its rows of it, when sharded) into ``ckpt_dir``; what the manifest
         records of it."""
         part = self.shard_index if self.sharded is not None else None
         shard, name = self.shard(), checkpoint.shard_name(self.stage, part)
         self.hook("checkpoint", self.committed, file=checkpoint.join_uri(ckpt_dir, name))
-        return {**checkpoint.save_shard(ckpt_dir, self.stage, shard, part), "finite": all_finite(shard)}
+        return ShardReport(entry=checkpoint.save_shard(ckpt_dir, self.stage, shard, part), finite=all_finite(shard))
 
     def load(self, ckpt_dir: str) -> None:
         """Take this stage's parameters and optimizer state from any layout's checkpoint."""

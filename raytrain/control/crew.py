@@ -1,0 +1,148 @@
+"""The run's workers as the coordinator's states use them: who is in the run (``Membership``), how to
+reach them (a ``WorkerGroup``), the placements the run may still grow into, and the generation their
+process groups form.
+
+Every operation that changes who trains goes through here: starting the first workers, re-forming
+the groups under a new generation, replacing the lost, admitting the started, reloading a checkpoint.
+It knows nothing of steps, policies or metrics: the states decide, the crew carries it out.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from raytrain.config.layout import Layout
+from raytrain.config.mesh import StoreAddress
+from raytrain.control.membership import Member, Membership
+from raytrain.control.protocol import SETUP_TIMEOUT_S, WorkerGroup, WorkersLost, lost_members, spawn_in_granted
+from raytrain.data import even_shares
+from raytrain.reports import StepReport
+
+GRANT_AT_START_S = 1.0
+"""How long the start waits for replicas beyond parallel.dp before starting without them."""
+
+
+class Crew:
+    def __init__(self, group: WorkerGroup, layout: Layout, global_batch: int, faults: list[str],
+                 extra_placements: tuple = ()):
+        """``layout``: the configured one (its dp is the start's); ``extra_placements``: one placement
+        group per replica beyond it, which the cluster may grant later (the driver requested them)."""
+        self.group, self.layout, self.global_batch = group, layout, global_batch
+        self.team = Membership(layout.pp, fsdp=layout.fsdp)
+        self.faults = list(faults)
+        """Fault-injection specs still to fire (elastic.faults), handed to every join."""
+        self.unused_placements = [(pg, pg.ready()) for pg in extra_placements]
+        self.store: Optional[StoreAddress] = None  # set by the coordinator's run: the driver hosts it
+        self.generation = -1
+
+    # --- starting -------------------------------------------------------------------------------
+
+    def spawn_first(self, placement, first_bundle: int) -> None:
+        """Start the configured replicas' workers in ``placement`` from ``first_bundle`` on, and those of
+        the replicas beyond them that the cluster can hold now. They start in the background."""
+        slots = self.team.slots
+        members = [self.group.spawn(s, placement, first_bundle + r * len(slots) + i, shard=f)
+                   for r in range(self.layout.dp) for i, (f, s) in enumerate(slots)]
+        members += spawn_in_granted(self.group, self.unused_placements, slots, timeout=GRANT_AT_START_S)
+        self.team.add_pending(members)
+
+    def start(self) -> list[int]:
+        """Wait for the first workers and form the first replicas; their pids. WorkersLost if one
+        died while starting (the driver restarts the coordinator)."""
+        members = list(self.team.pending)
+        for m in members:
+            m.pid = self.group.pid(m, SETUP_TIMEOUT_S)
+            if m.pid is None:
+                raise WorkersLost([m])
+        self.team.start(members)
+        return [m.pid for m in members]
+
+    # --- generations ----------------------------------------------------------------------------
+
+    def form_generation(self, step: int) -> None:
+        """Re-form the process groups over the replicas and bring every member to ``step``
+        (members behind take their slot's state from one that is at it)."""
+        self.generation += 1
+        mesh, ranked = self.team.mesh(), self.team.ranked()
+        self.group.join(ranked, mesh, even_shares(self.global_batch, mesh.dp), self.store, self.generation,
+                        self.faults)
+        if any(m.committed != step for _, m in ranked):
+            sources = self.team.sources(step)
+            assert len(sources) == len(self.team.slots), "a slot without an up-to-date member must reload a checkpoint first"
+            self.group.sync_state([(m, sources[m.slot]) for _, m in ranked])
+            self.team.set_committed(step)
+
+    def label(self) -> str:
+        """The live grid's label: dp changes with repairs and growth."""
+        return self.layout.with_dp(self.team.dp).grid_label
+
+    # --- losses and replacements ------------------------------------------------------------------
+
+    def replace(self, dead: list[Member]) -> None:
+        """Drop the dead (their replicas leave the generation), start a replacement on each one's
+        bundle, and have the spares close their broken groups' connections now."""
+        dead = list({id(m): m for m in dead}.values())  # a worker can be reported lost twice
+        self.team.drop_dead(dead)
+        self.team.add_pending([self.group.spawn(m.stage, m.placement, m.bundle, shard=m.shard) for m in dead])
+        self.group.send_leave(self.team.spares)
+
+    def admit_started(self, wait_s: float, target_dp: int) -> None:
+        """Move started replacements to the spares (restarting any that died while starting), and
+        form replicas from spares up to ``target_dp``."""
+        for m in self.group.started(self.team.pending, wait_s):
+            m.pid = self.group.pid(m, timeout=SETUP_TIMEOUT_S)
+            if m.pid is None:
+                self.team.restart(m, self.group.spawn(m.stage, m.placement, m.bundle, shard=m.shard))
+            else:
+                self.team.admit([m])
+        self.team.fill_to(target_dp)
+
+    def spawn_in_granted_placements(self) -> int:
+        """Start a replica's workers in every extra placement the cluster granted since; how many workers."""
+        granted = spawn_in_granted(self.group, self.unused_placements, self.team.slots, timeout=0)
+        self.team.add_pending(granted)
+        return len(granted)
+
+    @property
+    def changing(self) -> bool:
+        """Whether a replica may join at the next step boundary (a placement not yet granted, a
+        worker starting, a spare waiting)."""
+        return bool(self.unused_placements or self.team.pending or self.team.spares)
+
+    # --- state ------------------------------------------------------------------------------------
+
+    def roll_forward(self, step: int, reports: list[StepReport], lost: list[Member]) -> list[Member]:
+        """Apply ``step`` on the live survivors that prepared but did not apply it; returns any that
+        died meanwhile (the others' progress is recorded either way)."""
+        by_rank = {r.rank: r for r in reports}
+        behind = [m for rank, m in self.team.ranked()
+                  if rank in by_rank and by_rank[rank].committed == step and m not in lost]
+        outcomes = self.group.collect(behind, self.group.send_commit_prepared(behind, step), SETUP_TIMEOUT_S)
+        for o in outcomes:
+            if o.value is not None:
+                o.member.committed = o.value
+        return lost_members(self.group, outcomes)
+
+    def skip(self, step: int) -> None:
+        """Every member counts ``step`` as done without applying it."""
+        members = self.team.members()
+        for m, committed in zip(members, self.group.skip_step(members, step)):
+            m.committed = committed
+
+    def load(self, ckpt_dir: str, step: int) -> None:
+        """Every member of the generation loads the checkpoint of ``step``."""
+        self.group.load(self.team.members(), ckpt_dir)
+        self.team.set_committed(step)
+
+    def digests(self) -> dict[str, str]:
+        """``"replica:stage"`` (``"replica:shard:stage"`` when sharded) ``-> digest`` of every member's
+        parameters and optimizer state (audits: the replicas of a slot must be identical, however many
+        workers were lost on the way)."""
+        ranked, mesh = self.team.ranked(), self.team.mesh()
+        digests = self.group.state_digest([m for _, m in ranked])
+        return {mesh.label(rank): d for (rank, _), d in zip(ranked, digests)}
+
+    def shutdown(self) -> None:
+        for m in self.team.everyone():
+            self.group.kill(m)
+        self.team.clear()

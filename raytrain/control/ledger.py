@@ -1,0 +1,63 @@
+"""What a run has done, as the coordinator's states record it: the next step, the steps committed and
+skipped, the repairs and their times, the last checkpoint, and the metric rows on their way to the
+driver. Every state writes it through these verbs, so that a reload that rewinds the run rewinds all
+of it at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class Ledger:
+    step: int = 0
+    """Committed steps: the next step to run."""
+    first_step: int = 0
+    """The step this coordinator started at (a resumed run's checkpoint step)."""
+    last_checkpoint: Optional[str] = None
+    committed_steps: list[int] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+    failures: int = 0
+    """Repairs after lost workers (against elastic.max_failures)."""
+    recovery_s: list[float] = field(default_factory=list)
+    held_row: Optional[dict] = None
+    """A committed step's metrics row, held until its held-out loss (if due) and its checkpoint's path are known."""
+    _rows: list[dict] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def commit(self, step: int, row: dict, skipped: bool = False) -> None:
+        """``step`` is done everywhere (applied, rolled forward, or ``skipped`` as not finite); its row is held."""
+        self.committed_steps.append(step)
+        if skipped:
+            self.skipped_steps.append(step)
+        self.step, self.held_row = step + 1, row
+
+    def rewind(self, step: int) -> None:
+        """Every worker reloaded the checkpoint of ``step``: the steps after it will run again."""
+        self.step = step
+        self.committed_steps = [s for s in self.committed_steps if s < step]
+        self.skipped_steps = [s for s in self.skipped_steps if s < step]
+
+    def count_failure(self) -> int:
+        self.failures += 1
+        return self.failures
+
+    def emit(self, row: dict) -> None:
+        with self._lock:
+            self._rows.append(row)
+
+    def take_rows(self) -> list[dict]:
+        """Rows emitted since the last take (the driver's poll, from another thread)."""
+        with self._lock:
+            rows, self._rows = self._rows, []
+        return rows
+
+    def flush_row(self, checkpoint_path: Optional[str]) -> None:
+        """Emit the held row with the path of the checkpoint that has its step (None: none has)."""
+        if self.held_row is not None:
+            self.held_row["checkpoint"] = checkpoint_path
+            self.emit(self.held_row)
+            self.held_row = None

@@ -1,0 +1,94 @@
+"""What workers tell the coordinator, and what the coordinator tells the driver: typed replies of the
+worker protocol (raytrain.control.workergroup.WorkerGroup) and the run's summary.
+
+Pure dataclasses (no torch, no Ray): the worker builds them, Ray pickles them, the coordinator and
+the tests' fake worker group read them by attribute, so a misspelt field fails where it is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class JoinReport:
+    """A worker joined a generation's groups."""
+
+    rank: int
+    committed: int
+    """Steps this worker has applied: the generation brings every member to the same step."""
+    pid: int = 0
+    node: str = ""
+    params: int = 0
+    """Parameters this worker holds (its stage, or its shard of the stage)."""
+
+
+@dataclass
+class StepReport:
+    """One worker's reply to ``run_step``: whether the step was applied here (``ok``), where the worker
+    stands (``committed``, ``prepared``), and the step's timings and values."""
+
+    rank: int
+    step: int
+    ok: bool
+    committed: int
+    prepared: Optional[int] = None
+    """The step whose update is computed but not applied (it voted; a survivor may roll it forward)."""
+    error: str = ""
+    nonfinite: bool = False
+    """The world-wide vote found a non-finite loss or gradient: nothing of the step was applied."""
+    busy_s: float = 0.0
+    wall_s: float = 0.0
+    pipeline_s: float = 0.0
+    """Time from the step's start to the end of this worker's pipeline work (its span in the bubble)."""
+    peak_live: int = 0
+    """Most micro-batches whose activations this worker held at once."""
+    grad_norm: Optional[float] = None
+    """The global gradient norm before clipping (None without train.grad_clip)."""
+    peak_mem_mb: float = 0.0
+    samples: int = 0
+    loss_sum: Optional[float] = None
+    """Sum of the losses of this worker's rows: only a last stage has it."""
+    events: Optional[list] = None
+    """(name, start s, end s) of the step's work on this worker, when the step is traced."""
+    sample_ids: Optional[list] = None
+    """Rows this worker read (run.record_samples, first stages only)."""
+
+
+@dataclass
+class EvalReport:
+    """One worker's reply to ``evaluate``: a last stage's sum of held-out losses over its rows."""
+
+    rank: int
+    step: int
+    ok: bool
+    error: str = ""
+    loss_sum: Optional[float] = None
+    rows: int = 0
+
+
+@dataclass
+class ShardReport:
+    """One worker's reply to ``save``: its file's entry for the manifest, and whether its state was finite."""
+
+    entry: dict
+    """The manifest's record of the file (raytrain.checkpoint.save_shard: name, size, checksum, slice)."""
+    finite: bool
+
+
+@dataclass
+class RunSummary:
+    """What the coordinator's ``run`` returns to the driver (which builds the user's Result from it)."""
+
+    steps: int
+    checkpoint: Optional[str]
+    stopped: Optional[str] = None
+    """Why the run stopped before train.steps (a signal), else None."""
+    digests: dict = field(default_factory=dict)
+    worker_pids: list = field(default_factory=list)
+    final_pids: list = field(default_factory=list)
+    committed_steps: list = field(default_factory=list)
+    failures: int = 0
+    recovery_s: list = field(default_factory=list)
+    skipped_steps: list = field(default_factory=list)
