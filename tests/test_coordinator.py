@@ -12,7 +12,7 @@ from tests.helpers import FakePlacement, FakeWorkerGroup, chain, fake_config
 
 def run(tmp_path, *overrides, dp=2, pp=1, group=None, extra=(), resume=None, on_start=None):
     cfg = fake_config(tmp_path, f"parallel.dp={dp}", f"parallel.pp={pp}", *overrides)
-    group = group or FakeWorkerGroup(pp, initial=dp * pp)
+    group = group or FakeWorkerGroup(pp, initial=cfg.layout().world_size)
     coordinator = Coordinator(cfg, "unused", 1000, [[s] for s in range(pp)], None, 0, resume,
                               extra_placements=extra, group=group)
     if on_start:

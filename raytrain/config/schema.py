@@ -428,7 +428,7 @@ class Config:
         if e.max_dp is not None and e.max_dp < p.dp:
             raise ValueError(f"elastic.max_dp={e.max_dp} is below parallel.dp={p.dp}, where the run starts; "
                              f"set elastic.max_dp >= {p.dp} (or lower parallel.dp)")
-        if e.max_dp is not None and e.max_dp * p.fsdp * p.microbatches > t.global_batch:
+        if e.max_dp is not None and self.layout().mesh.with_dp(e.max_dp).columns * p.microbatches > t.global_batch:
             shards = f" x parallel.fsdp={p.fsdp}" if p.fsdp > 1 else ""
             raise ValueError(f"elastic.max_dp={e.max_dp} replicas{shards} x parallel.microbatches={p.microbatches} "
                              f"exceed train.global_batch={t.global_batch}: some micro-batch would be empty; lower "
@@ -442,7 +442,7 @@ class Config:
                 f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp}; "
                 f"use a multiple of {p.dp} (e.g. {p.dp * max(1, t.global_batch // p.dp)})"
             )
-        ranks = p.dp * p.fsdp
+        ranks = self.layout().mesh.columns
         if t.global_batch % ranks:
             raise ValueError(
                 f"train.global_batch={t.global_batch} is not divisible by parallel.dp x parallel.fsdp={ranks} (every "

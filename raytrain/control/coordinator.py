@@ -30,7 +30,6 @@ import ray
 
 from raytrain import checkpoint
 from raytrain.config import Config
-from raytrain.config.layout import Layout
 from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.control import steps
 from raytrain.control.evaluation import Evaluation
@@ -138,7 +137,7 @@ class Coordinator:
 
     def layout(self) -> str:
         """The live grid's label (dp changes with repairs and growth), kept from the last re-forming."""
-        return self._label or Layout.of(self.cfg.parallel).with_dp(self.team.dp).grid_label
+        return self._label or self.team.mesh().grid_label
 
     def shutdown(self) -> None:
         for m in self.team.everyone():
@@ -182,7 +181,7 @@ class Coordinator:
         """Re-form the process groups over the replicas and bring every member to ``step``."""
         self.generation += 1
         mesh = self.team.mesh()
-        self._label = Layout.of(self.cfg.parallel).with_dp(mesh.dp).grid_label
+        self._label = mesh.grid_label
         shares = even_shares(self.cfg.train.global_batch, mesh.dp)
         ranked = self.team.ranked()
         self.group.call([(m, "join", (rank, mesh, shares, self.store, self.generation, self.faults))
@@ -342,7 +341,7 @@ def save_survivors(group, team: Membership, progress: Progress, last_checkpoint:
     try:
         if holders is None:
             raise WorkersLost([])
-        saved = save_checkpoint(group, holders, step, cfg, Mesh(1, team.pp, team.fsdp), stage_layers)
+        saved = save_checkpoint(group, holders, step, cfg, team.mesh().with_dp(1), stage_layers)
     except WorkersLost:
         return None, {"event": "not_saved", "step": step,
                       "reason": "no live worker holds some slot's state at this step (or one was lost saving)"}

@@ -28,7 +28,7 @@ def worker_bundle(cfg: Config) -> dict:
 
 def request(cfg: Config, replicas: int) -> PlacementGroup:
     """Ask (without waiting) for ``replicas`` x ``parallel.fsdp`` x ``parallel.pp`` worker bundles."""
-    bundles = [worker_bundle(cfg) for _ in range(replicas * cfg.parallel.fsdp * cfg.parallel.pp)]
+    bundles = [worker_bundle(cfg) for _ in range(cfg.layout().with_dp(replicas).world_size)]
     return placement_group(bundles, strategy=cfg.resources.placement_strategy)
 
 
