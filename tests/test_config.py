@@ -1,6 +1,8 @@
 """Bad input fails before any actor starts, with a message that names the key or file and the fix."""
 
+import ast
 import os
+import re
 import subprocess
 from pathlib import Path
 import sys
@@ -220,6 +222,40 @@ def test_every_key_has_a_bad_value_in_the_table():
     assert not missing, f"keys without a bad-value row in BAD_VALUE_PER_KEY: {sorted(missing)}"
     assert not (set(covered) | set(NO_BAD_VALUE)) - set(all_keys()), "rows for keys that no longer exist"
     assert all(NO_BAD_VALUE.values()), "each exception needs its reason"
+
+
+CHECKED_MODULES = ["raytrain/config/schema.py", "raytrain/config/layout.py"]
+"""Where the config's checks live: every one raises through raytrain.config.errors.require."""
+
+
+@pytest.mark.parametrize("module", CHECKED_MODULES)
+def test_every_config_check_raises_through_the_one_helper(module):
+    tree = ast.parse((Path(__file__).parents[1] / module).read_text())
+    raises = [f"{module}:{node.lineno}" for node in ast.walk(tree) if isinstance(node, ast.Raise)]
+    assert not raises, f"raise the one form, require(ok, key, value, fix), instead: {raises}"
+
+
+ONE_FORM = re.compile(r"^(?P<key>[a-z_]+\.[a-z0-9_]+)=\S.*?: \S")
+"""``key=value: fix``, the form of raytrain.config.errors.config_error."""
+
+
+@pytest.mark.parametrize("overrides", [[o] for o, _ in BAD_VALUE_PER_KEY] + [
+    ["model.d_model=30", "model.n_head=4"], ["parallel.pp=2", "parallel.split_points=[1, 2]"],
+    ["parallel.pp=3", "parallel.split_points=[2, 2]"], ["parallel.auto=true", "parallel.split_points=[]"],
+    ["parallel.pp=9"], ["parallel.pp=2", "parallel.split_points=[7]"], ["train.global_batch=7", "parallel.dp=2"],
+    ["parallel.fsdp=3"], ["parallel.microbatches=3"], ["parallel.auto=true", "elastic.min_dp=1"],
+    ["elastic.min_dp=3", "parallel.dp=2"], ["elastic.max_dp=1", "parallel.dp=2"], ["elastic.max_dp=5", "parallel.fsdp=2"],
+    ["model.vocab_size=128"], ["data.max_bytes=100"], ["eval.every=2"], ["parallel.fsdp=1024", "train.global_batch=1024"],
+    ["train.activation_checkpointing=true", "parallel.split_backward=true"], ["elastic.faults=['x']"],
+], ids=lambda overrides: " ".join(overrides))
+def test_every_rejected_value_is_named_in_the_one_form(overrides):
+    try:
+        load_config(None, overrides)
+    except ValueError as e:
+        found = ONE_FORM.match(str(e))
+        assert found and found["key"] in all_keys(), f"not 'key=value: fix': {e}"
+    else:  # only this machine's checks (raytrain.driver.plan.prepare) can refuse it
+        assert overrides[0].split("=")[0] in ("data.path", "data.eval_path", "model.factory"), overrides
 
 
 def _float_keys() -> list[str]:

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from raytrain.config.errors import require
 from raytrain.config.mesh import Mesh
 
 if TYPE_CHECKING:
@@ -90,11 +91,10 @@ class Layout:
         """This layout over a model of ``num_layers`` cuttable layers; a ValueError naming
         parallel.pp or parallel.split_points when it cannot be cut so. ``model`` names the layers'
         source in that error ("model.factory")."""
-        if self.num_chunks > num_layers:
-            raise ValueError(f"parallel.pp={self.pp} exceeds the {num_layers} layers of {model}; lower parallel.pp")
-        if self.cuts and not (0 < self.cuts[0] and self.cuts[-1] < num_layers):
-            raise ValueError(f"parallel.split_points={list(self.cuts)} out of range: cuts must lie in "
-                             f"1..{num_layers - 1}")
+        require(self.num_chunks <= num_layers, "parallel.pp", self.pp,
+                f"exceeds the {num_layers} layers of {model}; lower parallel.pp")
+        require(not self.cuts or (0 < self.cuts[0] and self.cuts[-1] < num_layers), "parallel.split_points",
+                list(self.cuts or ()), f"out of range; cuts must lie in 1..{num_layers - 1}")
         return dataclasses.replace(self, num_layers=num_layers)
 
     @property

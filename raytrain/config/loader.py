@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
+from raytrain.config.errors import config_error
 from raytrain.config.schema import Config
 
 
@@ -47,15 +48,15 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if annotation is list or origin is list:
         if isinstance(value, (list, tuple)):
             return list(value)
-        raise ValueError(f"config key '{key}' expects a list like [2, 4], got {value!r}")
+        raise config_error(key, value, "expects a list like [2, 4]")
     if annotation is bool:
         if isinstance(value, bool):
             return value
-        raise ValueError(f"config key '{key}' expects true or false, got {value!r}")
+        raise config_error(key, value, "expects true or false")
     if annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ValueError(f"config key '{key}' expects an integer, got {value!r}")
+        raise config_error(key, value, "expects an integer")
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
@@ -63,13 +64,13 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             except OverflowError:  # an integer beyond any float
                 number = math.inf
             if not math.isfinite(number):  # a YAML .nan or .inf passes every '<= 0' check
-                raise ValueError(f"{key}={value!r}: not a finite number; give a finite value")
+                raise config_error(key, value, "not a finite number; give a finite value")
             return number
-        raise ValueError(f"config key '{key}' expects a number, got {value!r}")
+        raise config_error(key, value, "expects a number")
     if annotation is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise ValueError(f"config key '{key}' expects a string, got {value!r}")
+        raise config_error(key, value, "expects a string")
     return value
 
 
