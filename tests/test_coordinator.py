@@ -70,7 +70,7 @@ def test_without_capacity_the_run_shrinks_to_min_dp(tmp_path):
 
 
 def test_below_min_dp_without_capacity_it_waits_then_gives_up_naming_the_key(tmp_path):
-    with pytest.raises(CapacityLost, match="fewer than elastic.min_dp=2.*elastic.wait_s=0.2s"):
+    with pytest.raises(CapacityLost, match="fewer than elastic.min_dp=2.*elastic.capacity_wait_s=0.2s"):
         run(tmp_path, "elastic.faults=['1:0@1:forward']", group=FakeWorkerGroup(1, initial=2, capacity=0))
 
 
@@ -94,7 +94,7 @@ def test_a_stop_while_waiting_for_replacements_saves_from_the_live_replicas_at_o
             return super().spawn(*args, **kwargs)
 
     group = StopWhenReplacing(1, initial=2, capacity=0)
-    _, _, summary, rows = run(tmp_path, "elastic.wait_s=20", "elastic.faults=['1:0@1:forward']", group=group,
+    _, _, summary, rows = run(tmp_path, "elastic.capacity_wait_s=20", "elastic.faults=['1:0@1:forward']", group=group,
                               on_start=lambda coordinator, g: setattr(g, "coordinator", coordinator))
     assert summary["stopped"] == "SIGTERM" and summary["steps"] == 1
     assert "stopping" in events(rows, "repair")[0]["decisions"][-1]["reason"]

@@ -76,6 +76,17 @@ def test_sweep_config_errors_name_the_key(tmp_path, base):
         rt_tune.load_sweep_config(str(path))
 
 
+def test_a_sweep_reads_the_renamed_wait_keys_under_their_old_names(tmp_path, base):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({**base, "resources": {"wait_s": 30}, "space": {"elastic.wait_s": [5, 10]}}))
+    with pytest.warns(DeprecationWarning, match="resources.wait_s is deprecated"):
+        sweep = rt_tune.load_sweep_config(str(path))
+    with pytest.warns(DeprecationWarning) as caught:
+        cfg = rt_tune.trial_config(sweep.base, {"elastic.wait_s": 10})
+    assert sorted(str(w.message).split()[2] for w in caught) == ["elastic.wait_s", "resources.wait_s"]
+    assert cfg.resources.placement_wait_s == 30 and cfg.elastic.capacity_wait_s == 10
+
+
 def test_interrupted_sweep_resumes_and_finishes(ray_session, base, tmp_path):
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({**base, "space": {"train.seed": [1, 2]},

@@ -6,10 +6,11 @@ node builds them, and what only the driver's machine can answer (data.path exist
 imports) is checked once, by ``raytrain.driver.plan.prepare``.
 """
 
-from raytrain.config.loader import (all_keys, build_config, config_from_dict, flatten_sections, load_config,
-                                    load_yaml, parse_override)
+from raytrain.config.loader import (RENAMED_KEYS, all_keys, build_config, config_from_dict, flatten_sections,
+                                    load_config, load_yaml, parse_override)
 from raytrain.config.schema import (Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig,
                                     check_shardable)
 
-__all__ = ["Config", "DataConfig", "ModelConfig", "ParallelConfig", "TrainConfig", "all_keys", "build_config",
-           "check_shardable", "config_from_dict", "flatten_sections", "load_config", "load_yaml", "parse_override"]
+__all__ = ["RENAMED_KEYS", "Config", "DataConfig", "ModelConfig", "ParallelConfig", "TrainConfig", "all_keys",
+           "build_config", "check_shardable", "config_from_dict", "flatten_sections", "load_config", "load_yaml",
+           "parse_override"]

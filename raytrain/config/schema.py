@@ -281,8 +281,9 @@ class ElasticConfig:
     """How often a run below max_dp checks whether the cluster granted more replicas."""
     detect_timeout_s: float = 60.0
     """A collective stuck this long on a silent peer fails, so the peer is declared lost."""
-    wait_s: float = 60.0
-    """Below min_dp, how long to wait for capacity before failing (the last checkpoint stays intact)."""
+    capacity_wait_s: float = 60.0
+    """Below min_dp, how long to wait for capacity (replacement workers) before failing (the last checkpoint
+    stays intact). Formerly elastic.wait_s, still read with a DeprecationWarning."""
     max_failures: int = 20
     """Give up after this many repairs in one run."""
     coordinator_restarts: int = 3
@@ -296,7 +297,7 @@ class ElasticConfig:
 
         for text in self.faults:
             Fault.parse(str(text))
-        for name in ("detect_timeout_s", "wait_s", "grow_poll_s"):
+        for name in ("detect_timeout_s", "capacity_wait_s", "grow_poll_s"):
             value = getattr(self, name)
             require(value > 0, f"elastic.{name}", value, "a duration must be > 0 seconds")
         for name in ("min_dp", "max_dp"):
@@ -319,8 +320,9 @@ class ResourcesConfig:
     """CPU slots (and torch threads) per worker."""
     bf16: bool = False
     """bf16 autocast for forward and backward, on GPU or CPU; parameters and AdamW state stay fp32."""
-    wait_s: float = 60.0
-    """How long to wait for the cluster to grant the workers' resources before failing."""
+    placement_wait_s: float = 60.0
+    """At start, how long to wait for the cluster to grant the workers' resources (their placement group)
+    before failing. Formerly resources.wait_s, still read with a DeprecationWarning."""
     step_timeout_s: float = 300.0
     """A worker silent for longer than this in one step is killed and repaired like a lost worker (it
     counts against elastic.max_failures), so a hung worker never hangs the run."""
@@ -332,7 +334,7 @@ class ResourcesConfig:
         require(self.placement_strategy in PLACEMENT_STRATEGIES, "resources.placement_strategy",
                 self.placement_strategy, f"use one of {', '.join(PLACEMENT_STRATEGIES)}")
         require(self.cpus_per_worker >= 1, "resources.cpus_per_worker", self.cpus_per_worker, "use >= 1")
-        for name in ("wait_s", "step_timeout_s"):
+        for name in ("placement_wait_s", "step_timeout_s"):
             value = getattr(self, name)
             require(value > 0, f"resources.{name}", value, "a duration must be > 0 seconds")
 

@@ -58,7 +58,7 @@ class NonFiniteLoss(StepFailed):
 
 class CapacityLost(RuntimeError):
     """The run could not go on with the workers it has: fewer than elastic.min_dp replicas within
-    elastic.wait_s, more losses than elastic.max_failures, or a stage lost with no checkpoint."""
+    elastic.capacity_wait_s, more losses than elastic.max_failures, or a stage lost with no checkpoint."""
 
 
 class Coordinator:
@@ -77,7 +77,7 @@ class Coordinator:
             config, data_path, num_samples, s, stage_layers[s], corpus, f))
         e = self.cfg.elastic
         self.policy = ElasticPolicy(min_dp=e.min_dp or self.cfg.parallel.dp, target_dp=e.max_dp or self.cfg.parallel.dp,
-                                    max_failures=e.max_failures, wait_s=e.wait_s,
+                                    max_failures=e.max_failures, wait_s=e.capacity_wait_s,
                                     skip_nonfinite=self.cfg.train.skip_nonfinite)
         self.team = Membership(self.cfg.parallel.pp, fsdp=self.cfg.parallel.fsdp)
         # One placement group per replica beyond parallel.dp (the driver requested and removes them).

@@ -75,9 +75,9 @@ class ElasticPolicy:
                             "elastic.min_dp")
         if waited_s < self.wait_s:
             return Decision(Action.WAIT, f"{live_replicas} live replica(s), fewer than elastic.min_dp={self.min_dp}: "
-                            "waiting for replacements", "elastic.wait_s")
+                            "waiting for replacements", "elastic.capacity_wait_s")
         return Decision(Action.GIVE_UP, f"only {live_replicas} replica(s) could be formed, fewer than elastic.min_dp="
-                        f"{self.min_dp}, and no capacity returned within elastic.wait_s={self.wait_s:g}s",
+                        f"{self.min_dp}, and no capacity returned within elastic.capacity_wait_s={self.wait_s:g}s",
                         "elastic.min_dp")
 
     @staticmethod

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import ray
 from ray import tune
 
-from raytrain.config import Config, ParallelConfig, all_keys, build_config, flatten_sections
+from raytrain.config import RENAMED_KEYS, Config, ParallelConfig, all_keys, build_config, flatten_sections
 from raytrain.config.layout import Layout
 from raytrain.driver.placement import worker_bundle
 from raytrain.driver.plan import check_inputs, plan_layout
@@ -84,7 +84,7 @@ class SweepConfig:
                              "checkpoints, and PBT perturbs every checkpoint.every steps")
         if not 0 < self.quantile_fraction <= 0.5:
             raise ValueError(f"sweep.quantile_fraction={self.quantile_fraction}: use a fraction in (0, 0.5]")
-        valid = set(all_keys())
+        valid = set(all_keys()) | set(RENAMED_KEYS)  # an old name is renamed by build_config, with a warning
         keys = [k for k in self.space if k != LAYOUTS]
         for layout in self.space.get(LAYOUTS, []):
             if not isinstance(layout, dict):
