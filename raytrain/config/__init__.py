@@ -1,7 +1,7 @@
 """Typed run configuration: YAML file + ``--set key=value`` overrides, validated before any actor starts.
 
-Every field is a public, documented key (``section.field``). Errors are ``ValueError``s that name the
-key and say how to fix it. The dataclasses' checks are pure (no disk, no imports of user code): every
+Every field is a public, documented key (``section.field``). Errors are ``ValueError``s of one form,
+``key=value: fix`` (raytrain.config.errors). The dataclasses' checks are pure (no disk, no imports of user code): every
 node builds them, and what only the driver's machine can answer (data.path exists, model.factory
 imports) is checked once, by ``raytrain.driver.plan.prepare``.
 """
