@@ -14,9 +14,11 @@ global rank is ``replica * fsdp * pp + slot``. Each worker belongs to three grou
   along it, and the global gradient norm is summed over it and the fsdp group.
 
 A fourth axis (tensor parallelism: world = dp x fsdp x tp x pp, tp's ranks innermost so that its
-group stays inside a node) is a field here, a digit of ``rank`` and ``coords`` and a factor of ``slots``
-and ``world_size``; everything else asks the grid. Groups are formed under a generation number: the store prefix
-changes with every membership change, so survivors can re-form without a restart.
+group stays inside a node) is a field here, a digit of ``rank`` and ``coords`` and a factor of
+``slots`` and ``world_size``; everything else asks the grid.
+
+Groups are formed under a generation number: the store prefix changes with every membership
+change, so survivors can re-form without a restart.
 """
 
 from __future__ import annotations
