@@ -26,7 +26,6 @@ def main(run_file: str, out_file: str) -> None:
 
     from raytrain import data
     from raytrain.config import config_from_dict
-    from raytrain.config.mesh import Mesh
     from raytrain.driver.rendezvous import StoreAddress
     from raytrain.worker.stage import Stage
 
@@ -34,7 +33,7 @@ def main(run_file: str, out_file: str) -> None:
         run = json.load(f)
     cfg = config_from_dict(run["config"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    mesh = Mesh(cfg.parallel.dp, cfg.parallel.pp)
+    mesh = cfg.layout().mesh
     assert mesh.world_size == world, f"the layout needs {mesh.world_size} processes, torchrun started {world}"
     path = data.resolve_data_path(cfg)
     num_samples = len(data.TokenDataset(path, cfg.data.column, cfg.model.seq_len))
@@ -61,7 +60,7 @@ def launch(cfg, stage_layers: list[list[int]], workdir: str, name: str) -> list[
     run_file, out_file = os.path.join(workdir, f"{name}-run.json"), os.path.join(workdir, f"{name}-out.json")
     with open(run_file, "w") as f:
         json.dump({"config": cfg.to_dict(), "stage_layers": [list(r) for r in stage_layers]}, f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.parallel.dp * cfg.parallel.pp),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.layout().world_size),
            "--master_port", "29547", os.path.abspath(__file__), run_file, out_file]
     proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=1800)
     if proc.returncode:

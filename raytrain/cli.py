@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import warnings
 
 from raytrain.config import load_config
 
@@ -48,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     from raytrain.driver.signals import exit_code
 
     try:
+        with warnings_on_one_line():
+            cfg = load_config(args.config, args.overrides)
         # train() validates data, resume and layout (raytrain.driver.plan.prepare) before any actor starts.
-        result = train(load_config(args.config, args.overrides))
+        result = train(cfg)
     except ValueError as e:
         return _fail(f"config error: {e}", 2)
     except ResourcesUnavailable as e:
@@ -66,6 +70,20 @@ def main(argv: list[str] | None = None) -> int:
                      "is intact (--set checkpoint.resume=latest)", exit_code(reason))
     print(json.dumps(result.summary()))
     return exit_code(result.stopped) if result.stopped else 0
+
+
+@contextlib.contextmanager
+def warnings_on_one_line():
+    """Warnings while the config is read (a renamed key's DeprecationWarning), each printed once as one
+    line: they are meant for the person at the terminal, and Python hides a DeprecationWarning raised
+    outside __main__."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            yield
+        finally:
+            for line in dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught):
+                print(f"raytrain: {line}", file=sys.stderr)
 
 
 def _fail(message: str, code: int) -> int:
@@ -93,7 +111,8 @@ def _sweep(args) -> int:
     stop, where = rt_tune.SweepStop(sys.stderr), None
     try:
         with stop:
-            sweep = rt_tune.named(rt_tune.load_sweep_config(args.config, args.overrides))
+            with warnings_on_one_line():
+                sweep = rt_tune.named(rt_tune.load_sweep_config(args.config, args.overrides))
             where = rt_tune.resumable_dir(args.resume) if args.resume else rt_tune.planned_dir(sweep)
             ensure_ray()  # here, not in run_sweep, so that the handlers go back on top of Ray's
             stop.install()

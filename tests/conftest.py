@@ -58,7 +58,7 @@ def small_config(run_dir, data_cache: str, *overrides: str):
         "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16",
         "train.steps=5", "train.global_batch=8", "train.lr=1e-2", "train.seed=3",
         f"data.cache_dir={data_cache}", "data.max_bytes=200000",
-        f"run.dir={run_dir}", "run.trace_steps=0", "resources.wait_s=20",
+        f"run.dir={run_dir}", "run.trace_steps=0", "resources.placement_wait_s=20",
         "resources.step_timeout_s=60",
     ]
     return load_config(None, base + list(overrides))

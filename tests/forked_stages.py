@@ -68,7 +68,7 @@ def run_stages(cfg: Config, out_dir: str) -> tuple[dict[str, torch.Tensor], list
     processes; returns the model by global name (shards reassembled) and the peak number of live
     activations of each stage (replica 0's, shard 0's)."""
     plan = prepare(cfg)
-    mesh = Mesh(plan.layout.dp, plan.layout.pp, plan.layout.fsdp)
+    mesh = plan.layout.mesh
     os.makedirs(out_dir, exist_ok=True)
     rendezvous = RendezvousStore()
     store = rendezvous.address("127.0.0.1", namespace=os.path.basename(out_dir))

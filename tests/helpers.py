@@ -289,7 +289,7 @@ def fake_config(tmp_path, *overrides: str):
     from raytrain.config import load_config
 
     cfg = load_config(None, ["train.global_batch=8", "train.steps=6", f"checkpoint.dir={tmp_path / 'ckpt'}",
-                             "elastic.wait_s=0.2", "run.trace_steps=0", *overrides])
+                             "elastic.capacity_wait_s=0.2", "run.trace_steps=0", *overrides])
     os.makedirs(cfg.checkpoint.dir, exist_ok=True)
     return cfg
 

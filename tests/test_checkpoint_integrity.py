@@ -218,7 +218,7 @@ def test_the_cli_refuses_a_corrupt_checkpoint_with_exit_2_and_one_line(tmp_path,
     _flip(os.path.join(d, "stage-0.pt"))
     sets = ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=8", "train.steps=3",
             f"data.cache_dir={data_cache}", "data.max_bytes=100000", f"run.dir={tmp_path / 'runs'}",
-            "run.trace_steps=0", "resources.wait_s=20", f"checkpoint.resume={d}"]
+            "run.trace_steps=0", "resources.placement_wait_s=20", f"checkpoint.resume={d}"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run([sys.executable, "-m", "raytrain", "train", *[a for s in sets for a in ("--set", s)]],
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, env=env)

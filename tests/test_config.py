@@ -1,13 +1,16 @@
 """Bad input fails before any actor starts, with a message that names the key or file and the fix."""
 
+import ast
 import os
+import re
 import subprocess
 from pathlib import Path
 import sys
 
 import pytest
+import yaml
 
-from raytrain.config import all_keys, load_config, parse_override
+from raytrain.config import RENAMED_KEYS, all_keys, config_from_dict, load_config, parse_override
 from raytrain.driver.plan import prepare
 
 
@@ -94,11 +97,16 @@ def test_public_keys_exist():
 def test_cli_rejects_bad_input_before_starting_ray(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "raytrain", "train", "--config", str(Path(__file__).parents[1] / "experiments/configs/tiny.yaml"),
-         "--set", "train.global_batch=15"],
+         "--set", "train.global_batch=15", "--set", "elastic.wait_s=5"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
     assert "train.global_batch=15" in proc.stderr and "parallel.dp=2" in proc.stderr
+    # A renamed key is said on one line, before the error, though Python hides a library's DeprecationWarning.
+    lines = proc.stderr.splitlines()
+    said = ("raytrain: DeprecationWarning: config key elastic.wait_s is deprecated: it is renamed "
+            "elastic.capacity_wait_s; write that instead")
+    assert said in lines and lines[lines.index(said) + 1].startswith("raytrain: config error:"), proc.stderr
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
 
 
@@ -184,14 +192,14 @@ BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give 
     ("elastic.max_dp=0", ">= 1"),
     ("elastic.grow_poll_s=0", "> 0"),
     ("elastic.detect_timeout_s=-5", "> 0"),
-    ("elastic.wait_s=0", "> 0"),
+    ("elastic.capacity_wait_s=0", "> 0"),
     ("elastic.max_failures=-1", ">= 0"),
     ("elastic.coordinator_restarts=-1", ">= 0"),
     ("elastic.faults=['1:0@3:sideways']", "phase must be one of"),
     ("resources.use_gpu=maybe", "true or false"),
     ("resources.cpus_per_worker=0", ">= 1"),
     ("resources.bf16=maybe", "true or false"),
-    ("resources.wait_s=0", "> 0"),
+    ("resources.placement_wait_s=0", "> 0"),
     ("resources.step_timeout_s=0", "> 0"),
     ("resources.placement_strategy=spread", "STRICT_SPREAD"),
     ("eval.every=-1", ">= 0"),
@@ -222,6 +230,41 @@ def test_every_key_has_a_bad_value_in_the_table():
     assert all(NO_BAD_VALUE.values()), "each exception needs its reason"
 
 
+CHECKED_MODULES = ["raytrain/config/schema.py", "raytrain/config/layout.py"]
+"""Where the config's checks live: every one raises through raytrain.config.errors.require."""
+
+
+@pytest.mark.parametrize("module", CHECKED_MODULES)
+def test_every_config_check_raises_through_the_one_helper(module):
+    tree = ast.parse((Path(__file__).parents[1] / module).read_text())
+    raises = [f"{module}:{node.lineno}" for node in ast.walk(tree) if isinstance(node, ast.Raise)]
+    assert not raises, f"raise the one form, require(ok, key, value, fix), instead: {raises}"
+
+
+ONE_FORM = re.compile(r"^(?P<key>[a-z_]+\.[a-z0-9_]+)=\S.*?: \S")
+"""``key=value: fix``, the form of raytrain.config.errors.config_error."""
+
+
+@pytest.mark.parametrize("overrides", [[o] for o, _ in BAD_VALUE_PER_KEY] + [
+    ["model.d_model=30", "model.n_head=4"], ["parallel.pp=2", "parallel.split_points=[1, 2]"],
+    ["parallel.pp=3", "parallel.split_points=[2, 2]"], ["parallel.auto=true", "parallel.split_points=[]"],
+    ["parallel.pp=9"], ["parallel.pp=2", "parallel.split_points=[7]"], ["train.global_batch=7", "parallel.dp=2"],
+    ["parallel.fsdp=3"], ["parallel.microbatches=3"], ["parallel.auto=true", "elastic.min_dp=1"],
+    ["elastic.min_dp=3", "parallel.dp=2"], ["elastic.max_dp=1", "parallel.dp=2"],
+    ["elastic.max_dp=5", "parallel.fsdp=2"], ["model.vocab_size=128"], ["data.max_bytes=100"], ["eval.every=2"],
+    ["parallel.fsdp=1024", "train.global_batch=1024"], ["elastic.faults=['x']"],
+    ["train.activation_checkpointing=true", "parallel.split_backward=true"],
+], ids=lambda overrides: " ".join(overrides))
+def test_every_rejected_value_is_named_in_the_one_form(overrides):
+    try:
+        load_config(None, overrides)
+    except ValueError as e:
+        found = ONE_FORM.match(str(e))
+        assert found and found["key"] in all_keys(), f"not 'key=value: fix': {e}"
+    else:  # only this machine's checks (raytrain.driver.plan.prepare) can refuse it
+        assert overrides[0].split("=")[0] in ("data.path", "data.eval_path", "model.factory"), overrides
+
+
 def _float_keys() -> list[str]:
     import dataclasses
     import typing
@@ -238,7 +281,7 @@ def _float_keys() -> list[str]:
 def test_float_keys_must_be_finite(value):
     # A YAML .nan or .inf passed every '<= 0' check and reached AdamW or a timer inside the workers.
     keys = _float_keys()
-    assert "train.lr" in keys and "elastic.wait_s" in keys
+    assert "train.lr" in keys and "elastic.capacity_wait_s" in keys
     for key in keys:
         with pytest.raises(ValueError, match=f"{key}.*finite"):
             load_config(None, [f"{key}={value}"])
@@ -253,6 +296,51 @@ def test_a_key_given_twice_in_a_config_file_is_an_error_naming_it_and_its_line(t
     path.write_text(text)
     with pytest.raises(ValueError, match=rf"twice.yaml.* line {line}, .*key '{key}' appears twice"):
         load_config(str(path))
+
+
+def _config_from(values: dict, source: str, tmp_path):
+    """A Config from flat ``values`` given as a YAML file, as --set overrides, or as a Python dict."""
+    nested: dict = {}
+    for key, value in values.items():
+        section, _, name = key.partition(".")
+        nested.setdefault(section, {})[name] = value
+    if source == "yaml":
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(nested))
+        return load_config(str(path))
+    if source == "override":
+        return load_config(None, [f"{key}={value}" for key, value in values.items()])
+    return config_from_dict(nested)
+
+
+SOURCES = ["yaml", "override", "dict"]
+RENAMES = [("resources.wait_s", "resources.placement_wait_s"), ("elastic.wait_s", "elastic.capacity_wait_s")]
+
+
+def test_the_renamed_keys_are_the_wait_keys():
+    assert RENAMED_KEYS == dict(RENAMES)
+    assert not set(RENAMED_KEYS) & set(all_keys()) and set(RENAMED_KEYS.values()) <= set(all_keys())
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("old, new", RENAMES)
+def test_an_old_key_name_still_works_with_a_deprecation_warning(old, new, source, tmp_path):
+    with pytest.warns(DeprecationWarning) as caught:
+        cfg = _config_from({old: 7.5}, source, tmp_path)
+    section, _, name = new.partition(".")
+    assert getattr(getattr(cfg, section), name) == 7.5
+    assert [str(w.message) for w in caught] == [
+        f"config key {old} is deprecated: it is renamed {new}; write that instead"]
+    assert caught[0].filename == __file__  # it points at the caller's line, outside raytrain.config
+    assert name in cfg.to_dict()[section] and old.partition(".")[2] not in cfg.to_dict()[section]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("old, new", RENAMES)
+def test_a_key_given_under_its_old_and_new_names_is_an_error_naming_both(old, new, source, tmp_path):
+    with pytest.raises(ValueError, match=rf"^{re.escape(old)}=5: renamed {re.escape(new)}, which is given too: "
+                                         rf"keep only {re.escape(new)}$"):
+        _config_from({old: 5, new: 6}, source, tmp_path)
 
 
 def test_the_checkpoint_module_is_reachable_from_a_bare_import():

@@ -12,7 +12,7 @@ from tests.helpers import FakePlacement, FakeWorkerGroup, chain, fake_config
 
 def run(tmp_path, *overrides, dp=2, pp=1, group=None, extra=(), resume=None, on_start=None):
     cfg = fake_config(tmp_path, f"parallel.dp={dp}", f"parallel.pp={pp}", *overrides)
-    group = group or FakeWorkerGroup(pp, initial=dp * pp)
+    group = group or FakeWorkerGroup(pp, initial=cfg.layout().world_size)
     coordinator = Coordinator(cfg, "unused", 1000, [[s] for s in range(pp)], None, 0, resume,
                               extra_placements=extra, group=group)
     if on_start:
@@ -70,7 +70,7 @@ def test_without_capacity_the_run_shrinks_to_min_dp(tmp_path):
 
 
 def test_below_min_dp_without_capacity_it_waits_then_gives_up_naming_the_key(tmp_path):
-    with pytest.raises(CapacityLost, match="fewer than elastic.min_dp=2.*elastic.wait_s=0.2s"):
+    with pytest.raises(CapacityLost, match="fewer than elastic.min_dp=2.*elastic.capacity_wait_s=0.2s"):
         run(tmp_path, "elastic.faults=['1:0@1:forward']", group=FakeWorkerGroup(1, initial=2, capacity=0))
 
 
@@ -94,7 +94,7 @@ def test_a_stop_while_waiting_for_replacements_saves_from_the_live_replicas_at_o
             return super().spawn(*args, **kwargs)
 
     group = StopWhenReplacing(1, initial=2, capacity=0)
-    _, _, summary, rows = run(tmp_path, "elastic.wait_s=20", "elastic.faults=['1:0@1:forward']", group=group,
+    _, _, summary, rows = run(tmp_path, "elastic.capacity_wait_s=20", "elastic.faults=['1:0@1:forward']", group=group,
                               on_start=lambda coordinator, g: setattr(g, "coordinator", coordinator))
     assert summary.stopped == "SIGTERM" and summary.steps == 1
     assert "stopping" in events(rows, "repair")[0]["decisions"][-1]["reason"]
@@ -180,7 +180,7 @@ def test_a_stop_request_ends_at_a_step_boundary_after_a_checkpoint(tmp_path):
 
 
 def test_policy_decisions_are_plain_values():
-    policy = ElasticPolicy(min_dp=2, target_dp=3, max_failures=1, wait_s=5.0, skip_nonfinite=0)
+    policy = ElasticPolicy(min_dp=2, target_dp=3, max_failures=1, capacity_wait_s=5.0, skip_nonfinite=0)
     assert policy.settle_step(3, [4, 3]).action is Action.ROLL_FORWARD
     assert policy.settle_step(3, [3, 3]).action is Action.RETRY
     assert policy.capacity(2, waited_s=0).action is Action.CONTINUE

@@ -239,7 +239,7 @@ def test_a_frozen_worker_is_killed_its_slot_freed_and_the_run_repairs(ray_sessio
     peers' collectives time out it is declared lost, its process is killed so its CPU comes back, and
     a replacement takes its place on the full cluster (dp=2 x fsdp=2 uses all of it)."""
     cfg = make_config("parallel.dp=2", "parallel.fsdp=2", "train.steps=6", "run.record_samples=true",
-                      "elastic.detect_timeout_s=5", "resources.step_timeout_s=120", "elastic.wait_s=60",
+                      "elastic.detect_timeout_s=5", "resources.step_timeout_s=120", "elastic.capacity_wait_s=60",
                       "elastic.faults=['1:1:0@2:pause']")
     assert 4 == TEST_RAY_CPUS  # the replacement needs the frozen worker's CPU
     started = time.monotonic()

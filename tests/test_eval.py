@@ -161,7 +161,7 @@ def test_an_evaluation_changes_no_training_state(make_config):
                   make_hook=lambda specs, replica, stage_index, shard: recorder)
     rendezvous = RendezvousStore()
     try:
-        stage.join(0, Mesh(1, 1), [8], rendezvous.address("127.0.0.1", "eval-state"), generation=0, faults=[])
+        stage.join(0, Mesh(), [8], rendezvous.address("127.0.0.1", "eval-state"), generation=0, faults=[])
         assert stage.run_step(0).ok
         digest, grads, rng = stage.state_digest(), [b.clone() for b in stage.grads.buffers], torch.get_rng_state()
         recorder.calls.clear()

@@ -1,23 +1,69 @@
-"""The Layout answers the layout's questions (world size, label, layer count, stage ranges) in one
-place, and refuses a cut the model cannot take, naming the key to change."""
+"""The grid (Mesh) owns the dp x fsdp x pp arithmetic; the Layout answers the layout's questions (label,
+layer count, stage ranges) in one place, asks its grid the rest, and refuses a cut the model cannot take,
+naming the key to change."""
+
+import itertools
 
 import pytest
 
 from raytrain.config import ParallelConfig, load_config
 from raytrain.config.layout import Layout
+from raytrain.config.mesh import Mesh
 from raytrain.driver.plan import plan_layout
 
 
 def test_world_size_counts_every_replica_shard_and_stage():
-    assert Layout().world_size == 1
-    assert Layout(dp=2, pp=3).world_size == 6
-    assert Layout(dp=2, fsdp=2, pp=2).world_size == 8
+    assert Mesh().world_size == 1
+    assert Mesh(dp=2, pp=3).world_size == 6
+    assert Mesh(dp=2, fsdp=2, pp=2).world_size == 8
+    assert Mesh(dp=3, fsdp=2, pp=4).slots == 8 and Mesh(dp=3, fsdp=2, pp=4).columns == 6
+
+
+def test_the_layout_asks_its_grid():
+    grid = Mesh(dp=3, fsdp=2, pp=2)
+    layout = Layout(mesh=grid, microbatches=2)
+    assert (layout.dp, layout.fsdp, layout.pp, layout.world_size) == (3, 2, 2, 12) == (*_axes(grid), grid.world_size)
+    assert layout.grid_label == grid.grid_label == "dp=3 fsdp=2 pp=2"
+    assert layout.with_dp(1).mesh == Mesh(dp=1, fsdp=2, pp=2) and layout.with_dp(1).world_size == 4
+    assert Layout.of(ParallelConfig(dp=2, fsdp=2, pp=2)).mesh == Mesh(dp=2, fsdp=2, pp=2)
+
+
+def _axes(grid: Mesh) -> tuple[int, int, int]:
+    return grid.dp, grid.fsdp, grid.pp
+
+
+@pytest.mark.parametrize("dp, fsdp, pp", [(1, 1, 1), (2, 1, 3), (1, 3, 1), (2, 2, 2), (3, 2, 4)])
+def test_every_rank_round_trips_through_its_coordinates(dp, fsdp, pp):
+    grid = Mesh(dp=dp, fsdp=fsdp, pp=pp)
+    places = []
+    for rank in range(grid.world_size):
+        replica, stage = grid.coords(rank)
+        shard = grid.shard(rank)
+        assert grid.rank(replica=replica, shard=shard, stage=stage) == rank
+        places.append((replica, shard, stage))
+    # Every (replica, shard, stage) once, in the grid's order: replica outermost, stage innermost.
+    assert places == list(itertools.product(range(dp), range(fsdp), range(pp)))
+    for replica, shard, stage in places:  # each worker is in one group of each axis, of that axis's size
+        rank = grid.rank(replica=replica, shard=shard, stage=stage)
+        groups = grid.dp_ranks(stage, shard), grid.fsdp_ranks(replica, stage), grid.pp_ranks(replica, shard)
+        assert [len(g) for g in groups] == [dp, fsdp, pp] and all(rank in g for g in groups)
+        assert grid.label(rank) == (f"{replica}:{shard}:{stage}" if fsdp > 1 else f"{replica}:{stage}")
+
+
+def test_the_grid_is_built_by_keyword_only():
+    with pytest.raises(TypeError):
+        Mesh(2, 1, 2)  # the order of the axes is not the caller's to guess
+    with pytest.raises(TypeError):
+        Layout(Mesh(dp=2))
+    with pytest.raises(TypeError):
+        Mesh(dp=2).rank(0, 1, 0)
 
 
 def test_label_names_the_layout_and_the_schedule_of_a_pipeline():
     assert Layout.of(ParallelConfig(dp=2)).label == "dp=2 pp=1 m=1"
     assert Layout.of(ParallelConfig(pp=2, microbatches=4, schedule="gpipe")).label == "dp=1 pp=2 m=4 gpipe"
-    assert Layout(dp=3, pp=2, microbatches=2).with_dp(1).label == "dp=1 pp=2 m=2 1f1b"
+    assert Layout(mesh=Mesh(dp=3, pp=2), microbatches=2).with_dp(1).label == "dp=1 pp=2 m=2 1f1b"
+    assert Layout.of(ParallelConfig(dp=2, fsdp=2)).label == "dp=2 fsdp=2 pp=1 m=1"
     cfg = load_config(None, ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"])
     assert cfg.layout() == Layout.of(cfg.parallel) and cfg.layout().label == "dp=2 pp=2 m=2 1f1b"
 
@@ -38,7 +84,7 @@ def test_stage_ranges_of_the_builtin_gpt(overrides, ranges):
 def test_split_points_need_no_model():
     layout = Layout.of(ParallelConfig(pp=3, split_points=[2, 3])).for_model(5, "the model")
     assert not layout.needs_cuts and layout.stage_ranges == [range(0, 2), range(2, 3), range(3, 5)]
-    assert Layout(pp=2).needs_cuts and not Layout().needs_cuts
+    assert Layout(mesh=Mesh(pp=2)).needs_cuts and not Layout().needs_cuts
 
 
 def test_a_factory_model_is_counted_and_cut():
@@ -47,7 +93,7 @@ def test_a_factory_model_is_counted_and_cut():
 
 
 @pytest.mark.parametrize("layout, must_mention", [
-    (Layout(pp=9), ["parallel.pp=9", "exceeds the 6 layers of the model", "lower parallel.pp"]),
+    (Layout(mesh=Mesh(pp=9)), ["parallel.pp=9", "exceeds the 6 layers of the model", "lower parallel.pp"]),
     (Layout.of(ParallelConfig(pp=2, split_points=[6])), ["parallel.split_points=[6]", "out of range", "1..5"]),
     (Layout.of(ParallelConfig(pp=2, split_points=[0])), ["parallel.split_points=[0]", "out of range", "1..5"]),
 ])

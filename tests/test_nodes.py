@@ -72,8 +72,8 @@ def test_node_lost_then_added_grows_back_to_max_dp(ray_cluster, worker_node, mak
 def test_capacity_below_min_dp_waits_then_fails_with_checkpoint_intact(ray_cluster, worker_node, make_config,
                                                                       tmp_path):
     # min_dp defaults to dp=2: losing the node leaves one replica and nowhere to start a second.
-    cfg = make_config("parallel.dp=2", f"checkpoint.dir={tmp_path / 'ckpt'}", "train.steps=100000", "checkpoint.every=4", "elastic.wait_s=4",
-                      "resources.placement_strategy=STRICT_SPREAD", "run.trace_steps=0")
+    cfg = make_config("parallel.dp=2", f"checkpoint.dir={tmp_path / 'ckpt'}", "train.steps=100000", "checkpoint.every=4",
+                      "elastic.capacity_wait_s=4", "resources.placement_strategy=STRICT_SPREAD", "run.trace_steps=0")
     seen = {"removed_at": None}
 
     def on_rows(rows):
@@ -85,8 +85,8 @@ def test_capacity_below_min_dp_waits_then_fails_with_checkpoint_intact(ray_clust
         train(cfg, on_rows=on_rows)
     waited = time.time() - seen["removed_at"]
     message = str(err.value)
-    assert "elastic.min_dp=2" in message and "elastic.wait_s=4" in message, message
-    assert 4 <= waited < 40, f"failed {waited:.1f}s after the node was lost; the wait is bounded by elastic.wait_s=4"
+    assert "elastic.min_dp=2" in message and "elastic.capacity_wait_s=4" in message, message
+    assert 4 <= waited < 40, f"failed {waited:.1f}s after the node was lost; elastic.capacity_wait_s=4 bounds the wait"
     latest = checkpoint.latest(cfg.checkpoint.dir)
     assert latest is not None and latest in message
     step = checkpoint.read_manifest(latest)["step"]

@@ -4,6 +4,7 @@ import io
 import os
 
 from raytrain.config.layout import Layout
+from raytrain.config.mesh import Mesh
 from raytrain.driver.report import RunReporter
 
 
@@ -14,7 +15,7 @@ def _step(step, dp, **extra):
 
 def test_progress_line_follows_the_layout_through_a_grow_and_a_repair(tmp_path):
     out = io.StringIO()
-    reporter = RunReporter(str(tmp_path), total_steps=3, layout=Layout(dp=1, pp=2, microbatches=4), stream=out)
+    reporter = RunReporter(str(tmp_path), total_steps=3, layout=Layout(mesh=Mesh(pp=2), microbatches=4), stream=out)
     reporter.add([_step(1, dp=1, bubble=0.2)])
     reporter._last_print = 0.0  # not a terminal: lines are otherwise at most one per PROGRESS_INTERVAL_S
     reporter.add([{"event": "grow", "step": 1, "new_layout": "dp=2 pp=2"}, _step(2, dp=2, bubble=0.2)])
@@ -29,7 +30,7 @@ def test_progress_line_follows_the_layout_through_a_grow_and_a_repair(tmp_path):
 def test_a_deep_pipeline_shows_its_bubble(tmp_path):
     # The line used to look for "pp=1" in the label, which "pp=12" contains.
     out = io.StringIO()
-    reporter = RunReporter(str(tmp_path), total_steps=1, layout=Layout(dp=1, pp=12, microbatches=12), stream=out)
+    reporter = RunReporter(str(tmp_path), total_steps=1, layout=Layout(mesh=Mesh(pp=12), microbatches=12), stream=out)
     reporter.add([{"step": 1, "loss": 2.5, "samples_per_s": 100.0, "layout": "dp=1 pp=12", "dp": 1, "bubble": 0.5}])
     assert out.getvalue().splitlines() == ["step 1/1 | loss 2.5000 | 100.0 samples/s | dp=1 pp=12 m=12 1f1b | bubble 50%"]
 
@@ -41,7 +42,7 @@ def test_the_progress_line_shows_the_latest_held_out_loss_and_its_step(tmp_path,
     monkeypatch.setattr(Axes, "plot", lambda ax, x, y, *a, **kw: curves.append((kw.get("label"), list(x), list(y)))
                         or plot(ax, x, y, *a, **kw))
     out = io.StringIO()
-    reporter = RunReporter(str(tmp_path), total_steps=3, layout=Layout(dp=1, pp=1, microbatches=1), stream=out)
+    reporter = RunReporter(str(tmp_path), total_steps=3, layout=Layout(), stream=out)
     reporter.add([_step(1, dp=1)])
     reporter._last_print = 0.0
     reporter.add([_step(2, dp=1, eval_loss=2.25)])

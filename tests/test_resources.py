@@ -9,13 +9,13 @@ from tests.helpers import TEST_RAY_CPUS
 
 
 def test_too_many_workers_fail_after_bounded_wait(ray_session, make_config):
-    cfg = make_config("parallel.dp=8", "resources.wait_s=2")
+    cfg = make_config("parallel.dp=8", "resources.placement_wait_s=2")
     start = time.monotonic()
     with pytest.raises(ResourcesUnavailable) as err:
         train(cfg)
     assert time.monotonic() - start < 30
     message = str(err.value)
-    assert "dp=8" in message and "8 workers" in message and "resources.wait_s=2" in message
+    assert "dp=8" in message and "8 workers" in message and "resources.placement_wait_s=2" in message
     assert "'CPU': 4.0" in message  # what the cluster has
     # the reservation was released
     deadline = time.monotonic() + 10
@@ -25,7 +25,7 @@ def test_too_many_workers_fail_after_bounded_wait(ray_session, make_config):
 
 
 def test_a_sharded_world_the_cluster_cannot_hold_names_parallel_fsdp(ray_session, make_config):
-    cfg = make_config("parallel.dp=2", "parallel.fsdp=4", "resources.wait_s=1")
+    cfg = make_config("parallel.dp=2", "parallel.fsdp=4", "resources.placement_wait_s=1")
     with pytest.raises(ResourcesUnavailable) as err:
         train(cfg)
     message = str(err.value)
@@ -35,14 +35,14 @@ def test_a_sharded_world_the_cluster_cannot_hold_names_parallel_fsdp(ray_session
 @pytest.mark.ray  # the CLI starts an embedded Ray
 def test_a_layout_larger_than_the_embedded_ray_is_refused_at_once(tmp_path, data_cache):
     """With RAY_ADDRESS unset raytrain starts a Ray of this machine's size, which never grows: a
-    layout that needs more fails in one line (exit 3) without waiting resources.wait_s."""
+    layout that needs more fails in one line (exit 3) without waiting resources.placement_wait_s."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cmd = [sys.executable, "-m", "raytrain", "train", "--config", "experiments/configs/tiny.yaml",
-           "--set", "parallel.dp=64", "--set", "train.global_batch=64", "--set", "resources.wait_s=600",
+           "--set", "parallel.dp=64", "--set", "train.global_batch=64", "--set", "resources.placement_wait_s=600",
            "--set", f"run.dir={tmp_path / 'runs'}", "--set", f"data.cache_dir={data_cache}",
            "--set", "data.max_bytes=200000"]
     start = time.monotonic()

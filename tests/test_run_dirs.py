@@ -6,6 +6,8 @@ import time
 import pytest
 
 from raytrain.api import prepare
+from raytrain.config.layout import Layout
+from raytrain.config.mesh import Mesh
 from raytrain.driver import plan
 
 
@@ -18,7 +20,7 @@ def test_runs_prepared_in_the_same_second_get_their_own_directories(make_config,
 
 def test_concurrent_runs_never_share_a_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(time, "strftime", lambda fmt: "20261201-120000-")
-    layout = plan.Layout(dp=2, pp=1, microbatches=1, schedule="1f1b")
+    layout = Layout(mesh=Mesh(dp=2))
     names, start = [], threading.Barrier(8)
 
     def claim():

@@ -70,7 +70,7 @@ def test_the_stage_calls_its_hook_at_every_phase_point(make_config, tmp_path, ke
     stage = Stage(cfg, data_path, num_samples, 0, stage_layers[0], make_hook=make_hook)
     rendezvous = RendezvousStore()
     try:
-        stage.join(0, Mesh(1, 1), even_shares(cfg.train.global_batch, 1),
+        stage.join(0, Mesh(), even_shares(cfg.train.global_batch, 1),
                    rendezvous.address("127.0.0.1", "hooks"), generation=1, faults=["0:0@7:forward"])
         assert stage.run_step(0).ok
         stage.save(str(tmp_path))

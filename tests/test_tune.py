@@ -66,6 +66,17 @@ def test_infeasible_layouts_are_rejected_before_launch(ray_session, base, tmp_pa
     assert not os.path.exists(tmp_path / "never")  # nothing was launched
 
 
+def test_each_infeasible_layout_is_named_by_its_label(base, tmp_path):
+    sweep = rt_tune.SweepConfig(base=base, storage_path=str(tmp_path), space={"layouts": [
+        {"parallel.dp": 1}, {"parallel.dp": 2, "parallel.fsdp": 2}, {"parallel.pp": 9}, {"parallel.dp": 0}]})
+    with pytest.raises(ValueError) as err:
+        rt_tune.check_layouts(sweep, {"CPU": 2.0})
+    message = str(err.value)
+    assert "dp=2 fsdp=2 pp=1 m=1: needs 4 CPU (4 workers), the cluster has 2" in message
+    assert "dp=1 pp=9 m=1 1f1b: parallel.pp=9" in message and "dp=0 pp=1 m=1: parallel.dp=0: use >= 1" in message
+    assert "dp=1 pp=1" not in message  # the feasible layout is not blamed
+
+
 def test_sweep_config_errors_name_the_key(tmp_path, base):
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({**base, "space": {"train.lrr": [0.1]}}))
@@ -74,6 +85,17 @@ def test_sweep_config_errors_name_the_key(tmp_path, base):
     path.write_text(yaml.safe_dump({**base, "space": {"train.lr": [0.1]}, "sweep": {"schedular": "asha"}}))
     with pytest.raises(ValueError, match="sweep.schedular"):
         rt_tune.load_sweep_config(str(path))
+
+
+def test_a_sweep_reads_the_renamed_wait_keys_under_their_old_names(tmp_path, base):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({**base, "resources": {"wait_s": 30}, "space": {"elastic.wait_s": [5, 10]}}))
+    with pytest.warns(DeprecationWarning, match="resources.wait_s is deprecated"):
+        sweep = rt_tune.load_sweep_config(str(path))
+    with pytest.warns(DeprecationWarning) as caught:
+        cfg = rt_tune.trial_config(sweep.base, {"elastic.wait_s": 10})
+    assert sorted(str(w.message).split()[2] for w in caught) == ["elastic.wait_s", "resources.wait_s"]
+    assert cfg.resources.placement_wait_s == 30 and cfg.elastic.capacity_wait_s == 10
 
 
 def test_interrupted_sweep_resumes_and_finishes(ray_session, base, tmp_path):

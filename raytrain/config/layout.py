@@ -1,7 +1,8 @@
 """A run's parallel layout as one value: how its workers divide the batch and the model.
 
-``Layout`` answers what the config, the driver, the reporter and Tune ask of a layout: its world
-size, its label (``dp=2 pp=2 m=4 1f1b``), and, once the model is known (``for_model``, or
+``Layout`` answers what the config, the driver, the reporter and Tune ask of a layout: its worker grid
+(``mesh``: dp x fsdp x pp, raytrain.config.mesh, which owns the world size and the rank arithmetic), its
+label (``dp=2 pp=2 m=4 1f1b``), and, once the model is known (``for_model``, or
 ``raytrain.driver.plan.plan_layout`` for the stage cuts), the layer count and each stage's layers. A label
 is an answer, never an input: nothing parses it back. No torch and no Ray here: anything may import it.
 """
@@ -9,25 +10,24 @@ is an answer, never an input: nothing parses it back. No torch and no Ray here: 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
+
+from raytrain.config.errors import require
+from raytrain.config.mesh import Mesh
 
 if TYPE_CHECKING:
     from raytrain.config import ParallelConfig
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
-    dp: int = 1
-    """Data-parallel replicas."""
-    pp: int = 1
-    """Pipeline stages each replica's model is cut into."""
+    mesh: Mesh = field(default_factory=Mesh)
+    """The worker grid: dp replicas x fsdp shards x pp stages."""
     microbatches: int = 1
     """Micro-batches each replica splits its share of the global batch into."""
     schedule: str = "1f1b"
     """Pipeline schedule (named in the label only when pp > 1)."""
-    fsdp: int = 1
-    """Workers that shard each stage's parameters, gradients and optimizer state within a replica (FSDP2)."""
     virtual_stages: int = 1
     """Model chunks per pipeline worker (room for interleaved schedules: 1 until they land)."""
     cuts: Optional[tuple[int, ...]] = None
@@ -40,13 +40,30 @@ class Layout:
     def of(cls, parallel: ParallelConfig) -> Layout:
         """The layout a ``parallel`` config section sets (hand-set cuts included)."""
         cuts = None if parallel.split_points is None else tuple(parallel.split_points)
-        return cls(dp=parallel.dp, pp=parallel.pp, microbatches=parallel.microbatches, schedule=parallel.schedule,
-                   fsdp=parallel.fsdp, cuts=cuts)
+        return cls(mesh=Mesh(dp=parallel.dp, fsdp=parallel.fsdp, pp=parallel.pp),
+                   microbatches=parallel.microbatches, schedule=parallel.schedule, cuts=cuts)
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.dp
+
+    @property
+    def fsdp(self) -> int:
+        return self.mesh.fsdp
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.pp
 
     @property
     def world_size(self) -> int:
-        """Workers the layout needs: one per (replica, shard, stage)."""
-        return self.dp * self.fsdp * self.pp
+        """Workers the layout needs (the grid's)."""
+        return self.mesh.world_size
+
+    @property
+    def grid_label(self) -> str:
+        """``dp=2 pp=1``: the worker grid alone, as metric rows and repair events name a live layout."""
+        return self.mesh.grid_label
 
     @property
     def num_chunks(self) -> int:
@@ -62,29 +79,22 @@ class Layout:
     def label(self) -> str:
         """``dp=2 pp=1 m=1``, ``dp=2 fsdp=2 pp=1 m=1``, or ``dp=1 pp=2 m=4 1f1b`` for a pipeline: how runs,
         rows and trials name it."""
-        parts = [f"dp={self.dp}"] + ([f"fsdp={self.fsdp}"] if self.fsdp > 1 else []) + [f"pp={self.pp}"]
-        parts += [f"v={self.virtual_stages}"] if self.virtual_stages > 1 else []
+        parts = [self.grid_label] + ([f"v={self.virtual_stages}"] if self.virtual_stages > 1 else [])
         parts += [f"m={self.microbatches}"] + ([self.schedule] if self.pp > 1 else [])
         return " ".join(parts)
 
-    @property
-    def grid_label(self) -> str:
-        """``dp=2 pp=1``: the worker grid alone, as metric rows and repair events name a live layout."""
-        return " ".join([f"dp={self.dp}"] + ([f"fsdp={self.fsdp}"] if self.fsdp > 1 else []) + [f"pp={self.pp}"])
-
     def with_dp(self, dp: int) -> Layout:
         """This layout with ``dp`` replicas, as a repair or a grow leaves it."""
-        return dataclasses.replace(self, dp=dp)
+        return dataclasses.replace(self, mesh=self.mesh.with_dp(dp))
 
     def for_model(self, num_layers: int, model: str) -> Layout:
         """This layout over a model of ``num_layers`` cuttable layers; a ValueError naming
         parallel.pp or parallel.split_points when it cannot be cut so. ``model`` names the layers'
         source in that error ("model.factory")."""
-        if self.num_chunks > num_layers:
-            raise ValueError(f"parallel.pp={self.pp} exceeds the {num_layers} layers of {model}; lower parallel.pp")
-        if self.cuts and not (0 < self.cuts[0] and self.cuts[-1] < num_layers):
-            raise ValueError(f"parallel.split_points={list(self.cuts)} out of range: cuts must lie in "
-                             f"1..{num_layers - 1}")
+        require(self.num_chunks <= num_layers, "parallel.pp", self.pp,
+                f"exceeds the {num_layers} layers of {model}; lower parallel.pp")
+        require(not self.cuts or (0 < self.cuts[0] and self.cuts[-1] < num_layers), "parallel.split_points",
+                list(self.cuts or ()), f"out of range; cuts must lie in 1..{num_layers - 1}")
         return dataclasses.replace(self, num_layers=num_layers)
 
     @property

@@ -3,20 +3,31 @@ in order, each value coerced to its field's type, then the schema's checks (rayt
 
 A file that is missing, a directory, unreadable or not YAML, an unknown key and an override whose
 value is not YAML are ValueErrors naming it (the CLI's one line, exit 2), never a yaml or OS traceback.
+A renamed key (RENAMED_KEYS) is read under its old name too, from a file, an override or a dict alike:
+``build_config``, which every one of them goes through, moves it to its new name with a DeprecationWarning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import math
 import os
 import typing
+import warnings
 from typing import Any, Optional
 
 import yaml
 
+from raytrain.config.errors import config_error, require
 from raytrain.config.schema import Config
+
+RENAMED_KEYS = {
+    "resources.wait_s": "resources.placement_wait_s",
+    "elastic.wait_s": "elastic.capacity_wait_s",
+}
+"""Old name -> new name of a renamed key: the old name still works, with a DeprecationWarning."""
 
 
 def all_keys() -> list[str]:
@@ -47,15 +58,15 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if annotation is list or origin is list:
         if isinstance(value, (list, tuple)):
             return list(value)
-        raise ValueError(f"config key '{key}' expects a list like [2, 4], got {value!r}")
+        raise config_error(key, value, "expects a list like [2, 4]")
     if annotation is bool:
         if isinstance(value, bool):
             return value
-        raise ValueError(f"config key '{key}' expects true or false, got {value!r}")
+        raise config_error(key, value, "expects true or false")
     if annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ValueError(f"config key '{key}' expects an integer, got {value!r}")
+        raise config_error(key, value, "expects an integer")
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
@@ -63,13 +74,13 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             except OverflowError:  # an integer beyond any float
                 number = math.inf
             if not math.isfinite(number):  # a YAML .nan or .inf passes every '<= 0' check
-                raise ValueError(f"{key}={value!r}: not a finite number; give a finite value")
+                raise config_error(key, value, "not a finite number; give a finite value")
             return number
-        raise ValueError(f"config key '{key}' expects a number, got {value!r}")
+        raise config_error(key, value, "expects a number")
     if annotation is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise ValueError(f"config key '{key}' expects a string, got {value!r}")
+        raise config_error(key, value, "expects a string")
     return value
 
 
@@ -99,11 +110,33 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def with_new_names(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with every renamed key (RENAMED_KEYS) under its new name, each with a one-line
+    DeprecationWarning; a key given under both names is a ValueError naming both."""
+    values = dict(values)
+    for old, new in RENAMED_KEYS.items():
+        if old in values:
+            require(new not in values, old, values[old], f"renamed {new}, which is given too: keep only {new}")
+            warnings.warn(f"config key {old} is deprecated: it is renamed {new}; write that instead",
+                          DeprecationWarning, stacklevel=_levels_inside_config())
+            values[new] = values.pop(old)
+    return values
+
+
+def _levels_inside_config() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside raytrain.config (the user's
+    line, so that Python's default filters show it there)."""
+    frame, level = inspect.currentframe(), 0
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("raytrain.config"):
+        frame, level = frame.f_back, level + 1
+    return max(level, 1)
+
+
 def build_config(values: dict[str, Any]) -> Config:
-    """Build and validate a Config from flat dotted keys."""
+    """Build and validate a Config from flat dotted keys (renamed keys under either name)."""
     sections = _section_types()
     per_section: dict[str, dict] = {name: {} for name in sections}
-    for key, value in values.items():
+    for key, value in with_new_names(values).items():
         section, _, name = key.partition(".")
         if section not in sections:
             raise _unknown_key_error(key)

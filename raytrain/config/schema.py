@@ -1,7 +1,7 @@
 """The run configuration's schema: one dataclass per section, each field a public, documented key
 (``section.field``), checked in ``__post_init__``.
 
-Errors are ``ValueError``s that name the key and say how to fix it (``_require``). The checks are pure
+Every check raises one form of error, ``key=value: fix`` (raytrain.config.errors.require). The checks are pure
 (no disk, no imports of user code): every node builds a Config, and what only the driver's machine
 can answer (data.path exists, model.factory imports) is checked once, by ``raytrain.driver.plan.prepare``.
 YAML files and ``--set`` overrides are read by raytrain.config.loader.
@@ -10,13 +10,11 @@ YAML files and ``--set`` overrides are read by raytrain.config.loader.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-
+from raytrain.config.errors import require
 from raytrain.config.layout import Layout
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -24,12 +22,6 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 BALANCE_MODES = ("params", "time")
 MAX_SEED = 2**32 - 1
 """Largest train.seed: layer seeds are seed * 100_003 + layer, and torch.manual_seed takes at most 64 bits."""
-
-
-def _require(ok: bool, key: str, value: Any, fix: str) -> None:
-    """Raise the one form of a config error: ``key=value: fix``."""
-    if not ok:
-        raise ValueError(f"{key}={value!r}: {fix}")
 
 
 def _blank(text: Optional[str]) -> bool:
@@ -71,22 +63,19 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        if self.d_model % self.n_head:
-            raise ValueError(
-                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
-                "pick n_head that divides d_model"
-            )
-        _require(self.hf is None or self.factory is None, "model.hf", self.hf,
-                 "set model.hf or model.factory, not both")
-        _require(self.hf_cut in HF_CUTS, "model.hf_cut", self.hf_cut, f"use one of {', '.join(HF_CUTS)}")
-        _require(self.hf is None or (isinstance(self.hf, str) and self.hf.strip() != ""), "model.hf", self.hf,
-                 "give a directory path")
+            value = getattr(self, name)
+            require(value >= 1, f"model.{name}", value, "use >= 1")
+        require(self.d_model % self.n_head == 0, "model.d_model", self.d_model,
+                f"not divisible by model.n_head={self.n_head}; pick a model.n_head that divides it")
+        require(self.hf is None or self.factory is None, "model.hf", self.hf,
+                "set model.hf or model.factory, not both")
+        require(self.hf_cut in HF_CUTS, "model.hf_cut", self.hf_cut, f"use one of {', '.join(HF_CUTS)}")
+        require(self.hf is None or (isinstance(self.hf, str) and self.hf.strip() != ""), "model.hf", self.hf,
+                "give a directory path")
         if self.factory is not None:
             module, _, function = self.factory.partition(":")
-            _require(all(p.isidentifier() for p in module.split(".")) and function.isidentifier(), "model.factory",
-                     self.factory, "write it as 'package.module:function', with importable names")
+            require(all(p.isidentifier() for p in module.split(".")) and function.isidentifier(), "model.factory",
+                    self.factory, "write it as 'package.module:function', with importable names")
 
     @property
     def gpt_layers(self) -> int:
@@ -125,21 +114,18 @@ class TrainConfig:
     stops; 0 stops at the first, naming the step and the last good checkpoint."""
 
     def __post_init__(self):
-        if self.steps < 1:
-            raise ValueError(f"train.steps must be >= 1, got {self.steps}")
-        if self.global_batch < 1:
-            raise ValueError(f"train.global_batch must be >= 1, got {self.global_batch}")
-        _require(self.lr >= 0, "train.lr", self.lr, "use >= 0 (0 changes nothing: a dry run, or an export round trip)")
-        if self.grad_clip < 0:
-            raise ValueError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
-        _require(self.skip_nonfinite >= 0, "train.skip_nonfinite", self.skip_nonfinite,
-                 "use >= 0 (0 stops at the first non-finite step)")
-        _require(self.lr_schedule in LR_SCHEDULES, "train.lr_schedule", self.lr_schedule,
-                 f"use one of {', '.join(LR_SCHEDULES)}")
-        _require(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "use >= 0 (0: no warm-up)")
-        _require(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr, f"use 0..train.lr ({self.lr:g})")
-        _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "AdamW needs >= 0 (0: no decay)")
-        _require(0 <= self.seed <= MAX_SEED, "train.seed", self.seed, "use an integer in 0..2**32-1")
+        require(self.steps >= 1, "train.steps", self.steps, "use >= 1")
+        require(self.global_batch >= 1, "train.global_batch", self.global_batch, "use >= 1")
+        require(self.lr >= 0, "train.lr", self.lr, "use >= 0 (0 changes nothing: a dry run, or an export round trip)")
+        require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "use >= 0 (0 turns clipping off)")
+        require(self.skip_nonfinite >= 0, "train.skip_nonfinite", self.skip_nonfinite,
+                "use >= 0 (0 stops at the first non-finite step)")
+        require(self.lr_schedule in LR_SCHEDULES, "train.lr_schedule", self.lr_schedule,
+                f"use one of {', '.join(LR_SCHEDULES)}")
+        require(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "use >= 0 (0: no warm-up)")
+        require(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr, f"use 0..train.lr ({self.lr:g})")
+        require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "AdamW needs >= 0 (0: no decay)")
+        require(0 <= self.seed <= MAX_SEED, "train.seed", self.seed, "use an integer in 0..2**32-1")
 
 
 @dataclass
@@ -174,40 +160,39 @@ class ParallelConfig:
 
     def __post_init__(self):
         for name in ("dp", "fsdp", "pp", "microbatches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"parallel.schedule={self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
-        if self.balance not in BALANCE_MODES:
-            raise ValueError(f"parallel.balance={self.balance!r} is unknown; use one of {', '.join(BALANCE_MODES)}")
+            value = getattr(self, name)
+            require(value >= 1, f"parallel.{name}", value, "use >= 1")
+        require(self.schedule in SCHEDULES, "parallel.schedule", self.schedule,
+                f"unknown; use one of {', '.join(SCHEDULES)}")
+        require(self.balance in BALANCE_MODES, "parallel.balance", self.balance,
+                f"unknown; use one of {', '.join(BALANCE_MODES)}")
         if self.split_points is not None:
-            _require(all(_is_int(c) for c in self.split_points), "parallel.split_points", self.split_points,
-                     "cuts are layer indices: use a list of integers like [2, 4]")
-            if len(self.split_points) != self.pp - 1:
-                raise ValueError(
-                    f"parallel.split_points has {len(self.split_points)} cuts but parallel.pp={self.pp} "
-                    f"needs {self.pp - 1}"
-                )
-            if list(self.split_points) != sorted(set(self.split_points)):
-                raise ValueError(f"parallel.split_points must be strictly increasing, got {self.split_points}")
-        _require(self.fsdp == 1 or not self.split_backward, "parallel.split_backward", True,
-                 "sharded stages (parallel.fsdp > 1) reduce-scatter in the whole backward: turn it off")
-        if self.auto and self.split_points is not None:
-            raise ValueError("parallel.auto=true chooses pp, so parallel.split_points cannot be set; drop one")
+            self._check_split_points()
+        require(self.fsdp == 1 or not self.split_backward, "parallel.split_backward", True,
+                "sharded stages (parallel.fsdp > 1) reduce-scatter in the whole backward: turn it off")
+        require(not (self.auto and self.split_points is not None), "parallel.auto", True,
+                "it chooses pp, so parallel.split_points cannot be set; drop one of them")
         self._check_auto()
+
+    def _check_split_points(self):
+        """Hand-set cuts: pp - 1 layer indices, strictly increasing (their range needs the model: Layout.for_model)."""
+        cuts = self.split_points
+        require(all(_is_int(c) for c in cuts), "parallel.split_points", cuts,
+                "cuts are layer indices: use a list of integers like [2, 4]")
+        require(len(cuts) == self.pp - 1, "parallel.split_points", cuts,
+                f"{len(cuts)} cuts, but parallel.pp={self.pp} needs {self.pp - 1}")
+        require(list(cuts) == sorted(set(cuts)), "parallel.split_points", cuts, "cuts must be strictly increasing")
 
     def _check_auto(self):
         """The probe settings, checked whether or not parallel.auto is on: a bad value is bad either way."""
-        if self.auto_steps < 2:
-            raise ValueError(f"parallel.auto_steps={self.auto_steps}: a probe needs >= 2 steps (the first is warm-up)")
-        bad = [s for s in self.auto_schedules if s not in SCHEDULES]
-        if bad or not self.auto_schedules:
-            raise ValueError(f"parallel.auto_schedules={self.auto_schedules}: use a non-empty list of "
-                             f"{', '.join(SCHEDULES)}")
-        if not self.auto_microbatches or any(not _is_int(m) or m < 1 for m in self.auto_microbatches):
-            raise ValueError(f"parallel.auto_microbatches={self.auto_microbatches}: use a list of integers >= 1")
-        _require(self.auto_max_workers is None or self.auto_max_workers >= 1, "parallel.auto_max_workers",
-                 self.auto_max_workers, "a probed layout needs >= 1 worker; unset it to use the whole cluster")
+        require(self.auto_steps >= 2, "parallel.auto_steps", self.auto_steps,
+                "a probe needs >= 2 steps (the first is warm-up)")
+        require(bool(self.auto_schedules) and all(s in SCHEDULES for s in self.auto_schedules),
+                "parallel.auto_schedules", self.auto_schedules, f"use a non-empty list of {', '.join(SCHEDULES)}")
+        require(bool(self.auto_microbatches) and all(_is_int(m) and m >= 1 for m in self.auto_microbatches),
+                "parallel.auto_microbatches", self.auto_microbatches, "use a list of integers >= 1")
+        require(self.auto_max_workers is None or self.auto_max_workers >= 1, "parallel.auto_max_workers",
+                self.auto_max_workers, "a probed layout needs >= 1 worker; unset it to use the whole cluster")
 
 
 @dataclass
@@ -236,34 +221,34 @@ class DataConfig:
     instead of data.eval_fraction; checked like data.path."""
 
     def __post_init__(self):
-        _require(not _blank(self.column), "data.column", self.column, "name the token column of data.path")
-        _require(not _blank(self.cache_dir), "data.cache_dir", self.cache_dir,
-                 "give a directory (default ~/.cache/raytrain)")
-        _require(self.max_bytes >= 1, "data.max_bytes", self.max_bytes, "the built-in corpus needs >= 1 byte")
+        require(not _blank(self.column), "data.column", self.column, "name the token column of data.path")
+        require(not _blank(self.cache_dir), "data.cache_dir", self.cache_dir,
+                "give a directory (default ~/.cache/raytrain)")
+        require(self.max_bytes >= 1, "data.max_bytes", self.max_bytes, "the built-in corpus needs >= 1 byte")
         self._check_text()
-        _require(0 <= self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction,
-                 "use a fraction in [0, 1): the share of the rows held out for eval (0: none)")
-        _require(not _blank(self.eval_path), "data.eval_path", self.eval_path,
-                 "give a Parquet file of held-out rows, or unset it")
-        _require(self.eval_path is None or self.eval_fraction == 0, "data.eval_path", self.eval_path,
-                 f"held-out rows come from data.eval_fraction={self.eval_fraction:g} or data.eval_path, "
-                 "not both: unset one of them")
+        require(0 <= self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction,
+                "use a fraction in [0, 1): the share of the rows held out for eval (0: none)")
+        require(not _blank(self.eval_path), "data.eval_path", self.eval_path,
+                "give a Parquet file of held-out rows, or unset it")
+        require(self.eval_path is None or self.eval_fraction == 0, "data.eval_path", self.eval_path,
+                f"held-out rows come from data.eval_fraction={self.eval_fraction:g} or data.eval_path, "
+                "not both: unset one of them")
 
     def _check_text(self):
         """data.text_column and data.tokenizer come together, and only with a data.path to read."""
-        _require(not _blank(self.text_column), "data.text_column", self.text_column,
-                 "name the text column (Parquet) or key (JSON lines) of data.path, or unset it")
-        _require(not _blank(self.tokenizer), "data.tokenizer", self.tokenizer,
-                 "give a directory holding tokenizer.json, or unset it")
-        _require(self.tokenizer is not None or self.text_column is None, "data.text_column", self.text_column,
-                 "text needs a tokenizer: set data.tokenizer to a directory holding tokenizer.json, "
-                 "or unset data.text_column to read token ids from data.column")
-        _require(self.text_column is not None or self.tokenizer is None, "data.tokenizer", self.tokenizer,
-                 "a tokenizer is used only on text: set data.text_column to the text column of data.path, "
-                 "or unset data.tokenizer")
-        _require(self.text_column is None or self.path is not None, "data.text_column", self.text_column,
-                 "the built-in corpus (data.path unset) is bytes, not text: point data.path at a Parquet or "
-                 "JSON lines file holding the text")
+        require(not _blank(self.text_column), "data.text_column", self.text_column,
+                "name the text column (Parquet) or key (JSON lines) of data.path, or unset it")
+        require(not _blank(self.tokenizer), "data.tokenizer", self.tokenizer,
+                "give a directory holding tokenizer.json, or unset it")
+        require(self.tokenizer is not None or self.text_column is None, "data.text_column", self.text_column,
+                "text needs a tokenizer: set data.tokenizer to a directory holding tokenizer.json, "
+                "or unset data.text_column to read token ids from data.column")
+        require(self.text_column is not None or self.tokenizer is None, "data.tokenizer", self.tokenizer,
+                "a tokenizer is used only on text: set data.text_column to the text column of data.path, "
+                "or unset data.tokenizer")
+        require(self.text_column is None or self.path is not None, "data.text_column", self.text_column,
+                "the built-in corpus (data.path unset) is bytes, not text: point data.path at a Parquet or "
+                "JSON lines file holding the text")
 
 
 @dataclass
@@ -278,14 +263,12 @@ class CheckpointConfig:
     """Committed checkpoints to keep (oldest are deleted after a newer one is published)."""
 
     def __post_init__(self):
-        if self.every < 0:
-            raise ValueError(f"checkpoint.every must be >= 0, got {self.every}")
-        if self.keep < 1:
-            raise ValueError(f"checkpoint.keep must be >= 1, got {self.keep}")
-        _require(not _blank(self.dir), "checkpoint.dir", self.dir,
-                 "give a directory or URI, or unset it (<run_dir>/checkpoints)")
-        _require(not _blank(self.resume), "checkpoint.resume", self.resume,
-                 "give a step directory, a checkpoint.dir, or 'latest'; or unset it")
+        require(self.every >= 0, "checkpoint.every", self.every, "use >= 0 (0: only at the end)")
+        require(self.keep >= 1, "checkpoint.keep", self.keep, "use >= 1")
+        require(not _blank(self.dir), "checkpoint.dir", self.dir,
+                "give a directory or URI, or unset it (<run_dir>/checkpoints)")
+        require(not _blank(self.resume), "checkpoint.resume", self.resume,
+                "give a step directory, a checkpoint.dir, or 'latest'; or unset it")
 
 
 @dataclass
@@ -298,8 +281,9 @@ class ElasticConfig:
     """How often a run below max_dp checks whether the cluster granted more replicas."""
     detect_timeout_s: float = 60.0
     """A collective stuck this long on a silent peer fails, so the peer is declared lost."""
-    wait_s: float = 60.0
-    """Below min_dp, how long to wait for capacity before failing (the last checkpoint stays intact)."""
+    capacity_wait_s: float = 60.0
+    """Below min_dp, how long to wait for capacity (replacement workers) before failing (the last checkpoint
+    stays intact). Formerly elastic.wait_s, still read with a DeprecationWarning."""
     max_failures: int = 20
     """Give up after this many repairs in one run."""
     coordinator_restarts: int = 3
@@ -313,16 +297,16 @@ class ElasticConfig:
 
         for text in self.faults:
             Fault.parse(str(text))
-        for name in ("detect_timeout_s", "wait_s", "grow_poll_s"):
+        for name in ("detect_timeout_s", "capacity_wait_s", "grow_poll_s"):
             value = getattr(self, name)
-            _require(value > 0, f"elastic.{name}", value, "a duration must be > 0 seconds")
+            require(value > 0, f"elastic.{name}", value, "a duration must be > 0 seconds")
         for name in ("min_dp", "max_dp"):
             value = getattr(self, name)
-            _require(value is None or value >= 1, f"elastic.{name}", value,
-                     "a run needs >= 1 replica; unset it to follow parallel.dp")
+            require(value is None or value >= 1, f"elastic.{name}", value,
+                    "a run needs >= 1 replica; unset it to follow parallel.dp")
         for name in ("max_failures", "coordinator_restarts"):
             value = getattr(self, name)
-            _require(value >= 0, f"elastic.{name}", value, "use a count >= 0")
+            require(value >= 0, f"elastic.{name}", value, "use a count >= 0")
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -336,8 +320,9 @@ class ResourcesConfig:
     """CPU slots (and torch threads) per worker."""
     bf16: bool = False
     """bf16 autocast for forward and backward, on GPU or CPU; parameters and AdamW state stay fp32."""
-    wait_s: float = 60.0
-    """How long to wait for the cluster to grant the workers' resources before failing."""
+    placement_wait_s: float = 60.0
+    """At start, how long to wait for the cluster to grant the workers' resources (their placement group)
+    before failing. Formerly resources.wait_s, still read with a DeprecationWarning."""
     step_timeout_s: float = 300.0
     """A worker silent for longer than this in one step is killed and repaired like a lost worker (it
     counts against elastic.max_failures), so a hung worker never hangs the run."""
@@ -346,14 +331,12 @@ class ResourcesConfig:
     (one worker per node, so a node's loss costs one worker)."""
 
     def __post_init__(self):
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(f"resources.placement_strategy={self.placement_strategy!r}: use one of "
-                             f"{', '.join(PLACEMENT_STRATEGIES)}")
-        if self.cpus_per_worker < 1:
-            raise ValueError(f"resources.cpus_per_worker must be >= 1, got {self.cpus_per_worker}")
-        for name in ("wait_s", "step_timeout_s"):
+        require(self.placement_strategy in PLACEMENT_STRATEGIES, "resources.placement_strategy",
+                self.placement_strategy, f"use one of {', '.join(PLACEMENT_STRATEGIES)}")
+        require(self.cpus_per_worker >= 1, "resources.cpus_per_worker", self.cpus_per_worker, "use >= 1")
+        for name in ("placement_wait_s", "step_timeout_s"):
             value = getattr(self, name)
-            _require(value > 0, f"resources.{name}", value, "a duration must be > 0 seconds")
+            require(value > 0, f"resources.{name}", value, "a duration must be > 0 seconds")
 
 
 @dataclass
@@ -366,8 +349,8 @@ class EvalConfig:
     same first eval.batches x train.global_batch held-out rows."""
 
     def __post_init__(self):
-        _require(self.every >= 0, "eval.every", self.every, "use a count of steps >= 0 (0: no evaluation)")
-        _require(self.batches >= 1, "eval.batches", self.batches, "an evaluation needs >= 1 batch")
+        require(self.every >= 0, "eval.every", self.every, "use a count of steps >= 0 (0: no evaluation)")
+        require(self.batches >= 1, "eval.batches", self.batches, "an evaluation needs >= 1 batch")
 
 
 @dataclass
@@ -384,11 +367,11 @@ class RunConfig:
     that the replicas of a stage are identical); costs a little."""
 
     def __post_init__(self):
-        _require(not _blank(self.dir), "run.dir", self.dir, "give a directory for the run directories (default runs)")
-        _require(self.name is None or (not _blank(self.name) and self.name not in (".", "..")
+        require(not _blank(self.dir), "run.dir", self.dir, "give a directory for the run directories (default runs)")
+        require(self.name is None or (not _blank(self.name) and self.name not in (".", "..")
                                        and "/" not in self.name and os.sep not in self.name),
-                 "run.name", self.name, "a run directory name without '/' (it goes under run.dir); or unset it")
-        _require(self.trace_steps >= 0, "run.trace_steps", self.trace_steps, "use a count of steps >= 0 (0: no trace)")
+                "run.name", self.name, "a run directory name without '/' (it goes under run.dir); or unset it")
+        require(self.trace_steps >= 0, "run.trace_steps", self.trace_steps, "use a count of steps >= 0 (0: no trace)")
 
 
 @dataclass
@@ -406,8 +389,8 @@ class Config:
     def __post_init__(self):
         """Checks that span sections; the per-section checks ran in their own __post_init__."""
         p, t = self.parallel, self.train
-        _require(not (t.activation_checkpointing and p.split_backward), "train.activation_checkpointing", True,
-                 "recomputed layers cannot be split into input and weight halves: turn off parallel.split_backward")
+        require(not (t.activation_checkpointing and p.split_backward), "train.activation_checkpointing", True,
+                "recomputed layers cannot be split into input and weight halves: turn off parallel.split_backward")
         self._check_batch_division()
         if self.model.factory is None and self.model.hf is None:
             self.gpt_layout()  # a model.factory's or model.hf's layers are counted by raytrain.driver.plan.plan_layout
@@ -416,45 +399,42 @@ class Config:
         if self.data.path is None:
             self._check_builtin_corpus()
         d = self.data
-        _require(self.eval.every == 0 or d.eval_fraction > 0 or d.eval_path is not None, "eval.every", self.eval.every,
-                 "the held-out loss needs held-out rows: set data.eval_fraction (e.g. 0.05: the last 5% of the rows, "
-                 "never trained on) or data.eval_path (a Parquet file of the same token format); or set eval.every=0")
-        e = self.elastic
-        if p.auto and (e.min_dp is not None or e.max_dp is not None):
-            raise ValueError("parallel.auto=true chooses parallel.dp, so elastic.min_dp / elastic.max_dp cannot be "
-                             "set with it; drop them, or set the layout by hand")
-        if e.min_dp is not None and not 1 <= e.min_dp <= p.dp:
-            raise ValueError(f"elastic.min_dp={e.min_dp} must lie in 1..parallel.dp={p.dp}")
-        if e.max_dp is not None and e.max_dp < p.dp:
-            raise ValueError(f"elastic.max_dp={e.max_dp} is below parallel.dp={p.dp}, where the run starts; "
-                             f"set elastic.max_dp >= {p.dp} (or lower parallel.dp)")
-        if e.max_dp is not None and e.max_dp * p.fsdp * p.microbatches > t.global_batch:
+        require(self.eval.every == 0 or d.eval_fraction > 0 or d.eval_path is not None, "eval.every", self.eval.every,
+                "the held-out loss needs held-out rows: set data.eval_fraction (e.g. 0.05: the last 5% of the rows, "
+                "never trained on) or data.eval_path (a Parquet file of the same token format); or set eval.every=0")
+        self._check_elastic_range()
+
+    def _check_elastic_range(self):
+        """elastic.min_dp and elastic.max_dp around parallel.dp, and the largest grid within the global batch."""
+        p, e, t = self.parallel, self.elastic, self.train
+        require(not (p.auto and (e.min_dp is not None or e.max_dp is not None)), "parallel.auto", True,
+                "it chooses parallel.dp, so elastic.min_dp / elastic.max_dp cannot be set with it; drop them, "
+                "or set the layout by hand")
+        require(e.min_dp is None or 1 <= e.min_dp <= p.dp, "elastic.min_dp", e.min_dp,
+                f"use a value in 1..parallel.dp={p.dp}")
+        require(e.max_dp is None or e.max_dp >= p.dp, "elastic.max_dp", e.max_dp,
+                f"below parallel.dp={p.dp}, where the run starts; set elastic.max_dp >= {p.dp} (or lower parallel.dp)")
+        if e.max_dp is not None:
             shards = f" x parallel.fsdp={p.fsdp}" if p.fsdp > 1 else ""
-            raise ValueError(f"elastic.max_dp={e.max_dp} replicas{shards} x parallel.microbatches={p.microbatches} "
-                             f"exceed train.global_batch={t.global_batch}: some micro-batch would be empty; lower "
-                             "elastic.max_dp")
+            require(self.layout().mesh.with_dp(e.max_dp).columns * p.microbatches <= t.global_batch,
+                    "elastic.max_dp", e.max_dp, f"{e.max_dp} replicas{shards} x parallel.microbatches="
+                    f"{p.microbatches} exceed train.global_batch={t.global_batch}: some micro-batch would be empty; "
+                    "lower elastic.max_dp")
 
     def _check_batch_division(self):
-        """The global batch divides over dp x fsdp data-parallel workers, and each one's share over its micro-batches."""
+        """The global batch divides over dp x fsdp data-parallel workers, each one's share over its micro-batches."""
         p, t = self.parallel, self.train
-        if t.global_batch % p.dp:
-            raise ValueError(
-                f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp}; "
-                f"use a multiple of {p.dp} (e.g. {p.dp * max(1, t.global_batch // p.dp)})"
-            )
-        ranks = p.dp * p.fsdp
-        if t.global_batch % ranks:
-            raise ValueError(
-                f"train.global_batch={t.global_batch} is not divisible by parallel.dp x parallel.fsdp={ranks} (every "
-                f"shard trains on its own slice of its replica's share); use a multiple of {ranks}, or lower parallel.fsdp"
-            )
-        share = t.global_batch // ranks
-        if share % p.microbatches:
-            per = "train.global_batch / parallel.dp" + (" / parallel.fsdp" if p.fsdp > 1 else "")
-            raise ValueError(
-                f"parallel.microbatches={p.microbatches} does not divide the per-replica batch "
-                f"{share} ({per}); pick a divisor of {share}"
-            )
+        require(t.global_batch % p.dp == 0, "train.global_batch", t.global_batch,
+                f"not divisible by parallel.dp={p.dp}; use a multiple of {p.dp} "
+                f"(e.g. {p.dp * max(1, t.global_batch // p.dp)})")
+        columns = self.layout().mesh.columns
+        require(t.global_batch % columns == 0, "train.global_batch", t.global_batch,
+                f"not divisible by parallel.dp x parallel.fsdp={columns} (every shard trains on its own slice of "
+                f"its replica's share); use a multiple of {columns}, or lower parallel.fsdp")
+        share = t.global_batch // columns
+        per = "train.global_batch / parallel.dp" + (" / parallel.fsdp" if p.fsdp > 1 else "")
+        require(share % p.microbatches == 0, "parallel.microbatches", p.microbatches,
+                f"does not divide the per-replica batch {share} ({per}); pick a divisor of {share}")
 
     def gpt_layout(self) -> Layout:
         """The layout over the built-in GPT's layers; a ValueError when parallel.pp or
@@ -466,14 +446,12 @@ class Config:
     def _check_builtin_corpus(self):
         """With data.path unset the data are bytes (ids 0..255), cut into rows of model.seq_len + 1."""
         m, t = self.model, self.train
-        if m.vocab_size < 256:
-            raise ValueError(f"model.vocab_size={m.vocab_size}: the built-in corpus (data.path unset) is "
-                             "bytes, token ids 0..255; set model.vocab_size >= 256, or point data.path at your tokens")
+        require(m.vocab_size >= 256, "model.vocab_size", m.vocab_size, "the built-in corpus (data.path unset) is "
+                "bytes, token ids 0..255; set model.vocab_size >= 256, or point data.path at your tokens")
         corpus_bytes = t.global_batch * (m.seq_len + 1)
-        if self.data.max_bytes < corpus_bytes:
-            raise ValueError(f"data.max_bytes={self.data.max_bytes}: the built-in corpus needs train.global_batch="
-                             f"{t.global_batch} rows of model.seq_len + 1 = {m.seq_len + 1} bytes; "
-                             f"set data.max_bytes >= {corpus_bytes}")
+        require(self.data.max_bytes >= corpus_bytes, "data.max_bytes", self.data.max_bytes,
+                f"the built-in corpus needs train.global_batch={t.global_batch} rows of model.seq_len + 1 = "
+                f"{m.seq_len + 1} bytes; set data.max_bytes >= {corpus_bytes}")
 
     # --- public helpers -------------------------------------------------------------------------
 
@@ -490,6 +468,6 @@ def check_shardable(fsdp: int, rows: int, what: str) -> None:
     """FSDP cuts every parameter into parallel.fsdp row slices (torch.chunk's cut: a small parameter
     leaves some shards empty, which works); a shard must own rows of some parameter, or the extra
     worker holds nothing. ``rows``: the largest parameter's rows (1 when a scalar cannot be cut)."""
-    _require(fsdp <= rows, "parallel.fsdp", fsdp,
-             f"more shards than the {rows} rows of {what}, so some shard would own nothing; use "
-             f"parallel.fsdp <= {rows}")
+    require(fsdp <= rows, "parallel.fsdp", fsdp,
+            f"more shards than the {rows} rows of {what}, so some shard would own nothing; use "
+            f"parallel.fsdp <= {rows}")

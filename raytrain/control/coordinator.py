@@ -59,7 +59,7 @@ class NonFiniteLoss(StepFailed):
 
 class CapacityLost(RuntimeError):
     """The run could not go on with the workers it has: fewer than elastic.min_dp replicas within
-    elastic.wait_s, more losses than elastic.max_failures, or a stage lost with no checkpoint."""
+    elastic.capacity_wait_s, more losses than elastic.max_failures, or a stage lost with no checkpoint."""
 
 
 class Coordinator:
@@ -78,7 +78,7 @@ class Coordinator:
             config, data_path, num_samples, s, stage_layers[s], corpus, f))
         e = config.elastic
         self.policy = ElasticPolicy(min_dp=e.min_dp or config.parallel.dp, target_dp=e.max_dp or config.parallel.dp,
-                                    max_failures=e.max_failures, wait_s=e.wait_s,
+                                    max_failures=e.max_failures, capacity_wait_s=e.capacity_wait_s,
                                     skip_nonfinite=config.train.skip_nonfinite)
         self.crew = Crew(group, Layout.of(config.parallel), config.train.global_batch, e.faults, extra_placements)
         self.ledger = Ledger(last_checkpoint=resume_from)

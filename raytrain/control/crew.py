@@ -74,7 +74,7 @@ class Crew:
 
     def label(self) -> str:
         """The live grid's label: dp changes with repairs and growth."""
-        return self.layout.with_dp(self.team.dp).grid_label
+        return self.team.mesh().grid_label
 
     # --- losses and replacements ------------------------------------------------------------------
 

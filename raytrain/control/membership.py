@@ -54,7 +54,7 @@ class Membership:
         return [(f, s) for f in range(self.fsdp) for s in range(self.pp)]
 
     def mesh(self) -> Mesh:
-        return Mesh(self.dp, self.pp, self.fsdp)
+        return Mesh(dp=self.dp, fsdp=self.fsdp, pp=self.pp)
 
     def members(self) -> list[Member]:
         """The generation's workers in rank order."""
@@ -62,7 +62,8 @@ class Membership:
 
     def ranked(self) -> list[tuple[int, Member]]:
         mesh = self.mesh()
-        return [(mesh.rank(r, m.stage, m.shard), m) for r, rep in enumerate(self.replicas) for m in rep]
+        return [(mesh.rank(replica=r, shard=m.shard, stage=m.stage), m)
+                for r, rep in enumerate(self.replicas) for m in rep]
 
     def everyone(self) -> list[Member]:
         return self.members() + self.spares + self.pending

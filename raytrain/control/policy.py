@@ -53,7 +53,7 @@ class ElasticPolicy:
     min_dp: int
     target_dp: int
     max_failures: int
-    wait_s: float
+    capacity_wait_s: float
     skip_nonfinite: int
 
     def after_failure(self, failures: int) -> Decision:
@@ -79,11 +79,11 @@ class ElasticPolicy:
             kind = "shrinks to" if live_replicas < self.target_dp else "keeps"
             return Decision(Action.CONTINUE, f"{live_replicas} live replica(s): the run {kind} dp={live_replicas}",
                             "elastic.min_dp")
-        if waited_s < self.wait_s:
+        if waited_s < self.capacity_wait_s:
             return Decision(Action.WAIT, f"{live_replicas} live replica(s), fewer than elastic.min_dp={self.min_dp}: "
-                            "waiting for replacements", "elastic.wait_s")
+                            "waiting for replacements", "elastic.capacity_wait_s")
         return Decision(Action.GIVE_UP, f"only {live_replicas} replica(s) could be formed, fewer than elastic.min_dp="
-                        f"{self.min_dp}, and no capacity returned within elastic.wait_s={self.wait_s:g}s",
+                        f"{self.min_dp}, and no capacity returned within elastic.capacity_wait_s={self.capacity_wait_s:g}s",
                         "elastic.min_dp")
 
     @staticmethod

@@ -54,7 +54,7 @@ def save_survivors(group: WorkerGroup, team: Membership, step: int, lost: tuple[
     try:
         if holders is None:
             raise WorkersLost([])
-        saved = save_checkpoint(group, holders, step, cfg, Mesh(1, team.pp, team.fsdp), stage_layers)
+        saved = save_checkpoint(group, holders, step, cfg, team.mesh().with_dp(1), stage_layers)
     except WorkersLost:
         return None, {"event": "not_saved", "step": step,
                       "reason": "no live worker holds some slot's state at this step (or one was lost saving)"}

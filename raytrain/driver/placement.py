@@ -1,9 +1,9 @@
 """Where workers run: the resources of one worker and the placement groups that reserve them.
 
 The run reserves ``parallel.dp`` replicas in one placement group before any worker starts (and fails
-after ``resources.wait_s`` with what was asked and what the cluster has). Replicas beyond that, up to
-``elastic.max_dp``, are asked for as one placement group each that Ray grants whenever capacity
-appears (a node joins, another job frees devices); an autoscaler sees them as demand.
+after ``resources.placement_wait_s`` with what was asked and what the cluster has). Replicas beyond
+that, up to ``elastic.max_dp``, are asked for as one placement group each that Ray grants whenever
+capacity appears (a node joins, another job frees devices); an autoscaler sees them as demand.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from raytrain.config import Config
 
 
 class ResourcesUnavailable(RuntimeError):
-    """The cluster did not grant the workers' resources within resources.wait_s."""
+    """The cluster did not grant the workers' resources within resources.placement_wait_s."""
 
 
 def worker_bundle(cfg: Config) -> dict:
@@ -28,18 +28,18 @@ def worker_bundle(cfg: Config) -> dict:
 
 def request(cfg: Config, replicas: int) -> PlacementGroup:
     """Ask (without waiting) for ``replicas`` x ``parallel.fsdp`` x ``parallel.pp`` worker bundles."""
-    bundles = [worker_bundle(cfg) for _ in range(replicas * cfg.parallel.fsdp * cfg.parallel.pp)]
+    bundles = [worker_bundle(cfg) for _ in range(cfg.layout().with_dp(replicas).world_size)]
     return placement_group(bundles, strategy=cfg.resources.placement_strategy)
 
 
 def reserve(cfg: Config, fixed_cluster: bool = False) -> PlacementGroup:
-    """The starting layout's bundles, granted within resources.wait_s or a clear error. On a
+    """The starting layout's bundles, granted within resources.placement_wait_s or a clear error. On a
     ``fixed_cluster`` (an embedded Ray: one node that never grows) a layout larger than the whole
     cluster is refused at once instead of after the wait."""
     if fixed_cluster:
         _refuse_what_never_fits(cfg)
     pg = request(cfg, cfg.parallel.dp)
-    if not pg.wait(timeout_seconds=cfg.resources.wait_s):
+    if not pg.wait(timeout_seconds=cfg.resources.placement_wait_s):
         remove_placement_group(pg)
         world = cfg.layout().world_size
         total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
@@ -48,8 +48,9 @@ def reserve(cfg: Config, fixed_cluster: bool = False) -> PlacementGroup:
         raise ResourcesUnavailable(
             f"layout {cfg.layout().label} needs {world} workers x {worker_bundle(cfg)} "
             f"(resources.placement_strategy={cfg.resources.placement_strategy}) but the cluster did not grant "
-            f"them within resources.wait_s={cfg.resources.wait_s:g}s (cluster: {nodes} node(s), total {total}, "
-            f"free now {free}); lower parallel.dp / parallel.fsdp / parallel.pp, free resources, or add nodes"
+            f"them within resources.placement_wait_s={cfg.resources.placement_wait_s:g}s (cluster: {nodes} node(s), "
+            f"total {total}, free now {free}); lower parallel.dp / parallel.fsdp / parallel.pp, free resources, or "
+            "add nodes"
         )
     return pg
 

@@ -253,8 +253,8 @@ def _timing_input(cfg: Config):
         return None
     import torch
 
-    p = cfg.parallel
-    micro_batch = max(1, cfg.train.global_batch // (p.dp * p.fsdp * p.microbatches))
+    layout = cfg.layout()
+    micro_batch = max(1, cfg.train.global_batch // (layout.mesh.columns * layout.microbatches))
     return torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)
 
 

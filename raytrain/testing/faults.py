@@ -27,6 +27,8 @@ import socket
 from dataclasses import dataclass
 from typing import Optional
 
+from raytrain.config.errors import config_error
+
 PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "eval", "join", "pause")
 STEP_PHASES = ("pause", "forward", "backward", "allreduce", "optimizer")
 """The phases inside ``run_step``: a step the coordinator may have sent ahead of the previous reply."""
@@ -57,10 +59,11 @@ class Fault:
             step, phase = when.split(":")
             fault = cls(replica, stage, int(step), phase, shard)
         except ValueError:
-            raise ValueError(f"elastic.faults entry {text!r} must look like 'replica:stage@step:phase' (or "
-                             "'replica:shard:stage@step:phase' with parallel.fsdp > 1), e.g. '1:0@3:backward'") from None
+            shape = ("an entry looks like 'replica:stage@step:phase' (or 'replica:shard:stage@step:phase' with "
+                     "parallel.fsdp > 1), e.g. '1:0@3:backward'")
+            raise config_error("elastic.faults", text, shape) from None
         if fault.phase not in PHASES:
-            raise ValueError(f"elastic.faults entry {text!r}: phase must be one of {', '.join(PHASES)}")
+            raise config_error("elastic.faults", text, f"phase must be one of {', '.join(PHASES)}")
         return fault
 
     def __str__(self) -> str:

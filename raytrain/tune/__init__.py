@@ -25,8 +25,9 @@ from typing import Any, Optional
 import ray
 from ray import tune
 
-from raytrain.config import Config, ParallelConfig, all_keys, build_config, flatten_sections
+from raytrain.config import RENAMED_KEYS, Config, ParallelConfig, all_keys, build_config, flatten_sections
 from raytrain.config.layout import Layout
+from raytrain.config.mesh import Mesh
 from raytrain.driver.placement import worker_bundle
 from raytrain.driver.plan import check_inputs, plan_layout
 
@@ -84,7 +85,7 @@ class SweepConfig:
                              "checkpoints, and PBT perturbs every checkpoint.every steps")
         if not 0 < self.quantile_fraction <= 0.5:
             raise ValueError(f"sweep.quantile_fraction={self.quantile_fraction}: use a fraction in (0, 0.5]")
-        valid = set(all_keys())
+        valid = set(all_keys()) | set(RENAMED_KEYS)  # an old name is renamed by build_config, with a warning
         keys = [k for k in self.space if k != LAYOUTS]
         for layout in self.space.get(LAYOUTS, []):
             if not isinstance(layout, dict):
@@ -167,7 +168,8 @@ def _trial_values(base: dict, params: dict) -> dict:
 def _trial_layout(values: dict) -> Layout:
     """The layout a trial's keys set, known also when they are invalid (it names the trial in errors)."""
     chosen = {key.split(".", 1)[1]: values[key] for key in LAYOUT_KEYS if key in values}
-    return dataclasses.replace(Layout.of(ParallelConfig()), **chosen)
+    axes = {axis.name: chosen.pop(axis.name) for axis in dataclasses.fields(Mesh) if axis.name in chosen}
+    return Layout(mesh=Mesh(**axes), **chosen)
 
 
 def check_layouts(sweep: SweepConfig, cluster: dict[str, float]) -> None:

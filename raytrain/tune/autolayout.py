@@ -17,8 +17,9 @@ from typing import Optional, TextIO
 
 import ray
 
-from raytrain.config import Config
+from raytrain.config import Config, ParallelConfig
 from raytrain.config.layout import Layout
+from raytrain.config.mesh import Mesh
 from raytrain.driver.placement import worker_bundle
 
 
@@ -37,17 +38,17 @@ def candidate_layouts(cfg: Config, workers: int, layers: int) -> list[dict]:
     layouts = []
     for pp in range(1, min(workers, layers) + 1):
         for fsdp in (f for f in range(1, workers // pp + 1) if workers % (pp * f) == 0):
-            dp = workers // (pp * fsdp)
-            if batch % (dp * fsdp):
+            mesh = Mesh(dp=workers // (pp * fsdp), fsdp=fsdp, pp=pp)
+            if batch % mesh.columns:
                 continue
-            grid = {"parallel.dp": dp, "parallel.pp": pp, **({"parallel.fsdp": fsdp} if fsdp > 1 else {})}
+            grid = {"parallel.dp": mesh.dp, "parallel.pp": pp, **({"parallel.fsdp": fsdp} if fsdp > 1 else {})}
             if not _runnable(cfg, grid):
                 continue
             if pp == 1:
                 layouts.append({**grid, "parallel.microbatches": 1})
                 continue
             for m in sorted(set(p.auto_microbatches)):
-                if (batch // (dp * fsdp)) % m == 0:
+                if (batch // mesh.columns) % m == 0:
                     layouts += [{**grid, "parallel.microbatches": m, "parallel.schedule": s} for s in p.auto_schedules]
     return layouts
 
@@ -64,7 +65,7 @@ def _runnable(cfg: Config, grid: dict) -> bool:
 
 def layout_of(params: dict) -> Layout:
     """The Layout a candidate's parallel.* keys set."""
-    return Layout(**{k.split(".", 1)[1]: v for k, v in params.items()})
+    return Layout.of(ParallelConfig(**{k.split(".", 1)[1]: v for k, v in params.items()}))
 
 
 def state_bytes(layout: Layout, layer_params: list[int]) -> float:

@@ -73,8 +73,8 @@ def form_generation(cfg: Config, rank: int, mesh: Mesh, shares: list[int], store
     is_first, is_last = stage == 0, stage == mesh.pp - 1
     backend = "nccl" if cfg.resources.use_gpu else "gloo"
     groups = init_groups(mesh, rank, store, number, backend, cfg.elastic.detect_timeout_s)
-    prev_rank = None if is_first else mesh.rank(replica, stage - 1, shard)
-    next_rank = None if is_last else mesh.rank(replica, stage + 1, shard)
+    prev_rank = None if is_first else mesh.rank(replica=replica, shard=shard, stage=stage - 1)
+    next_rank = None if is_last else mesh.rank(replica=replica, shard=shard, stage=stage + 1)
     on_groups(groups)
     tail, dtype = _exchange_shapes(cfg.model.seq_len, prev_rank, next_rank, stage_output, device)
     par = cfg.parallel

@@ -55,7 +55,7 @@ def device_mesh(groups: Groups, mesh: Mesh, rank: int, device_type: str) -> Devi
     if mesh.dp == 1:
         return DeviceMesh.from_group(groups.fsdp_group, device_type, mesh_dim_names=("shard",))
     _, stage = mesh.coords(rank)
-    grid = [[mesh.rank(r, stage, f) for f in range(mesh.fsdp)] for r in range(mesh.dp)]
+    grid = [[mesh.rank(replica=r, shard=f, stage=stage) for f in range(mesh.fsdp)] for r in range(mesh.dp)]
     return DeviceMesh.from_group([groups.dp_group, groups.fsdp_group], device_type, mesh=grid,
                                  mesh_dim_names=("replicate", "shard"))
 
