@@ -5,7 +5,8 @@ import pytest
 
 from raytrain import checkpoint, train
 from raytrain.config import load_config
-from raytrain.tune.autolayout import candidate_layouts, layout_of, state_bytes, too_big
+from raytrain.driver.memory import layout_memory
+from raytrain.tune.autolayout import candidate_layouts, layout_of, too_big
 from tests.factories import Scale
 from tests.helpers import assert_same_params, reference_state
 def _layouts(workers, layers, *overrides):
@@ -27,15 +28,17 @@ def test_candidates_use_every_worker_and_fit_batch_and_layers():
 
 
 def test_layouts_whose_state_does_not_fit_a_worker_are_not_probed():
+    """parallel.auto ranks by the estimate every run is checked against (raytrain.models.memory)."""
+    cfg = load_config(None, ["model.factory=tests.factories:unused"])  # a factory's activations are not estimated
     counts = [1000, 4000, 4000, 1000]  # parameters per layer: 160 kB of state in all
     layouts = [{"parallel.dp": 2, "parallel.pp": 1}, {"parallel.fsdp": 2, "parallel.pp": 1},
                {"parallel.pp": 2, "parallel.microbatches": 2}]
-    assert state_bytes(layout_of(layouts[0]), counts) == 16 * 10_000
-    assert state_bytes(layout_of(layouts[1]), counts) == 8 * 10_000
-    assert state_bytes(layout_of(layouts[2]), counts) == 16 * 5_000
-    reasons = too_big(layouts, counts, worker_bytes=100_000)
-    assert list(reasons) == [0] and "exceeds" in reasons[0] and "GiB" in reasons[0]
-    assert too_big(layouts, counts, worker_bytes=None) == {}  # unknown (GPUs): probed, not estimated
+    assert layout_memory(cfg, layout_of(layouts[0]), counts).total == 16 * 10_000
+    assert layout_memory(cfg, layout_of(layouts[1]), counts).total == 8 * 10_000 + 8 * 4000  # + the gathered layer
+    assert layout_memory(cfg, layout_of(layouts[2]), counts).total == 16 * 5_000
+    reasons = too_big(cfg, layouts, counts, worker_bytes=100_000)
+    assert list(reasons) == [0, 1] and "exceeds" in reasons[0] and "GiB" in reasons[0]
+    assert too_big(cfg, layouts, counts, worker_bytes=None) == {}  # unknown (GPUs): probed, not estimated
 
 
 @pytest.mark.parametrize("overrides, must_mention", [

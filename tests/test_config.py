@@ -202,6 +202,7 @@ BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give 
     ("resources.placement_wait_s=0", "> 0"),
     ("resources.step_timeout_s=0", "> 0"),
     ("resources.placement_strategy=spread", "STRICT_SPREAD"),
+    ("resources.check_memory=maybe", "true or false"),
     ("eval.every=-1", ">= 0"),
     ("eval.batches=0", ">= 1"),
     ("run.dir=''", "a directory"),

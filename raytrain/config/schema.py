@@ -329,6 +329,9 @@ class ResourcesConfig:
     placement_strategy: str = "PACK"
     """Ray placement-group strategy for the workers: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD
     (one worker per node, so a node's loss costs one worker)."""
+    check_memory: bool = True
+    """Refuse, before any actor starts, a layout whose estimated memory per worker (raytrain.models.memory)
+    exceeds what a worker has on the cluster's largest node; false tries it anyway."""
 
     def __post_init__(self):
         require(self.placement_strategy in PLACEMENT_STRATEGIES, "resources.placement_strategy",

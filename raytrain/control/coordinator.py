@@ -71,7 +71,9 @@ class Coordinator:
     def __init__(self, config: Config, data_path: str, num_samples: int, stage_layers: list[list[int]],
                  placement, first_bundle: int, resume_from: Optional[str], worker_cls=None,
                  extra_placements: tuple = (), corpus: Optional[list] = None, group: Optional[WorkerGroup] = None):
-        self.cfg, self.num_samples, self.stage_layers = config, num_samples, stage_layers
+        self.cfg = config
+        self.num_samples = num_samples
+        self.stage_layers = stage_layers
         self.resume_from = resume_from
         assert group is not None or worker_cls is not None, "the Ray worker group needs the worker class"
         group = group or RayWorkerGroup(worker_cls, _worker_options(config), lambda s, f: (

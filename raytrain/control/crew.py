@@ -27,7 +27,9 @@ class Crew:
                  extra_placements: tuple = ()):
         """``layout``: the configured one (its dp is the start's); ``extra_placements``: one placement
         group per replica beyond it, which the cluster may grant later (the driver requested them)."""
-        self.group, self.layout, self.global_batch = group, layout, global_batch
+        self.group = group
+        self.layout = layout
+        self.global_batch = global_batch
         self.team = Membership(layout.pp, fsdp=layout.fsdp)
         self.faults = list(faults)
         """Fault-injection specs still to fire (elastic.faults), handed to every join."""

@@ -42,8 +42,12 @@ class Repairs:
 
     def __init__(self, crew: Crew, ledger: Ledger, policy: ElasticPolicy, cfg: Config, num_samples: int,
                  stopping: Callable[[], bool]):
-        self.crew, self.ledger, self.policy = crew, ledger, policy
-        self.cfg, self.num_samples, self.stopping = cfg, num_samples, stopping
+        self.crew = crew
+        self.ledger = ledger
+        self.policy = policy
+        self.cfg = cfg
+        self.num_samples = num_samples
+        self.stopping = stopping
         self._next_grow_poll = 0.0
 
     # --- REPAIRING ------------------------------------------------------------------------------

@@ -22,8 +22,9 @@ from raytrain.control.coordinator import Coordinator
 from raytrain.control.protocol import WorkersLost
 from raytrain.driver.connect import cluster_reachable, embedded, ensure_ray
 from raytrain.driver.lease import Lease
+from raytrain.driver.memory import check_run_memory
 from raytrain.driver.placement import request, reserve
-from raytrain.driver.plan import RunPlan
+from raytrain.driver.plan import RunPlan, remove_if_empty
 from raytrain.driver.rendezvous import RendezvousStore, preload_torch_distributed
 from raytrain.driver.report import RunReporter
 from raytrain.driver.signals import Aborted, StopOnSignal
@@ -89,9 +90,14 @@ def run(plan: RunPlan, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     """
     assert not plan.cfg.parallel.auto, "parallel.auto chooses the layout before a run (raytrain.train)"
     cfg, stages = plan.cfg, plan.layout.stage_ranges
+    ensure_ray()
+    try:
+        check_run_memory(cfg, plan.layout)
+    except ValueError:  # exit 2, and the run that claimed its directory leaves nothing behind
+        remove_if_empty(plan.run_dir)
+        raise
     held = Lease(cfg.checkpoint.dir, plan.run_dir).acquire()  # a busy directory is a ValueError: exit 2
     try:
-        ensure_ray()
         reporter = RunReporter(plan.run_dir, cfg.train.steps, plan.layout, stream)
         stream.write(f"[raytrain] {plan.layout.label}, {len(stages)} stage(s) "
                      f"{[f'{s[0]}-{s[-1]}' for s in stages]}, global batch {cfg.train.global_batch}, "

@@ -1,9 +1,8 @@
 """``parallel.auto``: probe the feasible layouts with short Tune trials and train with the fastest.
 
 The candidates are every dp x fsdp x pp layout of the cluster's workers that the config can run.
-One whose estimated training state (fp32 parameters, gradients and AdamW moments of the largest
-stage, divided among its shards) exceeds a worker's memory is not probed, and the probe table says
-so; a layout that fails its probe (out of device memory, for one) is never chosen. The probes are a
+One whose estimated memory per worker (raytrain.models.memory: the fullest worker's training state,
+gathered layer and activations) exceeds a worker's memory is not probed, and the probe table says so; a layout that fails its probe (out of device memory, for one) is never chosen. The probes are a
 normal raytrain sweep (``raytrain.tune``), kept under ``<run.dir>/auto-layout`` for inspection;
 they run one at a time so that each measures the whole cluster alone.
 """
@@ -20,11 +19,9 @@ import ray
 from raytrain.config import Config, ParallelConfig
 from raytrain.config.layout import Layout
 from raytrain.config.mesh import Mesh
+from raytrain.driver.memory import layout_memory, worker_memory_bytes
 from raytrain.driver.placement import worker_bundle
-
-
-STATE_BYTES_PER_PARAM = 16
-"""fp32 parameter, gradient and AdamW's two moments."""
+from raytrain.models.memory import gib
 
 
 def candidate_layouts(cfg: Config, workers: int, layers: int) -> list[dict]:
@@ -68,37 +65,18 @@ def layout_of(params: dict) -> Layout:
     return Layout.of(ParallelConfig(**{k.split(".", 1)[1]: v for k, v in params.items()}))
 
 
-def state_bytes(layout: Layout, layer_params: list[int]) -> float:
-    """Estimated training state of the layout's fullest worker: its stage's parameters (cut balanced
-    by parameter counts) over its shards, at STATE_BYTES_PER_PARAM each."""
-    from raytrain.pipeline.partition import balanced_cuts
-
-    bounds = [0, *balanced_cuts([float(n) for n in layer_params], layout.pp), len(layer_params)]
-    largest = max(sum(layer_params[a:b]) for a, b in zip(bounds, bounds[1:]))
-    return STATE_BYTES_PER_PARAM * largest / layout.fsdp
-
-
-def too_big(layouts: list[dict], layer_params: list[int], worker_bytes: Optional[float]) -> dict[int, str]:
-    """Why each layout whose estimated state exceeds ``worker_bytes`` cannot run, by its index."""
+def too_big(cfg: Config, layouts: list[dict], layer_params: list[int],
+            worker_bytes: Optional[float]) -> dict[int, str]:
+    """Why each layout whose estimated memory per worker (raytrain.models.memory, the estimate every run
+    is checked against) exceeds ``worker_bytes`` cannot run, by its index."""
     if worker_bytes is None:
         return {}
     reasons = {}
     for i, params in enumerate(layouts):
-        need = state_bytes(layout_of(params), layer_params)
-        if need > worker_bytes:
-            reasons[i] = (f"estimated state {need / 2**30:.2f} GiB per worker (parameters, gradients, AdamW) exceeds "
-                          f"the {worker_bytes / 2**30:.2f} GiB a worker has")
+        need = layout_memory(cfg, layout_of(params), layer_params)
+        if need.total > worker_bytes:
+            reasons[i] = f"estimated {need.describe()} per worker exceeds the {gib(worker_bytes)} GiB a worker has"
     return reasons
-
-
-def worker_memory_bytes(cfg: Config) -> Optional[float]:
-    """Memory one worker may use: the cluster's memory per CPU slot times resources.cpus_per_worker;
-    None on GPUs, whose memory Ray does not report (such layouts are probed, not estimated)."""
-    if cfg.resources.use_gpu:
-        return None
-    total = ray.cluster_resources()
-    cpus, memory = total.get("CPU", 0), total.get("memory", 0)
-    return memory * cfg.resources.cpus_per_worker / cpus if cpus and memory else None
 
 
 def cluster_workers(cfg: Config) -> int:
@@ -121,7 +99,8 @@ def choose_layout(cfg: Config, layers: int, stream: TextIO) -> tuple[Config, dic
     if not layouts:
         raise ValueError(f"parallel.auto=true: no layout of {workers} worker(s) fits train.global_batch="
                          f"{cfg.train.global_batch} and {layers} layers; set the layout by hand")
-    rejected = too_big(layouts, [sum(p.numel() for p in layer.parameters()) for layer in model], worker_memory_bytes(cfg))
+    layer_params = [sum(p.numel() for p in layer.parameters()) for layer in model]
+    rejected = too_big(cfg, layouts, layer_params, worker_memory_bytes(cfg) if cfg.resources.check_memory else None)
     skipped = [_rejected_row(layouts[i], reason) for i, reason in rejected.items()]
     layouts = [params for i, params in enumerate(layouts) if i not in rejected]
     if not layouts:

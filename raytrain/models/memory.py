@@ -1,0 +1,110 @@
+"""How much memory one worker of a layout needs: the estimate the driver checks a run against before
+any actor starts (raytrain.driver.memory) and that ``parallel.auto`` ranks layouts by.
+
+Arithmetic on parameter counts and widths, no torch. The estimate of the fullest worker is:
+
+- **state**: 16 bytes per parameter it owns (fp32 parameter, gradient and AdamW's two moments), its
+  stage's parameters divided among its fsdp shards;
+- **unsharded**: under fsdp, the largest layer's full parameters and gradients, which FSDP2 gathers
+  for that layer's forward and backward (fp32, 8 bytes per parameter);
+- **activations**: what backward needs of each micro-batch it holds at once (GPipe: all of them;
+  1F1B: at most pp - stage; without a pipeline: one), per transformer layer about 34 x tokens x width + 5 x heads x tokens x seq_len
+  values (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"), or
+  with activation checkpointing each layer's input plus one layer rebuilt in backward; the last
+  stage adds its logits and their gradient. Not estimated for a model.factory model, whose layers raytrain does not know.
+
+It is an estimate, not a bound: the allocator's slack, torch's own workspace and the libraries
+(about 400 MB per worker process on CPU) come on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+STATE_BYTES_PER_PARAM = 16
+"""fp32 parameter, gradient and AdamW's two moments."""
+UNSHARDED_BYTES_PER_PARAM = 8
+"""fp32 parameter and gradient of the layer FSDP2 has gathered."""
+ACTIVATION_VALUES_PER_TOKEN_WIDTH = 34
+"""Values a transformer layer saves for backward per token and unit of width (Korthikanti et al.)."""
+
+
+@dataclass(frozen=True)
+class Widths:
+    """What the activations of a transformer depend on: None for a model.factory model."""
+
+    width: int
+    heads: int
+    seq_len: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class WorkerMemory:
+    """Bytes the fullest worker of a layout needs, by what needs them."""
+
+    state: float
+    unsharded: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.state + self.unsharded + self.activations
+
+    def describe(self) -> str:
+        """``5.21 GiB (state 4.80, gathered layer 0.25, activations 0.16)``"""
+        parts = f"state {gib(self.state)}, gathered layer {gib(self.unsharded)}, activations {gib(self.activations)}"
+        return f"{gib(self.total)} GiB ({parts})"
+
+
+def gib(n: float) -> str:
+    return f"{n / 2 ** 30:.2f}"
+
+
+def stage_bounds(layer_params: list[int], pp: int, cuts: Optional[tuple[int, ...]] = None) -> list[tuple[int, int]]:
+    """(first, end) layer of each stage: the layout's cuts, else cut balanced by parameter counts."""
+    if cuts is None:
+        from raytrain.pipeline.partition import balanced_cuts
+
+        cuts = tuple(balanced_cuts([float(n) for n in layer_params], pp)) if pp > 1 else ()
+    bounds = [0, *cuts, len(layer_params)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, microbatches: int, schedule: str,
+             widths: Optional[Widths], recompute: bool = False,
+             cuts: Optional[tuple[int, ...]] = None) -> WorkerMemory:
+    """The fullest worker's needs when the model's layers (their parameter counts, in order) are cut
+    into ``pp`` stages and each stage is sharded ``fsdp`` ways; ``micro_batch`` rows per micro-batch."""
+    stages = stage_bounds(layer_params, pp, cuts)
+    worst = WorkerMemory(0.0, 0.0, 0.0)
+    for index, (first, end) in enumerate(stages):
+        params = layer_params[first:end]
+        state = STATE_BYTES_PER_PARAM * sum(params) / fsdp
+        unsharded = UNSHARDED_BYTES_PER_PARAM * max(params) if fsdp > 1 else 0.0
+        live = _live_microbatches(pp, index, microbatches, schedule)
+        last = index == len(stages) - 1
+        activations = _activations(widths, micro_batch, end - first, recompute, last, live) if widths else 0.0
+        candidate = WorkerMemory(state, unsharded, activations)
+        worst = candidate if candidate.total > worst.total else worst
+    return worst
+
+
+def _live_microbatches(pp: int, stage: int, microbatches: int, schedule: str) -> int:
+    """Micro-batches whose activations a stage holds at once: one without a pipeline (accumulation
+    finishes each before the next), all of them in GPipe, at most pp - stage in 1F1B."""
+    if pp == 1:
+        return 1
+    return microbatches if schedule == "gpipe" else min(microbatches, pp - stage)
+
+
+def _activations(w: Widths, micro_batch: int, layers: int, recompute: bool, last: bool, live: int) -> float:
+    """fp32 bytes that ``live`` micro-batches leave for backward in ``layers`` transformer layers (the
+    embedding and the head count as layers: a slight overestimate)."""
+    tokens = micro_batch * w.seq_len
+    full = ACTIVATION_VALUES_PER_TOKEN_WIDTH * tokens * w.width + 5 * w.heads * tokens * w.seq_len
+    logits = 2 * tokens * w.vocab if last else 0  # the logits and their gradient
+    if recompute:  # each layer's input is kept; backward rebuilds one layer of one micro-batch at a time
+        return 4.0 * (live * (layers * tokens * w.width + logits) + full)
+    return 4.0 * live * (layers * full + logits)

@@ -1,0 +1,97 @@
+"""The memory estimate every run is checked against before any actor starts (raytrain.models.memory),
+and the refusal of a layout that cannot fit (raytrain.driver.memory): its figures, its limit and the
+degree of parallel.fsdp or parallel.pp that would fit."""
+
+import dataclasses
+
+import pytest
+
+from raytrain.config import load_config
+from raytrain.driver import memory as driver_memory
+from raytrain.driver.memory import check_memory, check_run_memory, layout_memory
+from raytrain.driver.plan import model_layers
+from raytrain.models.layers import build_model
+from raytrain.models.memory import Widths, estimate
+from tests.helpers import stage_worker_pids
+
+COUNTS = [1000, 4000, 4000, 1000]  # parameters per layer
+WIDTHS = Widths(width=64, heads=4, seq_len=32, vocab=256)
+
+
+def test_the_state_is_16_bytes_per_owned_parameter_and_fsdp_adds_the_gathered_layer():
+    plain = estimate(COUNTS, pp=1, fsdp=1, micro_batch=8, microbatches=1, schedule="1f1b", widths=None)
+    assert (plain.state, plain.unsharded, plain.activations) == (16 * 10_000, 0, 0)
+    sharded = estimate(COUNTS, pp=1, fsdp=2, micro_batch=8, microbatches=1, schedule="1f1b", widths=None)
+    assert (sharded.state, sharded.unsharded) == (8 * 10_000, 8 * 4000)
+    piped = estimate(COUNTS, pp=2, fsdp=1, micro_batch=8, microbatches=2, schedule="1f1b", widths=None)
+    assert piped.state == 16 * 5000  # balanced cut: 1000 + 4000 | 4000 + 1000
+    cut = estimate(COUNTS, pp=2, fsdp=1, micro_batch=8, microbatches=2, schedule="1f1b", widths=None, cuts=(1,))
+    assert cut.state == 16 * 9000  # the configured cut, not the balanced one
+
+
+def test_activations_follow_the_schedule_and_activation_checkpointing():
+    def acts(**kw):
+        args = dict(pp=2, fsdp=1, micro_batch=4, microbatches=4, schedule="1f1b", widths=WIDTHS, cuts=(2,))
+        return estimate([10] * 4, **{**args, **kw}).activations
+
+    # GPipe's first stage holds all 4 micro-batches, 1F1B's at most pp = 2 (the last stage 1, plus its logits).
+    tokens = 4 * 32
+    layer = 4 * (34 * tokens * 64 + 5 * 4 * tokens * 32)
+    assert acts(schedule="gpipe") == 4 * 2 * layer + 4 * 4 * 2 * tokens * 256  # the last stage (logits) is fullest
+    assert acts() == 2 * 2 * layer
+    assert acts(recompute=True) < acts() / 3
+    # Without a pipeline, accumulation finishes a micro-batch before the next: one is held.
+    assert estimate([10] * 4, pp=1, fsdp=1, micro_batch=4, microbatches=8, schedule="1f1b", widths=WIDTHS).activations \
+        == estimate([10] * 4, pp=1, fsdp=1, micro_batch=4, microbatches=1, schedule="1f1b", widths=WIDTHS).activations
+
+
+def test_the_estimate_counts_every_parameter_of_the_built_in_gpt(tmp_path):
+    cfg = load_config(None, ["model.n_layer=6", "model.d_model=128", "train.global_batch=8", f"run.dir={tmp_path}"])
+    counts = [sum(p.numel() for p in layer.parameters()) for layer in model_layers(cfg)]
+    assert len(counts) == 8  # the embedding, six blocks, the head
+    assert layout_memory(cfg, cfg.layout(), counts).state == 16 * sum(counts)
+    whole = build_model(cfg.model, cfg.train.seed)  # built for real: every parameter counted once
+    unique = {id(p): p for layer in whole.layers for p in layer.parameters()}
+    assert sum(counts) == sum(p.numel() for p in unique.values())
+
+
+def _big(tmp_path, *overrides):
+    return load_config(None, ["model.n_layer=24", "model.d_model=1024", "model.n_head=16", "train.global_batch=8",
+                              f"run.dir={tmp_path}", *overrides])
+
+
+def test_a_layout_that_cannot_fit_is_refused_with_the_estimate_the_limit_and_what_fits(tmp_path, monkeypatch):
+    cfg = _big(tmp_path)  # about 0.33 B parameters: 5 GiB of training state
+    monkeypatch.setattr(driver_memory, "worker_memory_bytes", lambda cfg: 2 * 2**30)
+    with pytest.raises(ValueError) as refused:
+        check_run_memory(cfg, cfg.layout())
+    message = str(refused.value)
+    assert message.startswith("layout dp=1 pp=1 m=1: each worker needs an estimated ")
+    assert "state " in message and "more than the 2.00 GiB a worker has" in message
+    assert "parallel.fsdp=4 or parallel.pp=4 would fit" in message and "resources.check_memory=false" in message
+    # What it suggests does fit.
+    for key in ("fsdp", "pp"):
+        fitting = dataclasses.replace(cfg.layout(), mesh=dataclasses.replace(cfg.layout().mesh, **{key: 4}))
+        check_run_memory(cfg, fitting)
+    off = dataclasses.replace(cfg, resources=dataclasses.replace(cfg.resources, check_memory=False))
+    check_run_memory(off, off.layout())  # the user's call
+
+
+def test_nothing_fits_says_so(tmp_path):
+    cfg = _big(tmp_path, "model.n_layer=2")
+    counts = [sum(p.numel() for p in layer.parameters()) for layer in model_layers(cfg)]
+    with pytest.raises(ValueError, match="no parallel.fsdp or parallel.pp up to the model's limits fits"):
+        check_memory(cfg, cfg.layout(), counts, max_fsdp=2, limit=2**20)
+    check_memory(cfg, cfg.layout(), counts, max_fsdp=2, limit=None)  # no figure (GPUs): nothing to check
+
+
+@pytest.mark.ray
+def test_a_run_too_big_for_the_cluster_is_refused_before_any_worker_starts(ray_session, make_config):
+    from raytrain import train
+
+    before = stage_worker_pids()
+    # 48 layers of width 4096: about 10 B parameters, 150 GiB of training state on one worker.
+    cfg = make_config("model.n_layer=48", "model.d_model=4096", "model.n_head=32")
+    with pytest.raises(ValueError, match=r"layout dp=1 pp=1 m=1: each worker needs an estimated 1\d\d\.\d\d GiB"):
+        train(cfg)
+    assert stage_worker_pids() == before
