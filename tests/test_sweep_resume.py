@@ -148,21 +148,11 @@ def finished_trial_ids(cli: Cli) -> list[str]:
     return [line.split()[2] for line in cli.lines if line.startswith("[raytrain] trial ") and " finished:" in line]
 
 
-def test_a_relative_resume_path_restores_the_sweep(env, data_cache, tmp_path):
-    """Tune reads a relative path as a URI without a scheme; the CLI hands it an absolute one."""
-    write_sweep(tmp_path, data_cache, [1], "rel")
-    first = Cli(["--config", "sweep.yaml"], tmp_path, env)
-    assert first.finish(SWEEP_TIMEOUT_S) == 0, first.text[-4000:]
-    again = Cli(["--config", "sweep.yaml", "--resume", "sweeps/rel"], tmp_path, env)
-    assert again.finish(SWEEP_TIMEOUT_S) == 0, again.text[-4000:]
-    summary = again.summary()
-    assert summary["experiment"] == str(tmp_path / "sweeps" / "rel")
-    assert (summary["trials"], summary["finished"], summary["interrupted"]) == (1, 1, False)
-    assert "Traceback" not in again.text and "empty scheme" not in again.text
-
-
 def test_an_interrupted_sweep_exits_130_and_prints_the_command_that_finishes_it(env, data_cache, tmp_path):
-    write_sweep(tmp_path, data_cache, [1, 2, 3, 4], "cut")
+    """The printed command finishes the sweep, run as printed but for its --resume path given relative to
+    the working directory: Tune reads a relative path as a URI without a scheme; the CLI hands it an
+    absolute one, the very path the printed command names."""
+    write_sweep(tmp_path, data_cache, [1, 2, 3], "cut")
     cli = Cli(["--config", "sweep.yaml"], tmp_path, env)
     try:
         for _ in range(2):
@@ -175,8 +165,8 @@ def test_an_interrupted_sweep_exits_130_and_prints_the_command_that_finishes_it(
     assert rc == 130 and len(done) == 2, cli.text[-4000:]
     summary = cli.summary()
     assert summary["interrupted"] is True and summary["signal"] == "SIGINT" and summary["best"] is None
-    assert (summary["trials"], summary["finished"]) == (4, 2)
-    said = [line for line in cli.lines if line.startswith("[raytrain] sweep stopped by SIGINT: 2 of 4 trials finished")]
+    assert (summary["trials"], summary["finished"]) == (3, 2)
+    said = [line for line in cli.lines if line.startswith("[raytrain] sweep stopped by SIGINT: 2 of 3 trials finished")]
     assert said and all(trial in said[0] for trial in done), cli.text[-4000:]
     assert any(line.startswith("[raytrain] not finished: ") for line in cli.lines), cli.text[-4000:]
     hint = [line for line in cli.lines if line.startswith("[raytrain] continue it with: ")]
@@ -186,12 +176,15 @@ def test_an_interrupted_sweep_exits_130_and_prints_the_command_that_finishes_it(
     assert command.endswith(f"--resume {tmp_path / 'sweeps' / 'cut'}")
 
     argv = shlex.split(command)
-    assert argv[0] == "python"
-    resumed = Cli(argv[4:], tmp_path, env)  # the printed command, with this interpreter as its python
+    assert argv[0] == "python" and argv[-2:] == ["--resume", str(tmp_path / "sweeps" / "cut")]
+    # the printed command, with this interpreter as its python and the path relative to the cwd
+    resumed = Cli([*argv[4:-1], "sweeps/cut"], tmp_path, env)
     assert resumed.finish(SWEEP_TIMEOUT_S) == 0, resumed.text[-4000:]
     summary = resumed.summary()
-    assert (summary["trials"], summary["finished"], summary["interrupted"]) == (4, 4, False)
+    assert summary["experiment"] == str(tmp_path / "sweeps" / "cut")
+    assert (summary["trials"], summary["finished"], summary["interrupted"]) == (3, 3, False)
     assert summary["best"] is not None
+    assert "Traceback" not in resumed.text and "empty scheme" not in resumed.text
     # the trials that had finished were not run again
     assert set(finished_trial_ids(resumed)).isdisjoint(done), resumed.text[-4000:]
 
