@@ -27,23 +27,6 @@ def test_shard_rows_cut_like_torch_chunk():
             assert all(torch.equal(g, w) for g, w in zip(got, want)), (rows, fsdp, cuts)
 
 
-def test_fsdp2_on_actors_matches_single_process(ray_session, make_config):
-    cfg = make_config("parallel.fsdp=2", "run.trace_steps=1", "run.record_samples=true")
-    result = train(cfg)
-    assert result.layout == "dp=1 fsdp=2 pp=1 m=1" and len(result.worker_pids) == 2
-    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
-    manifest = checkpoint.read_manifest(result.checkpoint)
-    assert [s["file"] for s in manifest["shards"]] == ["stage-0-shard-0.pt", "stage-0-shard-1.pt"]
-    # each worker wrote its own half: no file holds a whole parameter
-    halves = checkpoint.load_shards(result.checkpoint)
-    assert all(h["model"]["1.fc.weight"].shape == (64, 32) for h in halves)
-    # the trace shows FSDP2's collectives inside the forward and backward actions
-    with open(os.path.join(result.run_dir, "trace.json")) as f:
-        trace = json.load(f)["traceEvents"]
-    names = {e["name"] for e in trace if e["ph"] == "X"}
-    assert {"all-gather", "reduce-scatter", "F0", "B0"} <= names, names
-
-
 def test_fsdp2_pp2_on_actors_matches_single_process(ray_session, make_config):
     # four workers: shard s of stage 0 feeds shard s of stage 1; each shard of each stage saves its rows
     cfg = make_config("parallel.fsdp=2", "parallel.pp=2", "parallel.microbatches=2", "train.steps=3",
@@ -176,12 +159,24 @@ def test_dp2_fsdp2_worker_killed_from_outside_is_repaired(ray_session, make_conf
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 
-def test_sharded_dp1_loses_a_shard_and_reloads_the_checkpoint(ray_session, make_config):
+def test_fsdp2_on_actors_matches_single_process_and_reloads_the_checkpoint_when_it_loses_a_shard(ray_session,
+                                                                                                 make_config):
     # dp=1: no live copy of the lost shard anywhere, so the run reloads its last checkpoint and says so.
     cfg = make_config("parallel.fsdp=2", "train.steps=5", "checkpoint.every=2", "run.record_samples=true",
-                      "elastic.faults=['0:1:0@3:forward']")
+                      "run.trace_steps=1", "elastic.faults=['0:1:0@3:forward']")
     result = train(cfg)
+    assert result.layout == "dp=1 fsdp=2 pp=1 m=1" and len(result.worker_pids) == 2
     reload = [e for e in result.events if e["event"] == "reload"]
     assert len(reload) == 1 and reload[0]["step"] == 2 and "no live copy" in reload[0]["reason"], result.events
     assert result.committed_steps == list(range(5))
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+    manifest = checkpoint.read_manifest(result.checkpoint)
+    assert [s["file"] for s in manifest["shards"]] == ["stage-0-shard-0.pt", "stage-0-shard-1.pt"]
+    # each worker wrote its own half: no file holds a whole parameter
+    halves = checkpoint.load_shards(result.checkpoint)
+    assert all(h["model"]["1.fc.weight"].shape == (64, 32) for h in halves)
+    # the trace shows FSDP2's collectives inside the forward and backward actions
+    with open(os.path.join(result.run_dir, "trace.json")) as f:
+        trace = json.load(f)["traceEvents"]
+    names = {e["name"] for e in trace if e["ph"] == "X"}
+    assert {"all-gather", "reduce-scatter", "F0", "B0"} <= names, names
