@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import ray
