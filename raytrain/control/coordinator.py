@@ -6,18 +6,20 @@ passes through it. The next step's message is sent before the current step's rep
 no evaluation, checkpoint or membership change falls between them), so a worker goes from one step
 to the next without waiting a round trip. The driver polls ``poll()`` for new metric rows while ``run()`` runs.
 
-Who is in the run is one ``Membership``; what to do after a loss, while short of workers, when a
-stage has no up-to-date copy or a step is not finite is an ``ElasticPolicy`` decision, recorded in
-the event it causes. Every membership change (a loss during a step, a save or a re-forming, a
+The states are values (raytrain.control.runstate: ``Repairing(lost, interrupted, reports)``, ...);
+each handler takes its state and returns the next. Who is in the run, and every change to it, is
+the ``Crew``; what the run committed is the ``Ledger``; what to do after a loss, while short of
+workers, when a stage has no up-to-date copy or a step is not finite is an ``ElasticPolicy``
+decision, recorded in the event it causes. Every membership change (a loss during a step, a save or a re-forming, a
 replica that joins) goes through REPAIRING or GROWING, so each is counted and reported one way.
 
-Repair (DESIGN invariants 3 and 4): survivors are not restarted. They agree on the last committed
-step (rolling forward a step that every worker voted for), broken replicas are dropped (their live
-workers wait as spares), the groups re-form among the remaining replicas under a new generation,
-and the global batch is divided among them. A replacement starts on the lost worker's bundle and
-joins at a step boundary, taking its stage's state by broadcast from a live peer. Only when some
-stage has no up-to-date worker left does the run reload its last checkpoint, and it says so.
-"""
+Repair (ARCHITECTURE.md, invariants: resizes do not change the math; every step exactly once):
+survivors are not restarted. They agree on the last committed step (rolling forward a step that
+every worker voted for), broken replicas are dropped (their live workers wait as spares), the groups
+re-form among the remaining replicas under a new generation, and the global batch is divided among
+them. A replacement starts on the lost worker's bundle and joins at a step boundary, taking its
+stage's state by broadcast from a live peer. Only when some stage has no up-to-date worker left does
+the run reload its last checkpoint, and it says so."""
 
 from __future__ import annotations
 

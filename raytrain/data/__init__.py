@@ -1,9 +1,9 @@
 """Token datasets in Parquet, read with pyarrow, and the global sample order.
 
-Invariant (DESIGN 5): the order of samples is a pure function of (seed, epoch); step s consumes
-global positions [s*B, (s+1)*B), and each data-parallel replica takes a contiguous slice of them.
-So every sample is seen exactly once per epoch whatever the layout, and a resumed run needs only
-the step number to continue where it stopped.
+Invariant (ARCHITECTURE.md: every sample exactly once per epoch): the order of samples is a pure
+function of (seed, epoch); step s consumes global positions [s*B, (s+1)*B), and each data-parallel
+replica takes a contiguous slice of them. So every sample is seen exactly once per epoch whatever
+the layout, and a resumed run needs only the step number to continue where it stopped.
 
 A sample is a window of model.seq_len + 1 tokens: each row of the token column is cut into consecutive,
 non-overlapping windows (``windows``), numbered through the file, and a row's last len % (seq_len + 1)

@@ -1,7 +1,7 @@
 """The plain single-process reference: same model, data order, loss and optimizer, no Ray.
 
-The equivalence tests and benchmarks compare every layout against this (DESIGN invariant 2).
-"""
+The equivalence tests and benchmarks compare every layout against this (ARCHITECTURE.md, invariants:
+the layout does not change the math)."""
 
 from __future__ import annotations
 

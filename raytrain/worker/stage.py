@@ -10,10 +10,11 @@ between two steps when asked) -> ``save`` on replica 0 of each stage when asked.
 coordinator may ``commit_prepared`` and call ``join`` again with a new generation; the worker keeps
 its parameters and optimizer state in memory.
 
-Commit protocol (DESIGN invariant 4): a step's optimizer update happens only after every worker of
-the generation has reduced and clipped its gradients and said so in a world-wide vote. A worker
-whose vote failed keeps its prepared gradients; if any survivor committed, the vote had every
-worker's consent, and the coordinator rolls the others forward with ``commit_prepared``.
+Commit protocol (ARCHITECTURE.md, invariants: every step applied exactly once): a step's optimizer
+update happens only after every worker of the generation has reduced and clipped its gradients and
+said so in a world-wide vote. A worker whose vote failed keeps its prepared gradients; if any
+survivor committed, the vote had every worker's consent, and the coordinator rolls the others
+forward with ``commit_prepared``.
 
 Tensors only move through torch.distributed: activations and their gradients point-to-point
 between neighbouring stages, gradients all-reduced in the stage's dp group (reduce-scattered in
