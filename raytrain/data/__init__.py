@@ -290,7 +290,7 @@ class TokenDataset:
         if cache_dir is not None:
             self.rows = token_cache.open_rows(path, column, width, cache_dir, lambda t: _decode_rows(t, column, width))
         else:
-            # ParquetFile, not pq.read_table: read_table imports pyarrow.dataset (0.4 s of CPU per worker).
+            # ParquetFile, not pq.read_table: read_table imports pyarrow.dataset, a noticeable cost per worker.
             # One thread: pyarrow's default pool (a thread per core in each worker) made the read 5x
             # slower with every worker decoding at once than alone.
             table = pq.ParquetFile(path, memory_map=True).read(columns=[column], use_threads=False)
@@ -381,8 +381,8 @@ def _flat_values(col: pa.FixedSizeListArray) -> np.ndarray:
 
 
 def _int_values(values: pa.Array) -> np.ndarray:
-    """An integer array's values, viewed in place: ``Array.to_numpy`` imports pandas, 0.3 s of CPU on every
-    worker's way to its first step."""
+    """An integer array's values, viewed in place: ``Array.to_numpy`` imports pandas, which every
+    worker would pay for on its way to its first step."""
     if values.null_count or not pa.types.is_integer(values.type):
         return values.to_numpy(zero_copy_only=False)
     kind = "u" if pa.types.is_unsigned_integer(values.type) else "i"

@@ -15,7 +15,7 @@ _preload: Optional[threading.Thread] = None
 
 
 def preload_torch_distributed() -> None:
-    """Start importing torch.distributed (~2 s of CPU) in the background, once per process."""
+    """Start importing torch.distributed (seconds of CPU) in the background, once per process."""
     global _preload
     if _preload is None:
         _preload = threading.Thread(target=importlib.import_module, args=("torch.distributed",), daemon=True)

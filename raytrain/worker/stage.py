@@ -132,7 +132,7 @@ class Stage:
             self.grads.detach_group()
         destroy_groups()
         if self.joins:
-            gc.collect()  # 0.1 s: worth it only once a join may have left groups behind
+            gc.collect()  # a full collection: worth it only once a join may have left groups behind
 
     def commit_prepared(self, step: int) -> int:
         """Roll forward: apply the prepared update of ``step`` (every worker voted for it)."""
