@@ -44,13 +44,6 @@ def test_pipeline_on_actors_matches_single_process(ray_session, make_config, pp,
     assert [peaks[str(s)] for s in range(pp)] == expected_peak_live(pp, kind, m)
 
 
-def test_hybrid_dp2_pp2_matches_single_process(ray_session, make_config):
-    # split: the dp all-reduce starts from hooks that fire in the W actions
-    cfg = make_config("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.split_backward=true")
-    result = train(cfg)
-    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
-
-
 def test_timeline_and_bubble_are_recorded(ray_session, make_config):
     cfg = make_config("parallel.pp=2", "parallel.microbatches=4", "run.trace_steps=2", "parallel.split_backward=true")
     result = train(cfg)
@@ -65,9 +58,14 @@ def test_timeline_and_bubble_are_recorded(ray_session, make_config):
     assert os.path.exists(os.path.join(result.run_dir, "loss.png"))
 
 
-def test_hybrid_checkpoint_reshards_to_other_layouts(ray_session, make_config, tmp_path):
+def test_hybrid_dp2_pp2_matches_single_process_and_its_checkpoint_reshards_to_other_layouts(ray_session, make_config,
+                                                                                            tmp_path):
     ckpt_dir = str(tmp_path / "ckpts")
-    first = train(make_config("parallel.dp=2", "parallel.pp=2", "train.steps=3", f"checkpoint.dir={ckpt_dir}"))
+    # split: the dp all-reduce starts from hooks that fire in the W actions
+    cfg = make_config("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.split_backward=true",
+                      "train.steps=3", f"checkpoint.dir={ckpt_dir}")
+    first = train(cfg)
+    assert_same_params(checkpoint.load_state_dict(first.checkpoint), reference_state(cfg))
     want = reference_state(make_config("train.steps=6"))
     # Resumed by the stage executor that actor runs use (forked processes: see tests/forked_stages.py)
     for layout in ("parallel.pp=4", "parallel.dp=4"):
