@@ -166,10 +166,7 @@ def test_a_second_run_on_a_held_directory_is_refused_before_any_actor(ray_sessio
 # --- 4. max_failures=0, and a save that loses a stage's last copy -----------------------------
 
 
-def test_max_failures_0_still_writes_checkpoints_and_a_dp1_save_failure_reloads(ray_session, make_config):
-    plain = train(make_config("train.steps=4", "checkpoint.every=2", "elastic.max_failures=0"))
-    assert [s for s, _ in checkpoint.list_checkpoints(os.path.dirname(plain.checkpoint))] == [2, 4]
-
+def test_a_dp1_save_failure_reloads(ray_session, make_config):
     cfg = make_config("train.steps=6", "checkpoint.every=2", "checkpoint.keep=5", "elastic.faults=['0:0@4:checkpoint']")
     result = train(cfg)
     reload = [e for e in result.events if e["event"] == "reload"]
@@ -179,14 +176,16 @@ def test_max_failures_0_still_writes_checkpoints_and_a_dp1_save_failure_reloads(
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 
-def test_a_run_that_gives_up_saves_the_survivors_committed_steps(ray_session, make_config):
-    """elastic.max_failures=0 and no checkpoint due: the surviving replica holds steps 1-3, and they
-    are saved before the run ends, not dropped."""
-    cfg = make_config("parallel.dp=2", "train.steps=6", "checkpoint.every=0", "elastic.max_failures=0",
+def test_max_failures_0_still_writes_checkpoints_and_a_run_that_gives_up_saves_the_survivors_committed_steps(
+        ray_session, make_config):
+    """elastic.max_failures=0 turns no checkpoint off: step 2's is published. No checkpoint is due after
+    step 3, which the surviving replica holds: it is saved before the run ends, not dropped."""
+    cfg = make_config("parallel.dp=2", "train.steps=6", "checkpoint.every=2", "elastic.max_failures=0",
                       "elastic.faults=['1:0@3:backward']")
     with pytest.raises(CapacityLost, match="the survivors saved every committed step to .*step_00000003"):
         train(cfg)
     base = os.path.join(str(cfg.run.dir), os.listdir(cfg.run.dir)[0], "checkpoints")
+    assert [s for s, _ in checkpoint.list_checkpoints(base)] == [2, 3]
     saved = checkpoint.latest(base)
     assert checkpoint.read_manifest(saved)["step"] == 3
     assert_same_params(checkpoint.load_state_dict(saved), reference_state(cfg, steps=3))
