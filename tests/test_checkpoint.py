@@ -12,13 +12,12 @@ import torch
 from raytrain import checkpoint, train
 from raytrain.models.layers import full_model
 from tests.helpers import assert_same_params, reference_state
-def test_resume_continues_the_same_trajectory(ray_session, make_config, tmp_path):
+def test_resume_continues_the_same_trajectory(ray_session, make_config, dp2_run):
     straight = train(make_config("parallel.dp=2", "train.steps=10", "run.record_samples=true"))
-    ckpt_dir = str(tmp_path / "ckpts")
-    first = train(make_config("parallel.dp=2", "train.steps=5", f"checkpoint.dir={ckpt_dir}"))
+    _, first = dp2_run  # the same config for 5 steps (resume=latest of a checkpoint.dir: tests/test_recipe.py)
     assert first.checkpoint.endswith("step_00000005")
-    resumed = train(make_config("parallel.dp=2", "train.steps=10", f"checkpoint.dir={ckpt_dir}",
-                                "checkpoint.resume=latest", "run.record_samples=true"))
+    resumed = train(make_config("parallel.dp=2", "train.steps=10", f"checkpoint.resume={first.checkpoint}",
+                                "run.record_samples=true"))
     assert [r["step"] for r in resumed.metrics] == [6, 7, 8, 9, 10]
     assert [r["sample_ids"] for r in resumed.metrics] == [r["sample_ids"] for r in straight.metrics[5:]]
     assert [r["loss"] for r in resumed.metrics] == pytest.approx([r["loss"] for r in straight.metrics[5:]], rel=1e-6)
