@@ -18,13 +18,15 @@ REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 120
 
 
-def _start_cli(ray_cluster, tmp_path, data_cache, *extra):
-    env = dict(os.environ, RAY_ADDRESS=ray_cluster.address, PYTHONUNBUFFERED="1")
+def _start_cli(ray_cluster, tmp_path, data_cache, *extra, env=None):
+    """``python -m raytrain train`` of a run that never ends by itself, in a session of its own, on
+    ``ray_cluster`` (or with ``env``, the environment as given: RAY_ADDRESS unset, an embedded Ray)."""
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster.address) if env is None else env
     cmd = [sys.executable, "-m", "raytrain", "train", "--config", "experiments/configs/tiny.yaml",
            "--set", "train.steps=100000", "--set", f"run.dir={tmp_path / 'runs'}", "--set", "run.trace_steps=0",
            "--set", f"data.cache_dir={data_cache}", "--set", "data.max_bytes=200000", *extra]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=dict(env, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
 
 
 def _wait_for_training(tmp_path, proc) -> list[int]:
@@ -81,12 +83,7 @@ def test_a_killed_driver_takes_its_workers_along(ray_cluster, tmp_path, data_cac
 def test_sigterm_to_the_whole_process_group_of_an_embedded_ray_exits_143_in_seconds(tmp_path, data_cache):
     """``timeout``, systemd and Slurm signal every process of the job: the embedded Ray's own servers
     end with the driver's signal, and the driver must still report and exit at once, not wait on them."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cmd = [sys.executable, "-m", "raytrain", "train", "--config", "experiments/configs/tiny.yaml",
-           "--set", "train.steps=100000", "--set", f"run.dir={tmp_path / 'runs'}", "--set", "run.trace_steps=0",
-           "--set", f"data.cache_dir={data_cache}", "--set", "data.max_bytes=200000"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(env, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = _start_cli(None, tmp_path, data_cache, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
     try:
         workers = _wait_for_training(tmp_path, proc)
         sent = time.monotonic()
