@@ -157,9 +157,11 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
                 store = rendezvous.address(host, namespace=f"coordinator{restarts}")
                 return _drive(coordinator, store, reporter, on_rows, stop), restarts
             except ray.exceptions.RayError as e:
-                if stop.reason is not None and _coordinator_lost(e):
+                if stop.reason is not None and (_coordinator_lost(e) or (embedded() and not cluster_reachable())):
                     # The signal reached the coordinator's process too (a whole process group or cgroup was
                     # signalled): the user asked to stop, so stop at the last checkpoint rather than restart.
+                    # With an embedded Ray the signal may end its object store first, so the wait on the
+                    # coordinator fails as a lost object rather than a lost actor: the same stop.
                     return _stopped_without_coordinator(cfg, reporter, stop.reason, resume), restarts
                 if not _coordinator_lost(e) or restarts == cfg.elastic.coordinator_restarts:
                     reporter.add([{"event": "failed", "error": str(getattr(e, "cause", e)).splitlines()[0][:500]}])
