@@ -103,7 +103,7 @@ def run_raytrain(steps, out, fused=True):
 
     from raytrain import train
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = bench_config(steps, [f"run.dir={os.path.dirname(out)}", f"train.fused_optimizer={str(fused).lower()}"])
     result = train(cfg, stream=open(os.devnull, "w"))
     steps_rows = result.metrics
@@ -120,7 +120,7 @@ def run_ray_train_v2(steps, out):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 
     def loop(config):
         import torch

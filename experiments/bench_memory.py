@@ -80,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as workdir:
         for _ in range(args.repeats):

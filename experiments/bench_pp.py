@@ -259,7 +259,7 @@ def main() -> None:
     from raytrain.pipeline.schedule import bubble_formula
 
     data.resolve_data_path(bench_config(args.steps))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"stage cut: {[f'{r[0]}-{r[-1]}' for r in stage_cut(bench_config(args.steps))]}", file=sys.stderr)
     one = run_one_process(args.steps, args.warmup)["samples_per_s"]
     print(f"one process: {one:.1f} samples/s\n", flush=True)

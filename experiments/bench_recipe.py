@@ -51,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as workdir:
         for _ in range(args.repeats):

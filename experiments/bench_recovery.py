@@ -112,7 +112,7 @@ def run_ray_train(workdir: str) -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     TorchTrainer(
         ray_train_worker_loop, train_loop_config={"progress": os.path.join(workdir, "progress.jsonl")},
         scaling_config=ScalingConfig(num_workers=(1, 2), use_gpu=False, resources_per_worker={"CPU": 1}),
@@ -159,7 +159,7 @@ def main() -> None:
     data.resolve_data_path(config([]))
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         rows.append(raytrain_recovery("raytrain dp=2", ["parallel.dp=2"], workdir))
         rows.append(raytrain_recovery("raytrain dp=2 (replace)", ["parallel.dp=2", "elastic.min_dp=2"], workdir))
         rows.append(raytrain_recovery("raytrain dp=2 x pp=2", ["parallel.dp=2", "parallel.pp=2",

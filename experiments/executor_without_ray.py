@@ -35,12 +35,12 @@ def main(run_file: str, out_file: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     mesh = cfg.layout().mesh
     assert mesh.world_size == world, f"the layout needs {mesh.world_size} processes, torchrun started {world}"
-    path = data.resolve_data_path(cfg)
-    num_samples = len(data.TokenDataset(path, cfg.data.column, cfg.model.seq_len))
+    source = data.counted_source(cfg)
+    num_samples = data.training_rows(cfg, source.train.total)
     if rank == 0:
         server = dist.TCPStore("127.0.0.1", STORE_PORT, is_master=True, wait_for_workers=False)  # noqa: F841
     stage = mesh.coords(rank)[1]
-    worker = Stage(cfg, path, num_samples, stage, run["stage_layers"][stage])
+    worker = Stage(cfg, source, num_samples, stage, run["stage_layers"][stage])
     worker.join(rank, mesh, data.even_shares(cfg.train.global_batch, mesh.dp),
                 StoreAddress("127.0.0.1", STORE_PORT, "bench"), generation=0, faults=[])
     step_end = []

@@ -67,7 +67,7 @@ def main() -> None:
     import ray
 
     if "--ray-train-only" in sys.argv:  # re-measure the Ray Train side alone
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         with tempfile.TemporaryDirectory() as storage:
             print(f"Ray Train TorchTrainer: fit() -> end of first step {ray_train_first_step_s(storage):.1f} s")
         ray.shutdown()
@@ -77,7 +77,7 @@ def main() -> None:
     from raytrain.config import build_config, flatten_sections
 
     data.resolve_data_path(build_config(flatten_sections(BASE, "bench")))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as storage:
         sweep = rt_tune.SweepConfig(base=BASE, space={"layouts": LAYOUTS}, storage_path=storage, name="layouts")
         grid = rt_tune.run_sweep(sweep)

@@ -15,7 +15,6 @@ from raytrain.driver import run as driver
 from raytrain.driver.placement import ResourcesUnavailable
 from raytrain.driver.plan import RunPlan, prepare, remove_if_empty
 from raytrain.driver.run import Result, ensure_ray
-from raytrain.tune.autolayout import choose_layout
 
 __all__ = ["Result", "ResourcesUnavailable", "RunPlan", "ensure_ray", "prepare", "train"]
 
@@ -30,6 +29,9 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     """
     if not cfg.parallel.auto:
         return driver.run(prepare(cfg), stream, on_rows, placement)
+    # Here, not at the top: Tune's import costs every other run (and every CLI error) 1.5 s.
+    from raytrain.tune.autolayout import choose_layout
+
     checked = prepare(cfg)  # bad input fails before any probe starts
     ensure_ray()
     cfg, auto_layout = choose_layout(cfg, checked.layout.num_layers, stream)

@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
 
 EXIT_CODES = """exit codes: 0 done; 1 a step failed (the worker's error is printed); 2 bad configuration or
 input (nothing started); 3 the cluster cannot be reached or cannot grant the resources; 4 capacity lost
-during the run; 5 a non-finite loss or gradient (nothing of that step applied); 130 / 143 stopped by
+during the run, or out of memory (a worker ran out and the run could not go on: the line names it and
+what to change); 5 a non-finite loss or gradient (nothing of that step applied); 130 / 143 stopped by
 SIGINT / SIGTERM at a step boundary, after a checkpoint"""
 
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return _export(args)
     from raytrain.api import ResourcesUnavailable, train
-    from raytrain.control.coordinator import CapacityLost, NonFiniteLoss, StepFailed
+    from raytrain.control.coordinator import CapacityLost, NonFiniteLoss, OutOfMemoryLost, StepFailed
     from raytrain.driver.signals import exit_code
 
     try:
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"config error: {e}", 2)
     except ResourcesUnavailable as e:
         return _fail(str(e), 3)
+    except OutOfMemoryLost as e:
+        return _fail(f"out of memory: {e}", 4)
     except CapacityLost as e:
         return _fail(f"capacity lost: {e}", 4)
     except NonFiniteLoss as e:
@@ -66,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"step failed: {e}", 1)
     except KeyboardInterrupt as e:  # a second signal (signals.Aborted), or Ctrl-C before the run started
         reason = getattr(e, "reason", "SIGINT")
-        return _fail(f"aborted by {reason}: the run did not wait for a step boundary; every published checkpoint "
-                     "is intact (--set checkpoint.resume=latest)", exit_code(reason))
+        _fail(f"aborted by {reason}: the run did not wait for a step boundary; every published checkpoint "
+              "is intact (--set checkpoint.resume=latest)", exit_code(reason))
+        return _aborted(exit_code(reason))
     print(json.dumps(result.summary()))
     return exit_code(result.stopped) if result.stopped else 0
 
@@ -123,8 +127,9 @@ def _sweep(args) -> int:
     except ValueError as e:
         print(f"raytrain: sweep config error: {e}", file=sys.stderr)
         return 2
-    except ResourcesUnavailable as e:  # RAY_ADDRESS names no reachable cluster
-        print(f"raytrain: {e}", file=sys.stderr)
+    except ResourcesUnavailable as e:  # RAY_ADDRESS names no reachable cluster, or trials waited too long
+        hint = f"; continue it with: {_resume_command(args, where)}" if isinstance(e, rt_tune.SweepStalled) else ""
+        print(f"raytrain: {e}{hint}", file=sys.stderr)
         return 3
     except KeyboardInterrupt as e:  # a second signal, or one before Tune started
         from ray import tune
@@ -136,8 +141,8 @@ def _sweep(args) -> int:
 
 
 def _aborted(code: int, bound_s: float = 20.0) -> int:
-    """After an abort's one line: mute stderr, where Ray's teardown prints the tracebacks of trial
-    processes stopped mid-step (they say nothing the line has not said), and bound that teardown."""
+    """After an abort's one line: mute stderr, where Ray's teardown prints what the workers and trial
+    processes stopped mid-step raised (it says nothing the line has not said), and bound that teardown."""
     import os
     import threading
 

@@ -39,33 +39,37 @@ def _forkserver():
     return _context
 
 
-def _run_worker(cfg, data_path: str, num_samples: int, stage_layers: list[list[int]], rank: int,
-                mesh: Mesh, store, out_dir: str, resume: Optional[str]) -> None:
+def _run_worker(cfg, source, num_samples: int, stage_layers: list[list[int]], rank: int,
+                mesh: Mesh, store, out_dir: str, resume: Optional[str], rejoin_at: Optional[int] = None) -> None:
     from raytrain.worker.stage import Stage
 
     replica, stage_index = mesh.coords(rank)
-    shard = mesh.shard(rank)
+    shard, tp = mesh.shard(rank), mesh.tp_index(rank)
     steps = cfg.train.steps
-    stage = Stage(cfg, data_path, num_samples, stage_index, stage_layers[stage_index], shard=shard)
+    stage = Stage(cfg, source, num_samples, stage_index, stage_layers[stage_index], shard=shard, tp=tp)
     if resume is not None:
         stage.load(resume)
     stage.join(rank, mesh, even_shares(cfg.train.global_batch, mesh.dp), store, generation=0, faults=[])
     peak_live = 0
     for step in range(stage.committed, steps):
+        if step == rejoin_at:  # a new generation: groups re-formed, a sharded or tp stage re-wrapped on them
+            stage.join(rank, mesh, even_shares(cfg.train.global_batch, mesh.dp), store, generation=1, faults=[])
         result = stage.run_step(step)
         if not result.ok:
             raise RuntimeError(f"rank {rank} failed step {step}: {result.error}")
         peak_live = max(peak_live, result.peak_live)
     if replica == 0:
-        torch.save(stage.shard(), os.path.join(out_dir, f"stage{stage_index}-{shard}.pt"))
-        with open(os.path.join(out_dir, f"stage{stage_index}-{shard}.json"), "w") as f:
+        torch.save(stage.state.shard(), os.path.join(out_dir, f"stage{stage_index}-{shard}-{tp}.pt"))
+        held = dict(zip(stage.state.names, stage.state.params))  # all this worker holds, written or not
+        torch.save(held, os.path.join(out_dir, f"stage{stage_index}-{shard}-{tp}-held.pt"))
+        with open(os.path.join(out_dir, f"stage{stage_index}-{shard}-{tp}.json"), "w") as f:
             json.dump({"peak_live": peak_live}, f)
     stage.shutdown()
 
 
-def run_stages(cfg: Config, out_dir: str) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """Train ``cfg`` (its dp x fsdp x pp layout, resuming from checkpoint.resume if set) in forked
-    processes; returns the model by global name (shards reassembled) and the peak number of live
+def run_stages(cfg: Config, out_dir: str, rejoin_at: Optional[int] = None) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Train ``cfg`` (its dp x fsdp x tp x pp layout, resuming from checkpoint.resume if set) in forked
+    processes, every worker joining a second generation before step ``rejoin_at`` if set; returns the model by global name (shards reassembled) and the peak number of live
     activations of each stage (replica 0's, shard 0's)."""
     plan = prepare(cfg)
     mesh = plan.layout.mesh
@@ -73,8 +77,8 @@ def run_stages(cfg: Config, out_dir: str) -> tuple[dict[str, torch.Tensor], list
     rendezvous = RendezvousStore()
     store = rendezvous.address("127.0.0.1", namespace=os.path.basename(out_dir))
     ctx = _forkserver()
-    procs = [ctx.Process(target=_run_worker, args=(plan.cfg, plan.data_path, plan.num_samples,
-                                                   plan.stage_layers, rank, mesh, store, out_dir, plan.resume),
+    procs = [ctx.Process(target=_run_worker, args=(plan.cfg, plan.source, plan.num_samples,
+                                                   plan.stage_layers, rank, mesh, store, out_dir, plan.resume, rejoin_at),
                          daemon=True)
              for rank in range(mesh.world_size)]
     try:
@@ -90,10 +94,12 @@ def run_stages(cfg: Config, out_dir: str) -> tuple[dict[str, torch.Tensor], list
                 p.kill()
                 p.join(timeout=10)
         rendezvous.close()
-    rows, peak_live = checkpoint.RowAssembler(None), []
+    pieces, peak_live = checkpoint.Assembler(None, checkpoint.new_tensors()), []
     for s in range(mesh.pp):
         for f in range(mesh.fsdp):
-            rows.add(torch.load(os.path.join(out_dir, f"stage{s}-{f}.pt"), weights_only=True))
-        with open(os.path.join(out_dir, f"stage{s}-0.json")) as f:
+            for t in range(mesh.tp):
+                pieces.add(torch.load(os.path.join(out_dir, f"stage{s}-{f}-{t}.pt"), weights_only=True))
+        with open(os.path.join(out_dir, f"stage{s}-0-0.json")) as f:
             peak_live.append(json.load(f)["peak_live"])
-    return rows.result(out_dir)["model"], peak_live
+    pieces.check(out_dir)
+    return pieces.tensors()["model"], peak_live

@@ -23,7 +23,7 @@ import torch
 from raytrain import checkpoint
 from raytrain.control.membership import Member
 from raytrain.control.protocol import Outcome, StepFailed, WorkerGroup, WorkersLost, lost_members
-from raytrain.reports import EvalReport, JoinReport, ShardReport, StepReport
+from raytrain.reports import BackgroundSave, EvalReport, JoinReport, ShardReport, StepReport
 from raytrain.testing.faults import Fault
 
 # Logical CPU slots for the session's Ray: dp=4 and dp=2 x pp=2 need 4 workers of 1 slot each.
@@ -60,6 +60,8 @@ class FakeWorker:
     joined: bool = False
     faults: list = field(default_factory=list)
     share: int = 0  # rows of each global batch its replica takes (set by join)
+    writing: Optional[tuple] = None  # a background save: (ckpt_dir, value, committed) it is writing
+    saved: Optional[BackgroundSave] = None
 
     def fault(self, step: int, phase: str) -> bool:
         return any((f.replica, f.stage, f.step, f.phase) == (self.replica, self.stage, step, phase)
@@ -83,10 +85,13 @@ class FakeWorkerGroup(WorkerGroup):
     ``nonfinite_steps`` are steps whose loss is NaN, ``init_error`` makes every worker's start fail."""
 
     def __init__(self, pp: int, initial: int, capacity: Optional[int] = None, nonfinite_steps=(),
-                 init_error: Optional[str] = None, hangs_in: Optional[str] = None):
+                 init_error: Optional[str] = None, hangs_in: Optional[str] = None, oom_in: Optional[str] = None,
+                 oom_times: int = 1):
         """``hangs_in``: the first call of that protocol method (on any worker) never answers, as a hung
-        process would: the caller sees it silent."""
-        self.pp, self.initial, self.capacity, self.hangs_in = pp, initial, capacity, hangs_in
+        process would: the caller sees it silent. ``oom_in``: in the first ``oom_times`` calls of that method,
+        Ray's memory monitor kills the worker (as do ``oom`` faults in a step)."""
+        self.pp, self.initial, self.capacity, self.hangs_in, self.oom_in = pp, initial, capacity, hangs_in, oom_in
+        self.oom_left = oom_times
         self.nonfinite_steps, self.init_error = set(nonfinite_steps), init_error
         self.workers: list[FakeWorker] = []
         self.granted_tokens: set = set()
@@ -94,13 +99,13 @@ class FakeWorkerGroup(WorkerGroup):
 
     # --- starting and ending workers ----------------------------------------------------------
 
-    def spawn(self, stage: int, placement, bundle: int, shard: int = 0) -> Member:
+    def spawn(self, stage: int, placement, bundle: int, shard: int = 0, tp: int = 0) -> Member:
         self.spawned += 1
         worker = FakeWorker(stage, pid=10_000 + self.spawned)
         replacements = sum(1 for w in self.workers[self.initial:] if w.started)
         worker.started = self.spawned <= self.initial or self.capacity is None or replacements < self.capacity
         self.workers.append(worker)
-        return Member(worker, stage, placement, bundle, ready=worker, shard=shard)
+        return Member(worker, stage, placement, bundle, ready=worker, shard=shard, tp=tp)
 
     def started(self, members: list[Member], timeout: float) -> list[Member]:
         return [m for m in members if m.handle.started]
@@ -139,6 +144,12 @@ class FakeWorkerGroup(WorkerGroup):
 
     def save(self, members: list[Member], ckpt_dir: str) -> list[ShardReport]:
         return self._answers("save", members, lambda m, w: self._save(w, ckpt_dir))
+
+    def start_save(self, members: list[Member], ckpt_dir: str) -> list[float]:
+        return self._answers("start_save", members, lambda m, w: self._start_save(w, ckpt_dir))
+
+    def finish_save(self, members: list[Member]) -> list[Optional[BackgroundSave]]:
+        return self._answers("finish_save", members, lambda m, w: self._finish_write(w))
 
     def load(self, members: list[Member], ckpt_dir: str) -> None:
         self._answers("load", members, lambda m, w: self._load(w, ckpt_dir))
@@ -180,10 +191,24 @@ class FakeWorkerGroup(WorkerGroup):
         if method == self.hangs_in:
             self.hangs_in = None
             return Outcome(member, silent=True)
+        if method == self.oom_in:
+            self.oom_left -= 1
+            if self.oom_left == 0:
+                self.oom_in = None
+            return self._killed_for_memory(member)
         try:
             return Outcome(member, act(member, w))
         except _Died:
             return Outcome(member, dead=True)
+
+    def _killed_for_memory(self, member: Member) -> Outcome:
+        """Ray's memory monitor kills the member: its call fails with the OutOfMemoryError Ray raises, which
+        the real classification (raytrain.control.workergroup.memory_loss) turns into the member's ``oom``."""
+        from raytrain.control.workergroup import memory_loss
+
+        member.handle.alive = False
+        member.oom = memory_loss(ray_out_of_memory_error(member.handle.pid), member)
+        return Outcome(member, dead=True)
 
     def _join(self, w: FakeWorker, rank: int, mesh, shares: list[int], generation: int, faults: list[str]) -> JoinReport:
         w.rank, (w.replica, _), w.faults, w.joined = rank, mesh.coords(rank), list(faults), True
@@ -227,6 +252,26 @@ class FakeWorkerGroup(WorkerGroup):
         checkpoint.write_bytes(f"{ckpt_dir}/stage-{w.stage}.json", data)
         return ShardReport(entry={"file": f"stage-{w.stage}.json", "bytes": len(data)}, finite=True)
 
+    def _start_save(self, w: FakeWorker, ckpt_dir: str) -> float:
+        """Snapshot: the write happens during the worker's next step (or when it is waited for)."""
+        w.writing, w.saved = (ckpt_dir, w.value, w.committed), None
+        return 0.0
+
+    def _finish_write(self, w: FakeWorker) -> Optional[BackgroundSave]:
+        """Write the snapshot taken by ``_start_save``, as the real worker's thread does; its fault kills it."""
+        if w.writing is not None:
+            ckpt_dir, value, committed = w.writing
+            w.writing = None
+            if w.fault(committed, "checkpoint"):
+                checkpoint.write_bytes(f"{ckpt_dir}/stage-{w.stage}.json", b"half")
+                w.alive = False
+                raise _Died()
+            data = json.dumps({"value": value}).encode()
+            checkpoint.write_bytes(f"{ckpt_dir}/stage-{w.stage}.json", data)
+            w.saved = BackgroundSave(ckpt_dir, ShardReport(entry={"file": f"stage-{w.stage}.json", "bytes": len(data)},
+                                                           finite=True))
+        return w.saved
+
     def _load(self, w: FakeWorker, ckpt_dir: str) -> None:
         w.value = json.loads(checkpoint.read_bytes(f"{ckpt_dir}/stage-{w.stage}.json"))["value"]
         w.committed, w.prepared = checkpoint.read_manifest(ckpt_dir)["step"], None
@@ -238,16 +283,24 @@ class FakeWorkerGroup(WorkerGroup):
         return batch["fate"][id(member)]
 
     def _step_fate(self, members: list[Member], step: int) -> dict:
+        for m in members:  # a background save's write ends while the step runs (or kills its writer)
+            if m.handle.alive:
+                try:
+                    self._finish_write(m.handle)
+                except _Died:
+                    pass
         live = [m for m in members if m.handle.alive]
         runnable = [m for m in live if m.handle.joined and m.handle.committed == step]
-        dying = {id(m): phase for m in runnable for phase in ("forward", "backward", "allreduce", "optimizer")
+        dying = {id(m): phase for m in runnable for phase in ("forward", "backward", "allreduce", "optimizer", "oom")
                  if m.handle.fault(step, phase)}
         broken = len(runnable) < len(members)  # a peer was already gone: the collective fails
         before_vote = broken or any(p != "optimizer" for p in dying.values())
         fate = {}
         for m in members:
             w = m.handle
-            if not w.alive or id(m) in dying:
+            if dying.get(id(m)) == "oom":
+                fate[id(m)] = self._killed_for_memory(m)
+            elif not w.alive or id(m) in dying:
                 w.alive = False
                 fate[id(m)] = Outcome(m, dead=True)
             elif m not in runnable or before_vote:
@@ -265,10 +318,29 @@ class FakeWorkerGroup(WorkerGroup):
         report = StepReport(rank=w.rank, step=step, ok=ok, committed=w.committed, prepared=w.prepared,
                             error="" if ok else "a peer was lost", nonfinite=nonfinite, busy_s=0.001, wall_s=0.001,
                             pipeline_s=0.001, peak_live=1, grad_norm=float("nan") if nonfinite else 1.0,
-                            peak_mem_mb=1.0)
+                            peak_mem_mb=1.0, saved=w.saved)
         if w.stage == self.pp - 1:
             report.loss_sum = float("nan") if nonfinite else 1.0
         return report
+
+
+RAY_OOM_MESSAGE = (
+    "1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 10.0.0.7, "
+    "ID: 92edc4e97e4dac3cee61126133ee7ab6d0a2ee73803623d24a02979d) was 22.81GB used / 23.50GB limit (0.970638)\n"
+    "OOM kill reason: memory usage exceeded the memory usage threshold\n"
+    "Killed workers: (task=StageWorker.save, pid={pid}, actual memory used=6.93GB, worker ID=39416ad9)\n"
+    "Top 10 memory users: PID\tMEM(GB)\tCOMMAND\n{pid}\t6.93\tray::StageWorker.save\n"
+    "Refer to the documentation on how to address the out of memory issue: https://docs.ray.io/en/latest/"
+    "ray-observability/user-guides/debug-apps/debug-memory.html. To adjust the kill threshold, set the "
+    "environment variable `RAY_memory_usage_threshold` when starting Ray.")
+"""The message of the OutOfMemoryError Ray 2.60 raises for a call of an actor its memory monitor killed
+(the raylet's format: ``%d worker(s) were killed ... was %sGB used / %sGB limit (%f)``)."""
+
+
+def ray_out_of_memory_error(pid: int):
+    import ray
+
+    return ray.exceptions.OutOfMemoryError(RAY_OOM_MESSAGE.format(pid=pid))
 
 
 class _Died(Exception):

@@ -80,7 +80,7 @@ def _resume(make_config, d: str):
 def test_save_shard_streams_the_file_and_records_its_size_and_sha256(tmp_path):
     d = _publish(str(tmp_path / "step_00000001"))
     manifest = _manifest(d)
-    assert manifest["format"] == checkpoint.FORMAT_VERSION == 3
+    assert manifest["format"] == checkpoint.FORMAT_VERSION == 4
     assert manifest["shards"] == [_entry(d, "stage-0.pt")]
     assert torch.equal(checkpoint.load_state_dict(d)["0.w"], _state()["model"]["0.w"])
 
@@ -235,7 +235,7 @@ def test_a_run_records_checksums_and_resumes_from_them(ray_session, make_config,
     ckpt_dir = str(tmp_path / "ckpts")
     first = train(make_config("parallel.pp=2", "train.steps=3", f"checkpoint.dir={ckpt_dir}"))
     manifest = _manifest(first.checkpoint)
-    assert manifest["format"] == 3 and len(manifest["shards"]) == 2
+    assert manifest["format"] == 4 and len(manifest["shards"]) == 2
     for entry in manifest["shards"]:
         assert {k: entry[k] for k in ("file", "bytes", "sha256")} == _entry(first.checkpoint, entry["file"])
     resumed = train(make_config("parallel.pp=2", "train.steps=5", f"checkpoint.dir={ckpt_dir}",

@@ -193,3 +193,51 @@ def test_policy_decisions_are_plain_values():
     assert policy.grow(3, 1) is NO_DECISION and policy.grow(2, 1).action is Action.GROW
     assert NO_DECISION.action is Action.NONE
     assert policy.nonfinite(0).action is Action.GIVE_UP
+
+
+def test_a_background_save_is_published_once_its_shards_are_written_and_training_goes_on(tmp_path):
+    waited = []
+
+    def count_waits(coordinator, group):
+        original = group.finish_save
+        group.finish_save = lambda members: waited.append(len(members)) or original(members)
+
+    coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=2", "checkpoint.async_save=true",
+                                        on_start=count_waits)
+    saves = events(rows, "checkpoint")
+    assert [(e["step"], e["async"]) for e in saves] == [(2, True), (4, True), (6, False)]  # the last is waited for
+    # Nothing waited on a write: each was published when the next step's reports said it was durable.
+    assert waited == []
+    assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "ckpt"))] == [2, 4, 6]
+    assert summary.committed_steps == list(range(6))
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+def test_a_saver_lost_mid_write_leaves_the_previous_checkpoint_latest_and_is_repaired(tmp_path):
+    # The saver of replica 0 dies writing step 4's shard (during step 5): step 4 is never published.
+    coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=2", "checkpoint.async_save=true",
+                                        "elastic.faults=['0:0@4:checkpoint']")
+    abandoned = events(rows, "checkpoint_abandoned")
+    assert [(e["step"], e["latest"].endswith("step_00000002")) for e in abandoned] == [(4, True)]
+    assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "ckpt"))] == [2, 6]
+    torn = tmp_path / "ckpt" / "step_00000004"
+    assert not (torn / "manifest.json").exists()
+    assert summary.failures == 1 and summary.committed_steps == list(range(6))
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+def test_a_stop_request_waits_for_the_background_save_before_it_finishes(tmp_path):
+    def stop_after_first_save(coordinator, group):
+        original = group.start_save
+
+        def start_then_stop(members, ckpt_dir):
+            coordinator.request_stop("SIGTERM")
+            return original(members, ckpt_dir)
+        group.start_save = start_then_stop
+
+    coordinator, _, summary, rows = run(tmp_path, "checkpoint.every=2", "checkpoint.async_save=true",
+                                        on_start=stop_after_first_save)
+    assert summary.stopped == "SIGTERM" and summary.steps == 2
+    assert [(e["step"], e["async"]) for e in events(rows, "checkpoint")] == [(2, True)]
+    assert events(rows, "stopped")[0]["checkpoint"] == summary.checkpoint
+    assert checkpoint.read_manifest(summary.checkpoint)["step"] == 2

@@ -24,13 +24,13 @@ PHASE_FAULTS = {
 KILLED_RANK = {"forward": 1, "backward": 2, "allreduce": 1, "optimizer": 0, "checkpoint": 0}
 
 
-def _assert_exactly_once(result, steps, global_batch, pp=1):
+def _assert_exactly_once(result, steps, global_batch, pp=1, tp=1):
     """Every step committed once, every sample seen once, and every replica of a stage identical."""
     assert result.committed_steps == list(range(steps))
     assert [r["step"] for r in result.metrics] == list(range(1, steps + 1))
     ids = [i for r in result.metrics for i in r["sample_ids"]]
     assert len(ids) == steps * global_batch and len(set(ids)) == len(ids)  # less than an epoch: all distinct
-    assert_replicas_identical(result, replicas=len(result.final_pids) // pp)
+    assert_replicas_identical(result, replicas=len(result.final_pids) // (pp * tp))
 
 
 def test_next_step_is_sent_ahead_only_when_nothing_happens_in_between():
@@ -154,6 +154,35 @@ def test_kill_from_outside_by_pid(ray_session, make_config, fast_driver_poll):
     assert watcher.acted and result.failures == 1
     assert result.worker_pids[0] in result.final_pids and result.worker_pids[1] not in result.final_pids
     _assert_exactly_once(result, 8, 8)
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
+def test_dp2_tp2_a_tp_worker_killed_from_outside_takes_its_replica_which_is_replaced(ray_session, make_config,
+                                                                                       fast_driver_poll):
+    # All four workers stop themselves at step 3 (a pause fault names a replica's stage: both its tp
+    # ranks); the test SIGKILLs tp rank 1 of replica 1 from outside and resumes the rest. Replica 1 is
+    # broken, and (min_dp defaults to dp) the run waits for a replacement, which re-forms replica 1
+    # with its surviving tp rank, taking the state from replica 0; no survivor restarts.
+    cfg = make_config("parallel.dp=2", "parallel.tp=2", "resources.placement_strategy=STRICT_PACK", "train.steps=6",
+                      "run.record_samples=true", "elastic.faults=['0:0@3:pause', '1:0@3:pause']")
+
+    def kill_tp_rank_1_of_replica_1(paused, started):
+        pids = started["pids"]  # by rank: (replica 0, tp 0), (0, 1), (1, 0), (1, 1)
+        assert sorted(paused) == sorted(pids)
+        os.kill(pids[3], signal.SIGKILL)
+        for pid in pids[:3]:
+            os.kill(pid, signal.SIGCONT)
+
+    with WhenPaused(4, kill_tp_rank_1_of_replica_1, after_step=3) as watcher:
+        result = train(cfg, on_rows=watcher.on_rows)
+    repairs = [e for e in result.events if e["event"] == "repair"]
+    assert watcher.acted and result.failures == 1 and len(repairs) == 1, result.events
+    assert repairs[0]["new_layout"] == "dp=2 tp=2 pp=1" and repairs[0]["retrying_step"] == 3, repairs
+    assert repairs[0]["lost"] == ["replica 1 shard 0 stage 0 tp 1"], repairs
+    assert not pid_alive(result.worker_pids[3])
+    assert set(result.worker_pids[:3]) <= set(result.final_pids), "a survivor was restarted"
+    assert len(result.final_pids) == 4
+    _assert_exactly_once(result, 6, 8, tp=2)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 

@@ -102,7 +102,7 @@ def test_the_held_out_rows_are_the_last_and_the_sample_order_never_reaches_them(
     assert (plan.num_samples, plan.held_out) == (75, 25)
     consumed = data.sample_ids(plan.cfg.train.seed, plan.num_samples, 0, 3 * 100)
     assert set(consumed) == set(range(75))
-    assert data.held_out_source(plan.cfg, plan.data_path, plan.num_samples) == (plan.data_path, 75)
+    assert data.held_out_source(plan.cfg, plan.source, plan.num_samples) == (plan.source.train, 75)
     assert data.held_out_ids(75, 1, 8, 4, 8) == [87, 88, 89, 90]  # batch 1, the second replica's half
 
 
@@ -157,7 +157,7 @@ def test_an_evaluation_changes_no_training_state(make_config):
     threads = torch.get_num_threads()
     plan = prepare(make_config(*EVAL))
     recorder = Recorder()
-    stage = Stage(plan.cfg, plan.data_path, plan.num_samples, 0, plan.stage_layers[0],
+    stage = Stage(plan.cfg, plan.source, plan.num_samples, 0, plan.stage_layers[0],
                   make_hook=lambda specs, replica, stage_index, shard: recorder)
     rendezvous = RendezvousStore()
     try:

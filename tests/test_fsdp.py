@@ -98,11 +98,11 @@ def test_dp2_fsdp2_pp2_shards_resume_in_a_plain_process_and_as_fsdp4(make_config
 
 
 def _publish_forked(run_dir: str, base: str, step: int, files: list[tuple[int, int]]) -> str:
-    """A checkpoint of the shard files tests.forked_stages left (``stage<s>-<f>.pt``), as a run publishes one."""
+    """A checkpoint of the shard files tests.forked_stages left (``stage<s>-<f>-<tp>.pt``), as a run publishes one."""
     ckpt = checkpoint.step_dir(base, step)
     shards = []
     for stage, part in files:
-        state = torch.load(os.path.join(run_dir, f"stage{stage}-{part}.pt"), weights_only=True)
+        state = torch.load(os.path.join(run_dir, f"stage{stage}-{part}-0.pt"), weights_only=True)  # tp rank 0
         part = part if "rows" in state else None
         shards.append(checkpoint.save_shard(ckpt, stage, state, part))
     checkpoint.publish(ckpt, {"step": step, "shards": shards})

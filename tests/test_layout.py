@@ -115,3 +115,42 @@ def test_the_config_and_the_plan_check_the_same_way(overrides, must_mention):
     with pytest.raises(ValueError) as err:
         plan_layout(load_config(None, overrides))
     assert all(text in str(err.value) for text in must_mention), str(err.value)
+
+
+@pytest.mark.parametrize("dp, fsdp, tp, pp", [(1, 1, 2, 1), (2, 1, 2, 2), (1, 2, 4, 1), (2, 2, 2, 3)])
+def test_tp_is_the_innermost_digit_of_the_rank(dp, fsdp, tp, pp):
+    grid = Mesh(dp=dp, fsdp=fsdp, tp=tp, pp=pp)
+    assert grid.world_size == dp * fsdp * tp * pp and grid.slots == fsdp * tp * pp
+    assert grid.columns == dp * fsdp  # the tp ranks of a column read the same samples
+    places = []
+    for rank in range(grid.world_size):
+        replica, stage = grid.coords(rank)
+        shard, t = grid.shard(rank), grid.tp_index(rank)
+        assert grid.rank(replica=replica, shard=shard, stage=stage, tp=t) == rank
+        places.append((replica, shard, stage, t))
+        assert grid.label(rank) == f"{replica}:{shard}:{stage}:{t}"
+    assert places == list(itertools.product(range(dp), range(fsdp), range(pp), range(tp)))
+    assert grid.slot_order() == [p[1:] for p in places[:grid.slots]]
+    for replica, shard, stage, t in places:
+        rank = grid.rank(replica=replica, shard=shard, stage=stage, tp=t)
+        members = grid.tp_ranks(replica, stage, shard)
+        assert members == list(range(members[0], members[0] + tp)) and rank in members  # consecutive: one node
+        groups = grid.dp_ranks(stage, shard, t), grid.fsdp_ranks(replica, stage, t), grid.pp_ranks(replica, shard, t)
+        assert [len(g) for g in groups] == [dp, fsdp, pp] and all(rank in g for g in groups)
+        assert all(grid.tp_index(r) == t for g in groups for r in g)  # the other axes stay on one tp rank
+    assert grid.grid_label == " ".join([f"dp={dp}"] + ([f"fsdp={fsdp}"] if fsdp > 1 else []) + [f"tp={tp}", f"pp={pp}"])
+    assert Layout.of(ParallelConfig(dp=dp, fsdp=fsdp, tp=tp, pp=pp)).mesh == grid
+
+
+def test_a_tp_rank_holds_its_heads_of_each_fused_part_and_the_ranks_tile_every_tensor():
+    from raytrain.models.tensor_plan import local_boxes, split_of
+
+    plan = {"qkv": ("colwise", 3), "proj": ("rowwise", 1)}
+    assert local_boxes(plan, "qkv.weight", (12, 4), 2, 1) == [((2, 4), (0, 4)), ((6, 8), (0, 4)), ((10, 12), (0, 4))]
+    assert local_boxes(plan, "proj.weight", (4, 4), 2, 1) == [((0, 4), (2, 4))]
+    assert local_boxes(plan, "proj.bias", (4,), 2, 1) == [((0, 4),)]  # added once, after the sum: whole
+    assert local_boxes(plan, "ln.weight", (4,), 2, 0) == [((0, 4),)] and split_of(plan, "ln.weight") is None
+    for name, shape in (("qkv.weight", (12, 4)), ("proj.weight", (4, 4))):
+        cells = [(i, j) for t in range(2) for box in local_boxes(plan, name, shape, 2, t)
+                 for i in range(*box[0]) for j in range(*box[1])]
+        assert sorted(cells) == [(i, j) for i in range(shape[0]) for j in range(shape[1])]

@@ -23,10 +23,23 @@ def test_the_state_is_16_bytes_per_owned_parameter_and_fsdp_adds_the_gathered_la
     assert (plain.state, plain.unsharded, plain.activations) == (16 * 10_000, 0, 0)
     sharded = estimate(COUNTS, pp=1, fsdp=2, micro_batch=8, microbatches=1, schedule="1f1b", widths=None)
     assert (sharded.state, sharded.unsharded) == (8 * 10_000, 8 * 4000)
+    # with micro-batches, FSDP2 holds every layer's unsharded gradient until the last one's backward
+    accumulating = estimate(COUNTS, pp=1, fsdp=2, micro_batch=4, microbatches=2, schedule="1f1b", widths=None)
+    assert (accumulating.state, accumulating.unsharded) == (8 * 10_000, 8 * 4000 + 4 * 10_000)
     piped = estimate(COUNTS, pp=2, fsdp=1, micro_batch=8, microbatches=2, schedule="1f1b", widths=None)
     assert piped.state == 16 * 5000  # balanced cut: 1000 + 4000 | 4000 + 1000
     cut = estimate(COUNTS, pp=2, fsdp=1, micro_batch=8, microbatches=2, schedule="1f1b", widths=None, cuts=(1,))
     assert cut.state == 16 * 9000  # the configured cut, not the balanced one
+    background = estimate(COUNTS, pp=1, fsdp=2, micro_batch=8, microbatches=1, schedule="1f1b", widths=None,
+                          async_save=True)
+    assert background.snapshot == 12 * 5000 and background.total == sharded.total + 12 * 5000
+    assert "checkpoint snapshot" in background.describe() and "snapshot" not in sharded.describe()
+
+
+def test_tensor_parallelism_divides_the_blocks_state_but_not_the_embedding_and_head():
+    # COUNTS' first and last layers are the built-in GPT's embedding and head: whole on every tp rank
+    split = estimate(COUNTS, pp=1, fsdp=1, micro_batch=8, microbatches=1, schedule="1f1b", widths=None, tp=2)
+    assert split.state == 16 * (COUNTS[0] + sum(COUNTS[1:-1]) / 2 + COUNTS[-1]) and split.unsharded == 0
 
 
 def test_activations_follow_the_schedule_and_activation_checkpointing():
@@ -95,3 +108,21 @@ def test_a_run_too_big_for_the_cluster_is_refused_before_any_worker_starts(ray_s
     with pytest.raises(ValueError, match=r"layout dp=1 pp=1 m=1: each worker needs an estimated 1\d\d\.\d\d GiB"):
         train(cfg)
     assert stage_worker_pids() == before
+
+
+@pytest.mark.parametrize("n_layer, d_model, vocab, seq_len", [(2, 32, 256, 16), (3, 48, 1000, 2048), (1, 8, 5, 4)])
+def test_the_builtin_gpts_arithmetic_counts_the_built_model(n_layer, d_model, vocab, seq_len):
+    """The driver's memory check counts the built-in GPT without torch: the arithmetic must be the model's."""
+    import torch
+
+    from raytrain.config import ModelConfig
+    from raytrain.driver.plan import shardable_rows
+    from raytrain.models.memory import builtin_gpt_layers
+
+    cfg = ModelConfig(n_layer=n_layer, d_model=d_model, n_head=2 if d_model % 2 == 0 else 1, vocab_size=vocab,
+                      seq_len=seq_len)
+    with torch.device("meta"):
+        layers = build_model(cfg, 0).layers
+    counted, rows = builtin_gpt_layers(n_layer, d_model, vocab, seq_len)
+    assert counted == [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    assert rows == shardable_rows(layers)

@@ -8,6 +8,8 @@ actors), and the pure packages under them all, which no process package may be i
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,6 +101,15 @@ def test_the_control_plane_imports_no_torch_at_module_level():
     heavy = {name: sorted(_third_party_imports(tree) & {"torch"}) for name, tree in _modules().items()
              if _package(name) == "control"}
     assert not any(heavy.values()), heavy
+
+
+def test_the_coordinators_process_never_imports_torch():
+    # The rule above reads each module alone; a package's __init__ or any module it imports could
+    # still bring torch (1-2 s of CPU in every coordinator's start): import the coordinator as its
+    # process does, and look.
+    probe = "import sys, raytrain.control.coordinator; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_functions_and_classes_stay_small():

@@ -60,14 +60,14 @@ class Recorder(PhaseHook):
 def test_the_stage_calls_its_hook_at_every_phase_point(make_config, tmp_path, keep_torch_threads):
     # pp=1 dp=1: one process, a world of one; generation 1 so the join counts as a repair's.
     plan = prepare(make_config("train.steps=1"))
-    cfg, data_path, num_samples, stage_layers = plan.cfg, plan.data_path, plan.num_samples, plan.stage_layers
+    cfg, source, num_samples, stage_layers = plan.cfg, plan.source, plan.num_samples, plan.stage_layers
     recorder, armed = Recorder(), []
 
     def make_hook(specs, replica, stage_index, shard):
         armed.append((specs, replica, stage_index, shard))
         return recorder
 
-    stage = Stage(cfg, data_path, num_samples, 0, stage_layers[0], make_hook=make_hook)
+    stage = Stage(cfg, source, num_samples, 0, stage_layers[0], make_hook=make_hook)
     rendezvous = RendezvousStore()
     try:
         stage.join(0, Mesh(), even_shares(cfg.train.global_batch, 1),
@@ -138,3 +138,29 @@ def test_ray_serialisation_runs_the_acknowledgement(ray_session):
     ref = ray_session.put(ack.attach({"step": 0}))
     assert ray_session.get(ref) == {"step": 0}
     assert ack.wait(5.0)
+
+
+def test_a_background_write_begins_when_released_and_reports_its_result_or_its_error():
+    """The write of a background save waits for the worker's next step (``release``), so the call that
+    started it has answered before anything of the write can fail; its error is reported, not raised."""
+    import threading
+
+    from raytrain.reports import ShardReport
+    from raytrain.worker.saving import BackgroundWriter
+
+    writer, began = BackgroundWriter(), threading.Event()
+
+    def write():
+        began.set()
+        return ShardReport(entry={"file": "stage-0.pt", "bytes": 1}, finite=True)
+
+    writer.start("ckpt/step_00000002", write)
+    assert not began.wait(0.2) and writer.finished() is None  # not before release
+    writer.release()
+    assert writer.wait().shard.entry["file"] == "stage-0.pt" and writer.finished().ckpt_dir == "ckpt/step_00000002"
+
+    def fail():
+        raise OSError("disk full")
+
+    writer.start("ckpt/step_00000004", fail)
+    assert writer.wait().error == "OSError: disk full"

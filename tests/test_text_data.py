@@ -139,9 +139,10 @@ def test_documents_are_joined_by_the_end_of_text_token(tmp_path, specials, separ
 def test_packed_rows_feed_the_run_as_token_rows(tmp_path, text_config):
     cfg = text_config(write_jsonl(tmp_path / "d.jsonl", make_documents()))
     plan = prepare(cfg)
-    dataset = data.open_dataset(plan.data_path, plan.cfg)
+    (path,) = plan.source.train.paths
+    dataset = data.open_dataset(path, plan.cfg)
     assert plan.num_samples == len(dataset) == len(text_data.packed_rows(
-        plan.data_path, "text", cfg.data.tokenizer, SEQ_LEN + 1, cfg.data.cache_dir))
+        path, "text", cfg.data.tokenizer, SEQ_LEN + 1, cfg.data.cache_dir))
     x, y = dataset.batch([0, 3, plan.num_samples - 1])
     assert x.shape == y.shape == (3, SEQ_LEN) and bool((x[:, 1:] == y[:, :-1]).all())
     assert int(dataset.rows.max()) < VOCAB and str(x.dtype) == "torch.int64"

@@ -27,11 +27,12 @@ def base(data_cache):
 def test_sweep_over_three_layouts_reports_every_trial(ray_session, base, tmp_path):
     sweep = rt_tune.SweepConfig(
         base=base, storage_path=str(tmp_path),
-        space={"layouts": [{"parallel.dp": 2}, {"parallel.pp": 2, "parallel.microbatches": 2}, {"parallel.dp": 1}]},
+        space={"layouts": [{"parallel.dp": 2}, {"parallel.pp": 2, "parallel.microbatches": 2},
+                           {"parallel.tp": 2, "resources.placement_strategy": "STRICT_PACK"}]},
     )
     grid = rt_tune.run_sweep(sweep)
     rows = rt_tune.summarize(grid, sweep)
-    assert sorted(r.layout for r in rows) == ["dp=1 pp=1 m=1", "dp=1 pp=2 m=2 1f1b", "dp=2 pp=1 m=1"]
+    assert sorted(r.layout for r in rows) == ["dp=1 pp=2 m=2 1f1b", "dp=1 tp=2 pp=1 m=1", "dp=2 pp=1 m=1"]
     assert all(r.status == "finished" and r.steps == 6 and r.samples_per_s > 0 for r in rows)
     # same seed, data and global batch: every layout ends at the same loss
     assert max(r.loss for r in rows) == pytest.approx(min(r.loss for r in rows), rel=1e-5)
@@ -68,11 +69,13 @@ def test_infeasible_layouts_are_rejected_before_launch(ray_session, base, tmp_pa
 
 def test_each_infeasible_layout_is_named_by_its_label(base, tmp_path):
     sweep = rt_tune.SweepConfig(base=base, storage_path=str(tmp_path), space={"layouts": [
-        {"parallel.dp": 1}, {"parallel.dp": 2, "parallel.fsdp": 2}, {"parallel.pp": 9}, {"parallel.dp": 0}]})
+        {"parallel.dp": 1}, {"parallel.dp": 2, "parallel.fsdp": 2}, {"parallel.pp": 9}, {"parallel.dp": 0},
+        {"parallel.tp": 3, "resources.placement_strategy": "STRICT_PACK"}]})
     with pytest.raises(ValueError) as err:
         rt_tune.check_layouts(sweep, {"CPU": 2.0})
     message = str(err.value)
     assert "dp=2 fsdp=2 pp=1 m=1: needs 4 CPU (4 workers), the cluster has 2" in message
+    assert "dp=1 tp=3 pp=1 m=1: " in message  # the 2 heads do not split 3 ways (and 3 workers do not fit)
     assert "dp=1 pp=9 m=1 1f1b: parallel.pp=9" in message and "dp=0 pp=1 m=1: parallel.dp=0: use >= 1" in message
     assert "dp=1 pp=1" not in message  # the feasible layout is not blamed
 
@@ -174,3 +177,75 @@ def test_ranking_by_eval_loss_needs_evaluations(base, tmp_path):
     with pytest.raises(ValueError, match="sweep.metric=eval_loss needs eval.every > 0"):
         rt_tune.SweepConfig(base=base, storage_path=str(tmp_path), metric="eval_loss", mode="min",
                             space={"train.lr": [0.1]})
+
+
+class _Trial:
+    def __init__(self, status):
+        self.status = status
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_stall_watch_stops_a_sweep_only_after_its_wait_with_no_trial_running():
+    from raytrain.tune.stall import StallWatch, StopWhenStalled, take_verdict
+
+    clock = _Clock()
+    watch = StallWatch(10.0, clock=clock)
+    stopper = StopWhenStalled(watch)
+    watch.on_step_end(0, [_Trial("RUNNING"), _Trial("PENDING")])  # one runs: the other waits its turn
+    clock.now = 50.0
+    watch.on_step_end(1, [_Trial("RUNNING"), _Trial("PENDING")])
+    assert not stopper.stop_all()
+    watch.on_step_end(2, [_Trial("TERMINATED"), _Trial("PENDING")])  # the wait starts here
+    clock.now = 59.0
+    watch.on_step_end(3, [_Trial("TERMINATED"), _Trial("PENDING")])
+    assert not stopper.stop_all()
+    clock.now = 60.0
+    watch.on_step_end(4, [_Trial("TERMINATED"), _Trial("PENDING")])
+    assert stopper.stop_all() and "no room for a waiting trial's workers" in watch.stalled
+    assert "1 pending, 1 terminated" in take_verdict() and take_verdict() is None
+    # synchronous PBT with an errored trial: the paused one would wait for it forever
+    watch = StallWatch(10.0, clock=clock)
+    watch.on_step_end(5, [_Trial("ERROR"), _Trial("PAUSED")])
+    clock.now = 70.0
+    watch.on_step_end(6, [_Trial("ERROR"), _Trial("PAUSED")])
+    assert "sweep.synch" in watch.stalled and "error.txt" in take_verdict()
+    # everything done, or nothing waiting: never a stall
+    watch = StallWatch(10.0, clock=clock)
+    for clock.now in (100.0, 200.0):
+        watch.on_step_end(7, [_Trial("TERMINATED"), _Trial("ERROR")])
+    assert watch.stalled is None
+
+
+def test_a_sweep_whose_trials_cannot_get_resources_stops_after_its_bound(ray_session, base, tmp_path):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from raytrain.driver.placement import ResourcesUnavailable
+    from raytrain.tune.stall import SweepStalled
+    from tests.helpers import TEST_RAY_CPUS
+
+    hog = placement_group([{"CPU": TEST_RAY_CPUS}])  # another job holds every CPU of the cluster
+    assert hog.wait(timeout_seconds=30)
+    try:
+        sweep = rt_tune.SweepConfig(base=base, storage_path=str(tmp_path), name="starved", resources_wait_s=3,
+                                    space={"train.lr": [1.0e-2]})
+        started = time.monotonic()
+        with pytest.raises(SweepStalled, match=r"for 3 s \(sweep.resources_wait_s\) no trial could run "
+                                                       r"\(1 pending\); the cluster has no room"):
+            rt_tune.run_sweep(sweep)
+        assert time.monotonic() - started < 60
+        assert issubclass(SweepStalled, ResourcesUnavailable)  # the CLI's exit 3
+    finally:
+        remove_placement_group(hog)
+    assert rt_tune.trial_statuses(str(tmp_path / "starved"))  # Tune saved its state: --resume continues it
+
+
+def test_a_sweep_bound_must_be_positive(base, tmp_path):
+    with pytest.raises(ValueError, match="sweep.resources_wait_s=0: use a number of seconds > 0"):
+        rt_tune.SweepConfig(base=base, storage_path=str(tmp_path), resources_wait_s=0, space={"train.lr": [0.1]})

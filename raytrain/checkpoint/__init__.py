@@ -14,8 +14,16 @@ The manifest records each file's size and sha256, computed as ``torch.save`` str
 (it is never held whole in memory), and every load checks them in one streaming pass before it
 trusts the file; ``verify`` checks a whole checkpoint without loading its tensors, which ``prepare``
 does before any actor starts on a resume. Local files are then memory-mapped, so a loader holds no
-second copy of a shard; object-store files are read from a random-access stream (read twice: once
-to hash, once to load).
+second copy of a shard; an object-store file is copied to a local temporary file as it is hashed,
+then memory-mapped the same way.
+
+Why not torch.distributed.checkpoint (DCP, evaluated against torch 2.13): its save plans collectively
+over one process group, but raytrain saves from whichever live workers hold each slot's state, with
+no collective, exactly when groups are broken (a run that gives up saves its survivors'; a background
+save outlives the generation it started in, whose groups a repair destroys); and its reader
+unpickles ``.metadata`` with plain ``pickle.load``, so a forged checkpoint could run code, where every
+raytrain file loads with ``weights_only``. What DCP would bring is here: streaming writes, background
+saves, and resharding on load, rows and column boxes alike (raytrain.checkpoint.assemble).
 
 A published checkpoint is immutable: every save writes into a directory that did not exist before,
 so a second save of the same step (a resumed run, a save retried after a repair) goes to
@@ -30,10 +38,14 @@ import json
 import os
 import pickle
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import pyarrow.fs as pafs
+
+from raytrain.checkpoint.assemble import Assembler, Boxes, Destination, Wanted, new_tensors, slice_boxes, slices_entry
+from raytrain.checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
@@ -42,10 +54,11 @@ if TYPE_CHECKING:
 # manifests and publish checkpoints without paying for a torch import.
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 3
-"""3: each shard's ``sha256`` is recorded; 2 (still read): shards may hold row slices (``rows``); 1 (still
+FORMAT_VERSION = 4
+"""4: shards may hold boxes of tensors (``slices``: a tensor-parallel worker's column and row slices);
+3 (still read): each shard's ``sha256`` is recorded; 2 (still read): shards may hold row slices (``rows``); 1 (still
 read): whole tensors only. Formats 1 and 2 record sizes alone, and only sizes are checked for them."""
-READABLE_FORMATS = (1, 2, 3)
+READABLE_FORMATS = (1, 2, 3, 4)
 CHECKSUM = "sha256"
 """The manifest's checksum per file: hashlib's sha256 (SHA-NI: 0.92 GB/s here, blake2b 0.47 GB/s)."""
 _CHUNK = 8 << 20
@@ -54,10 +67,6 @@ _ZIP_MAGIC = b"PK\x03\x04"
 """What every file torch.save writes starts with; anything else is not a shard raytrain wrote."""
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _STEP_DIR = re.compile(r"^step_(\d{8})(?:\.(\d+))?$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, partial or corrupt; the message names the file."""
 
 
 def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -215,9 +224,9 @@ def shard_entries(ckpt_dir: str, manifest: dict[str, Any]) -> list[dict[str, Any
     return manifest["shards"]
 
 
-def _check_file(fs: pafs.FileSystem, path: str, uri: str, entry: dict[str, Any]) -> None:
+def _check_file(fs: pafs.FileSystem, path: str, uri: str, entry: dict[str, Any], copy_to=None) -> None:
     """One streaming pass over a shard file: its size and sha256 must be the manifest's, and it must be a
-    torch zip archive. Memory stays at one chunk."""
+    torch zip archive. Memory stays at one chunk; ``copy_to`` (a binary file) gets the bytes as they pass."""
     digest, size, head = hashlib.sha256(), 0, b""
     try:
         with fs.open_input_stream(path) as f:
@@ -225,6 +234,8 @@ def _check_file(fs: pafs.FileSystem, path: str, uri: str, entry: dict[str, Any])
                 digest.update(chunk)
                 size += len(chunk)
                 head = head or chunk[:len(_ZIP_MAGIC)]
+                if copy_to is not None:
+                    copy_to.write(chunk)
     except FileNotFoundError:
         raise CheckpointError(f"{uri} is missing (its manifest lists it): the checkpoint is incomplete") from None
     except OSError as e:
@@ -292,111 +303,62 @@ def _check_layout(uri: str, shard: Any) -> None:
 
 def iter_shards(ckpt_dir: str) -> Iterator[dict[str, Any]]:
     """Every shard of a published checkpoint, one at a time, each checked against its manifest entry (size,
-    sha256) in a streaming pass before it is loaded."""
+    sha256) in a streaming pass before it is loaded, memory-mapped. A shard on an object store is copied
+    into a local temporary file during that pass (one read of it, not two), so it is memory-mapped too:
+    a reader never holds a whole shard in memory. The copy is deleted before the next shard's."""
     manifest = read_manifest(ckpt_dir)
     for entry in shard_entries(ckpt_dir, manifest):
         uri = join_uri(ckpt_dir, entry["file"])
         fs, path = filesystem(uri)
-        _check_file(fs, path, uri, entry)
-        yield _load_shard(fs, path, uri)
+        if _local_path(fs, path) is not None:
+            _check_file(fs, path, uri, entry)
+            yield _load_shard(fs, path, uri)
+            continue
+        with tempfile.NamedTemporaryFile(prefix="raytrain-shard-", suffix=".pt") as staged:
+            _check_file(fs, path, uri, entry, copy_to=staged)
+            staged.flush()
+            yield _load_shard(pafs.LocalFileSystem(), staged.name, uri)
 
 
 def verify(ckpt_dir: str) -> dict[str, Any]:
     """Check a checkpoint before anything loads it, without loading its tensors: its manifest, every file it
     lists (size and sha256, streamed), each a weights-only torch file (its pickle read, its tensors put on
-    "meta"), and their rows tiling every tensor. Returns the manifest; a CheckpointError names the file."""
+    "meta"), and their pieces tiling every tensor. Returns the manifest; a CheckpointError names the file."""
     manifest = read_manifest(ckpt_dir)
-    rows = RowAssembler(None)
+    pieces = Assembler(None, new_tensors("meta"))
     for entry in shard_entries(ckpt_dir, manifest):
         uri = join_uri(ckpt_dir, entry["file"])
         fs, path = filesystem(uri)
         _check_file(fs, path, uri, entry)
-        rows.add(_load_shard(fs, path, uri, device="meta"))
-    rows.result(ckpt_dir)
+        pieces.add(_load_shard(fs, path, uri, device="meta"))
+    pieces.check(ckpt_dir)
     return manifest
 
 
 def load_shards(ckpt_dir: str) -> list[dict[str, Any]]:
-    """Every shard of a published checkpoint, each checked against the size in the manifest."""
+    """Every shard of a published checkpoint, each checked against its manifest entry."""
     return list(iter_shards(ckpt_dir))
 
 
-def merged_state(ckpt_dir: str) -> dict[str, Any]:
-    """Model, optimizer state and RNG of the whole model, keyed by global parameter name (row-sharded
-    tensors reassembled)."""
-    return load_rows(ckpt_dir, None)
-
-
-def load_rows(ckpt_dir: str, wanted: Optional[dict[str, Optional[tuple[int, int, int]]]]) -> dict[str, Any]:
-    """Model and optimizer state of the parameters in ``wanted`` (all when None), each cut to rows
-    [start, stop) of dim 0 (whole when None), whatever layout wrote them, and the RNG. Reads one
-    file at a time and keeps only the wanted rows of it: a sharded worker loads its slice alone.
-    A parameter missing from the checkpoint is absent from the result; one with missing rows is a
-    CheckpointError."""
-    rows = RowAssembler(wanted)
-    rng = None
+def load_into(ckpt_dir: str, wanted: Optional[dict[str, Wanted]], destination: Destination) -> Assembler:
+    """Copy the parameters in ``wanted`` (all when None), each its rows [start, stop) of dim 0 or its
+    ``Boxes`` (whole when None), and their optimizer state, from a checkpoint of any layout into the tensors ``destination``
+    gives, one memory-mapped file at a time: a worker loads into its own parameters and holds no second
+    copy. Returns the assembler (its ``tensors()``, ``rng``); pieces that do not tile what is wanted are a
+    CheckpointError. A parameter missing from the checkpoint has no destination."""
+    pieces = Assembler(wanted, destination)
     for shard in iter_shards(ckpt_dir):
-        rows.add(shard)
-        rng = shard.get("rng") if rng is None else rng
-    return {**rows.result(ckpt_dir), "rng": rng}
+        pieces.add(shard)
+        del shard  # unmap the file before the next one is mapped
+    pieces.check(ckpt_dir)
+    return pieces
 
 
-class RowAssembler:
-    """Pieces of named tensors from shard files, cut to the wanted rows and joined in row order."""
-
-    def __init__(self, wanted: Optional[dict[str, Optional[tuple[int, int, int]]]]):
-        """``wanted``: name -> (start, stop, total rows the reader's parameter has), or None for the whole
-        tensor; None wants every tensor whole."""
-        self.wanted = wanted
-        self.pieces: dict[tuple[str, Optional[str]], list[tuple[int, torch.Tensor]]] = {}
-        self.span: dict[str, tuple[int, int]] = {}  # name -> the rows [start, stop) to assemble
-
-    def add(self, shard: dict[str, Any]) -> None:
-        rows = shard.get("rows", {})
-        for name, tensor in shard["model"].items():
-            if self.wanted is not None and name not in self.wanted:
-                continue
-            start, stop, total = rows.get(name, (0, tensor.shape[0] if tensor.dim() else 1, None))
-            total = stop if total is None else total
-            want = self.wanted.get(name) if self.wanted is not None else None
-            if want is not None and want[2] != total:
-                raise CheckpointError(f"{name} has {total} rows in the checkpoint and {want[2]} in this model: was it "
-                                      "written by another model config?")
-            self.span[name] = (want[0], want[1]) if want is not None else (0, total)
-            self._put((name, None), tensor, start, stop)
-            for key, value in shard["optim"].get(name, {}).items():  # AdamW: moments shaped as the parameter, a step
-                self._put((name, key), value, start if value.shape == tensor.shape else None, stop)
-
-    def _put(self, key: tuple[str, Optional[str]], tensor: torch.Tensor, start: Optional[int], stop: int) -> None:
-        """Keep the part of a piece (rows [start, stop), or a whole tensor when ``start`` is None) that is wanted."""
-        if start is None or tensor.dim() == 0:
-            if key not in self.pieces:  # a copy: no tensor kept may pin a memory-mapped shard file
-                self.pieces[key] = [(-1, tensor.clone())]
-            return
-        lo, hi = self.span[key[0]]
-        a, b = max(lo, start), min(hi, stop)
-        if a <= b:  # an empty overlap too: a shard may own no rows of a small parameter
-            self.pieces.setdefault(key, []).append((a, tensor[a - start:b - start].clone()))
-
-    def result(self, ckpt_dir: str) -> dict[str, Any]:
-        import torch
-
-        model: dict[str, torch.Tensor] = {}
-        optim: dict[str, dict[str, torch.Tensor]] = {}
-        for (name, key), pieces in sorted(self.pieces.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
-            pieces.sort(key=lambda p: (p[0], p[1].shape[0] if p[1].dim() else 0))  # empty pieces first
-            lo, hi = self.span[name]
-            if pieces[0][0] >= 0:
-                ends = [start + t.shape[0] for start, t in pieces]  # each piece must start where the last stopped
-                if [start for start, _ in pieces] != [lo, *ends[:-1]] or ends[-1] != hi:
-                    raise CheckpointError(f"{ckpt_dir} holds rows of {name} ({key or 'parameter'}) that do not cover "
-                                          f"[{lo}, {hi}): a shard file is missing or from another layout")
-            value = pieces[0][1] if pieces[0][0] < 0 or len(pieces) == 1 else torch.cat([t for _, t in pieces])
-            if key is None:
-                model[name] = value
-            else:
-                optim.setdefault(name, {})[key] = value
-        return {"model": model, "optim": optim}
+def merged_state(ckpt_dir: str) -> dict[str, Any]:
+    """Model, optimizer state and RNG of the whole model, keyed by global parameter name (sharded tensors
+    reassembled into new ones)."""
+    pieces = load_into(ckpt_dir, None, new_tensors())
+    return {**pieces.tensors(), "rng": pieces.rng}
 
 
 def load_state_dict(path: str) -> dict[str, torch.Tensor]:
@@ -481,12 +443,6 @@ def prune(base: str, keep: int) -> None:
 
 
 # --- optimizer state by global name --------------------------------------------------------------
-
-
-def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """AdamW-style per-parameter state keyed by global parameter name (single param group)."""
-    state = optimizer.state_dict()["state"]
-    return {names[i]: {k: v.detach().cpu().clone() for k, v in st.items()} for i, st in state.items()}
 
 
 def load_optimizer_state(

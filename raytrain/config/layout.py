@@ -1,7 +1,7 @@
 """A run's parallel layout as one value: how its workers divide the batch and the model.
 
 ``Layout`` answers what the config, the driver, the reporter and Tune ask of a layout: its worker grid
-(``mesh``: dp x fsdp x pp, raytrain.config.mesh, which owns the world size and the rank arithmetic), its
+(``mesh``: dp x fsdp x tp x pp, raytrain.config.mesh, which owns the world size and the rank arithmetic), its
 label (``dp=2 pp=2 m=4 1f1b``), and, once the model is known (``for_model``, or
 ``raytrain.driver.plan.plan_layout`` for the stage cuts), the layer count and each stage's layers. A label
 is an answer, never an input: nothing parses it back. No torch and no Ray here: anything may import it.
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     mesh: Mesh = field(default_factory=Mesh)
-    """The worker grid: dp replicas x fsdp shards x pp stages."""
+    """The worker grid: dp replicas x fsdp shards x tp splits x pp stages."""
     microbatches: int = 1
     """Micro-batches each replica splits its share of the global batch into."""
     schedule: str = "1f1b"
@@ -40,7 +40,7 @@ class Layout:
     def of(cls, parallel: ParallelConfig) -> Layout:
         """The layout a ``parallel`` config section sets (hand-set cuts included)."""
         cuts = None if parallel.split_points is None else tuple(parallel.split_points)
-        return cls(mesh=Mesh(dp=parallel.dp, fsdp=parallel.fsdp, pp=parallel.pp),
+        return cls(mesh=Mesh(dp=parallel.dp, fsdp=parallel.fsdp, tp=parallel.tp, pp=parallel.pp),
                    microbatches=parallel.microbatches, schedule=parallel.schedule, cuts=cuts)
 
     @property
@@ -54,6 +54,10 @@ class Layout:
     @property
     def pp(self) -> int:
         return self.mesh.pp
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.tp
 
     @property
     def world_size(self) -> int:

@@ -53,7 +53,10 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if origin is typing.Union and type(None) in args:
         if value is None:
             return None
-        annotation = next(a for a in args if a is not type(None))
+        options = [a for a in args if a is not type(None)]
+        if len(options) > 1:
+            return _coerce_either(key, value, options)
+        annotation = options[0]
         origin = typing.get_origin(annotation)
     if annotation is list or origin is list:
         if isinstance(value, (list, tuple)):
@@ -82,6 +85,17 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return str(value)
         raise config_error(key, value, "expects a string")
     return value
+
+
+def _coerce_either(key: str, value: Any, options: list) -> Any:
+    """The value as the first of ``options`` it fits (data.path: a string, or a list of strings)."""
+    for option in options:
+        try:
+            return _coerce(key, value, option)
+        except ValueError:
+            continue
+    names = {str: "a string", list: "a list", int: "an integer", float: "a number", bool: "true or false"}
+    raise config_error(key, value, "expects " + " or ".join(names.get(o, str(o)) for o in options))
 
 
 def flatten_sections(raw: dict, where: str) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from raytrain.config.errors import require
 from raytrain.config.layout import Layout
@@ -131,9 +131,13 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     dp: int = 1
-    """Data-parallel replicas (each fsdp x pp worker actors)."""
+    """Data-parallel replicas (each fsdp x tp x pp worker actors)."""
     fsdp: int = 1
     """Workers that shard one replica's parameters, gradients and optimizer state (FSDP2; HSDP with dp > 1)."""
+    tp: int = 1
+    """Workers that split each transformer block of a stage (tensor parallelism: attention heads and MLP
+    columns; the built-in GPT only; with fsdp, FSDP2 shards the tp parts). Its group talks on every
+    layer, so it is placed on one node."""
     pp: int = 1
     """Pipeline stages the model is cut into."""
     microbatches: int = 1
@@ -159,7 +163,7 @@ class ParallelConfig:
     """Schedules probed for pipeline layouts (1F1B has GPipe's bubble with less memory)."""
 
     def __post_init__(self):
-        for name in ("dp", "fsdp", "pp", "microbatches"):
+        for name in ("dp", "fsdp", "tp", "pp", "microbatches"):
             value = getattr(self, name)
             require(value >= 1, f"parallel.{name}", value, "use >= 1")
         require(self.schedule in SCHEDULES, "parallel.schedule", self.schedule,
@@ -170,6 +174,10 @@ class ParallelConfig:
             self._check_split_points()
         require(self.fsdp == 1 or not self.split_backward, "parallel.split_backward", True,
                 "sharded stages (parallel.fsdp > 1) reduce-scatter in the whole backward: turn it off")
+        require(self.tp == 1 or not self.split_backward, "parallel.split_backward", True,
+                "tensor-parallel stages (parallel.tp > 1) run DTensor's own backward: turn it off")
+        require(self.tp == 1 or not self.auto, "parallel.auto", True,
+                "does not probe tensor parallelism yet; set parallel.tp=1 or the layout by hand")
         require(not (self.auto and self.split_points is not None), "parallel.auto", True,
                 "it chooses pp, so parallel.split_points cannot be set; drop one of them")
         self._check_auto()
@@ -197,10 +205,12 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    path: Optional[str] = None
-    """Parquet file with a token column (or text: see data.text_column, which also reads JSON lines); unset
-    uses the built-in corpus (Python stdlib source, bytes). That it exists is checked on the driver's
-    machine, by raytrain.driver.plan.prepare; workers read it (and data.tokenizer) at the same path."""
+    path: Union[str, list, None] = None
+    """Parquet file with a token column (or text: see data.text_column, which also reads JSON lines), or many:
+    a directory, a glob, or a list of those, local or pyarrow.fs URIs (raytrain.data.shards: sorted by path,
+    concatenated); unset uses the built-in corpus (Python stdlib source, bytes). The files are listed and
+    checked on the driver's machine, by raytrain.driver.plan.prepare; workers read them (and data.tokenizer)
+    at the same paths, each file when the sample order first reaches it."""
     column: str = "tokens"
     """Name of the token column in data.path (list<int> or bytes); each row needs >= seq_len + 1 tokens."""
     cache_dir: str = "~/.cache/raytrain"
@@ -216,20 +226,20 @@ class DataConfig:
     eval_fraction: float = 0.0
     """Hold out the last floor(rows x eval_fraction) rows of the data for the held-out loss (eval.every):
     they are never trained on (the sample order covers only the rows before them). 0: none."""
-    eval_path: Optional[str] = None
-    """A separate file of held-out rows in the data's format (token column, or text with data.text_column),
-    instead of data.eval_fraction; checked like data.path."""
+    eval_path: Union[str, list, None] = None
+    """Held-out rows in the data's format (token column, or text with data.text_column) instead of
+    data.eval_fraction: a file, a directory, a glob or a list, as data.path; checked like data.path."""
 
     def __post_init__(self):
         require(not _blank(self.column), "data.column", self.column, "name the token column of data.path")
+        _check_paths("data.path", self.path)
         require(not _blank(self.cache_dir), "data.cache_dir", self.cache_dir,
                 "give a directory (default ~/.cache/raytrain)")
         require(self.max_bytes >= 1, "data.max_bytes", self.max_bytes, "the built-in corpus needs >= 1 byte")
         self._check_text()
         require(0 <= self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction,
                 "use a fraction in [0, 1): the share of the rows held out for eval (0: none)")
-        require(not _blank(self.eval_path), "data.eval_path", self.eval_path,
-                "give a Parquet file of held-out rows, or unset it")
+        _check_paths("data.eval_path", self.eval_path)
         require(self.eval_path is None or self.eval_fraction == 0, "data.eval_path", self.eval_path,
                 f"held-out rows come from data.eval_fraction={self.eval_fraction:g} or data.eval_path, "
                 "not both: unset one of them")
@@ -251,6 +261,14 @@ class DataConfig:
                 "JSON lines file holding the text")
 
 
+def _check_paths(key: str, value: Union[str, list, None]) -> None:
+    """A path, directory or glob, or a non-empty list of them; what they name is checked by prepare."""
+    entries = [value] if isinstance(value, str) else value
+    require(value is None or (isinstance(entries, list) and len(entries) > 0 and
+                              all(isinstance(e, str) and not _blank(e) for e in entries)), key, value,
+            "give a Parquet or JSON lines file, a directory or a glob of them, or a list of those; or unset it")
+
+
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = None
@@ -261,6 +279,11 @@ class CheckpointConfig:
     """Checkpoint to resume from: a step directory, a checkpoint.dir (its latest), or 'latest'."""
     keep: int = 3
     """Committed checkpoints to keep (oldest are deleted after a newer one is published)."""
+    async_save: bool = False
+    """Write checkpoints in the background: each saver snapshots its shard into host memory (one more copy of
+    its parameters and AdamW moments: 12 bytes per parameter it owns) and training goes on while the files are
+    written; the manifest is published once every file is durable. The run's last save, and one before a stop,
+    are waited for."""
 
     def __post_init__(self):
         require(self.every >= 0, "checkpoint.every", self.every, "use >= 0 (0: only at the end)")
@@ -395,6 +418,7 @@ class Config:
         require(not (t.activation_checkpointing and p.split_backward), "train.activation_checkpointing", True,
                 "recomputed layers cannot be split into input and weight halves: turn off parallel.split_backward")
         self._check_batch_division()
+        self._check_tensor_parallel()
         if self.model.factory is None and self.model.hf is None:
             self.gpt_layout()  # a model.factory's or model.hf's layers are counted by raytrain.driver.plan.plan_layout
             rows = max(4 * self.model.d_model, self.model.seq_len, self.model.vocab_size)
@@ -423,6 +447,21 @@ class Config:
                     "elastic.max_dp", e.max_dp, f"{e.max_dp} replicas{shards} x parallel.microbatches="
                     f"{p.microbatches} exceed train.global_batch={t.global_batch}: some micro-batch would be empty; "
                     "lower elastic.max_dp")
+
+    def _check_tensor_parallel(self):
+        """parallel.tp splits the built-in GPT's heads and MLP columns, on one node."""
+        tp, m = self.parallel.tp, self.model
+        if tp == 1:
+            return
+        require(m.hf is None and m.factory is None, "parallel.tp", tp,
+                f"not yet supported for Hugging Face / factory models (model.{'hf' if m.hf else 'factory'} is set); "
+                "use parallel.fsdp")
+        require(m.n_head % tp == 0, "parallel.tp", tp,
+                f"does not divide model.n_head={m.n_head} (each tp rank runs n_head / tp heads; model.d_model and "
+                f"the MLP width 4 x d_model then divide too); use a divisor of {m.n_head}")
+        require(self.resources.placement_strategy == "STRICT_PACK", "resources.placement_strategy",
+                self.resources.placement_strategy, f"parallel.tp={tp} needs its workers on one node (a tp group "
+                "talks on every layer); set resources.placement_strategy=STRICT_PACK")
 
     def _check_batch_division(self):
         """The global batch divides over dp x fsdp data-parallel workers, each one's share over its micro-batches."""

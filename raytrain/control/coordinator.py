@@ -43,12 +43,13 @@ from raytrain.control.protocol import StepFailed, WorkerGroup, WorkersLost
 from raytrain.control.repair import GiveUp, Repairs
 from raytrain.control.runstate import (Checkpointing, Evaluating, Failed, Finished, Growing, Interrupted,
                                        Repairing, Running, Starting, State, Stopping)
-from raytrain.control.saving import save_checkpoint, save_survivors
+from raytrain.control.saving import Checkpoints, save_survivors
 from raytrain.control.steps import NonFiniteStep, StepCall, StepLost, may_send_ahead
 from raytrain.control.workergroup import RayWorkerGroup
 from raytrain.reports import RunSummary
+from raytrain.reports.oom import FIT_ADVICE
 
-__all__ = ["CapacityLost", "Coordinator", "NonFiniteLoss", "StepFailed", "may_send_ahead"]
+__all__ = ["CapacityLost", "Coordinator", "NonFiniteLoss", "OutOfMemoryLost", "StepFailed", "may_send_ahead"]
 
 SETTLE_MARGIN_S = 5.0
 """Beyond elastic.detect_timeout_s, how long after a failed reply the rest of a step's replies may take:
@@ -64,13 +65,18 @@ class CapacityLost(RuntimeError):
     elastic.capacity_wait_s, more losses than elastic.max_failures, or a stage lost with no checkpoint."""
 
 
+class OutOfMemoryLost(CapacityLost):
+    """The run could not go on after a worker ran out of memory: its one line says which worker, doing
+    what, and what to change (the CLI prints ``out of memory: ...`` and exits 4, as for CapacityLost)."""
+
+
 class Coordinator:
     """Owns one run. Contract: construct (it starts the workers at once), then ``run(store)`` once;
     the driver calls ``poll`` meanwhile, ``request_stop`` on a signal and ``shutdown`` at the end.
     ``worker_cls``: the workers' actor class (the driver's: control/ imports no worker code);
     ``group`` replaces the Ray worker group (tests/helpers.FakeWorkerGroup)."""
 
-    def __init__(self, config: Config, data_path: str, num_samples: int, stage_layers: list[list[int]],
+    def __init__(self, config: Config, source, num_samples: int, stage_layers: list[list[int]],
                  placement, first_bundle: int, resume_from: Optional[str], worker_cls=None,
                  extra_placements: tuple = (), corpus: Optional[list] = None, group: Optional[WorkerGroup] = None):
         self.cfg = config
@@ -78,8 +84,8 @@ class Coordinator:
         self.stage_layers = stage_layers
         self.resume_from = resume_from
         assert group is not None or worker_cls is not None, "the Ray worker group needs the worker class"
-        group = group or RayWorkerGroup(worker_cls, _worker_options(config), lambda s, f: (
-            config, data_path, num_samples, s, stage_layers[s], corpus, f))
+        group = group or RayWorkerGroup(worker_cls, _worker_options(config), lambda s, f, t: (
+            config, source, num_samples, s, stage_layers[s], corpus, f, t))
         e = config.elastic
         self.policy = ElasticPolicy(min_dp=e.min_dp or config.parallel.dp, target_dp=e.max_dp or config.parallel.dp,
                                     max_failures=e.max_failures, capacity_wait_s=e.capacity_wait_s,
@@ -89,6 +95,7 @@ class Coordinator:
         self.repairs = Repairs(self.crew, self.ledger, self.policy, config, num_samples, lambda: self.stopping)
         self.state: State = Starting()
         self.in_flight: Optional[StepCall] = None  # the step sent to the workers and not yet collected
+        self.checkpoints = Checkpoints(group, self.ledger, config, stage_layers)
         self.original_pids: list[int] = []
         self._stop_reason: Optional[str] = None
         self.crew.spawn_first(placement, first_bundle)  # they start while the driver finishes its own set-up
@@ -145,6 +152,7 @@ class Coordinator:
         if isinstance(state, Checkpointing):
             return self._checkpointing()
         if isinstance(state, Repairing):
+            self.checkpoints.settle(state.lost)
             return self.repairs.repairing(state)
         if isinstance(state, Growing):
             return self.repairs.growing(state)
@@ -203,6 +211,7 @@ class Coordinator:
         row = steps.aggregate_step(ledger.step, reports, time.perf_counter() - call.started, self.cfg,
                                    self.team.mesh(), self.layout())
         ledger.commit(ledger.step, row)
+        self.checkpoints.publish_if_written()
         if ahead is not None:
             ahead.started = time.perf_counter()
         self.in_flight = ahead
@@ -251,16 +260,20 @@ class Coordinator:
 
     def _checkpointing(self) -> State:
         """Save every stage's shard (each fsdp shard's rows by its own worker) into a new directory and
-        publish the manifest; a worker lost while saving is repaired, the save retried (REPAIRING comes back here)."""
-        step, t0 = self.ledger.step, time.perf_counter()
+        publish the manifest; a worker lost while saving is repaired, the save retried (REPAIRING comes back here).
+        With checkpoint.async_save the savers snapshot their shards and training goes on while they write
+        (the run's last save, and one before a stop, are written before the run goes on)."""
+        step = self.ledger.step
+        background = self.cfg.checkpoint.async_save and step < self.cfg.train.steps and not self.stopping
+        savers = self.team.replicas[0]
         try:
-            ckpt_dir = save_checkpoint(self.crew.group, self.team.replicas[0], step, self.cfg, self.team.mesh(),
-                                       self.stage_layers)
+            if background:
+                self.checkpoints.start(savers, step, self.team.mesh())
+                self.ledger.flush_row(None)  # the checkpoint event says when it is published
+                return Running()
+            ckpt_dir = self.checkpoints.save(savers, step, self.team.mesh())
         except WorkersLost as lost:
             return Repairing(tuple(lost.dead), Interrupted.CHECKPOINT)
-        self.ledger.last_checkpoint = ckpt_dir
-        self.ledger.emit({"event": "checkpoint", "step": step, "path": ckpt_dir,
-                          "seconds": round(time.perf_counter() - t0, 3)})
         self.ledger.flush_row(ckpt_dir)
         return Running()
 
@@ -270,6 +283,10 @@ class Coordinator:
 
     def _stopping(self) -> State:
         """At a step boundary after a stop request: checkpoint this step (if not yet), then finish."""
+        try:
+            self.checkpoints.wait()
+        except WorkersLost as lost:
+            return Repairing(tuple(lost.dead), Interrupted.CHECKPOINT)
         if not self._checkpointed(self.ledger.step):
             return Checkpointing()
         self.ledger.emit({"event": "stopped", "step": self.ledger.step, "reason": self._stop_reason,
@@ -282,17 +299,27 @@ class Coordinator:
         state (not ``lost`` workers') when no checkpoint has it."""
         ledger = self.ledger
         ledger.flush_row(None)  # a committed step's held row is kept however the run ends
+        try:
+            self.checkpoints.wait()
+        except WorkersLost as also_lost:
+            self.checkpoints.settle(tuple(also_lost.dead))
         saved, event = save_survivors(self.crew.group, self.team, ledger.step, lost, ledger.last_checkpoint,
                                       self.cfg, self.stage_layers)
         if event is not None:
             ledger.emit(event)
         ledger.last_checkpoint = saved or ledger.last_checkpoint
         raise error(ledger.last_checkpoint) if error else capacity_lost(decision, ledger.last_checkpoint,
-                                                                         saved is not None)
+                                                                         saved is not None, self.repairs.out_of_memory(lost))
 
 
-def capacity_lost(decision: Decision, last_checkpoint: Optional[str], saved: bool = False) -> CapacityLost:
-    """The error that ends a run the policy gave up on: its reason, its key, and what is kept."""
+def capacity_lost(decision: Decision, last_checkpoint: Optional[str], saved: bool = False,
+                  out_of_memory: Optional[str] = None) -> CapacityLost:
+    """The error that ends a run the policy gave up on: its reason, its key, and what is kept; with
+    ``out_of_memory`` (a lost worker ran out of memory: which, doing what) an OutOfMemoryLost, which
+    also says what to change."""
+    if out_of_memory:
+        line = capacity_lost(decision, last_checkpoint, saved)
+        return OutOfMemoryLost(f"{out_of_memory}; {line}; {FIT_ADVICE}")
     if saved:
         kept = f"the survivors saved every committed step to {last_checkpoint}: resume from it"
     elif last_checkpoint:

@@ -30,7 +30,7 @@ class Crew:
         self.group = group
         self.layout = layout
         self.global_batch = global_batch
-        self.team = Membership(layout.pp, fsdp=layout.fsdp)
+        self.team = Membership(layout.pp, fsdp=layout.fsdp, tp=layout.tp)
         self.faults = list(faults)
         """Fault-injection specs still to fire (elastic.faults), handed to every join."""
         self.unused_placements = [(pg, pg.ready()) for pg in extra_placements]
@@ -43,8 +43,8 @@ class Crew:
         """Start the configured replicas' workers in ``placement`` from ``first_bundle`` on, and those of
         the replicas beyond them that the cluster can hold now. They start in the background."""
         slots = self.team.slots
-        members = [self.group.spawn(s, placement, first_bundle + r * len(slots) + i, shard=f)
-                   for r in range(self.layout.dp) for i, (f, s) in enumerate(slots)]
+        members = [self.group.spawn(s, placement, first_bundle + r * len(slots) + i, shard=f, tp=t)
+                   for r in range(self.layout.dp) for i, (f, s, t) in enumerate(slots)]
         members += spawn_in_granted(self.group, self.unused_placements, slots, timeout=GRANT_AT_START_S)
         self.team.add_pending(members)
 
@@ -85,7 +85,8 @@ class Crew:
         bundle, and have the spares close their broken groups' connections now."""
         dead = list({id(m): m for m in dead}.values())  # a worker can be reported lost twice
         self.team.drop_dead(dead)
-        self.team.add_pending([self.group.spawn(m.stage, m.placement, m.bundle, shard=m.shard) for m in dead])
+        self.team.add_pending([self.group.spawn(m.stage, m.placement, m.bundle, shard=m.shard, tp=m.tp)
+                               for m in dead])
         self.group.send_leave(self.team.spares)
 
     def admit_started(self, wait_s: float, target_dp: int) -> None:
@@ -94,7 +95,7 @@ class Crew:
         for m in self.group.started(self.team.pending, wait_s):
             m.pid = self.group.pid(m, timeout=SETUP_TIMEOUT_S)
             if m.pid is None:
-                self.team.restart(m, self.group.spawn(m.stage, m.placement, m.bundle, shard=m.shard))
+                self.team.restart(m, self.group.spawn(m.stage, m.placement, m.bundle, shard=m.shard, tp=m.tp))
             else:
                 self.team.admit([m])
         self.team.fill_to(target_dp)
@@ -137,7 +138,7 @@ class Crew:
         self.team.set_committed(step)
 
     def digests(self) -> dict[str, str]:
-        """``"replica:stage"`` (``"replica:shard:stage"`` when sharded) ``-> digest`` of every member's
+        """``"replica:stage"`` (``"replica:shard:stage"`` when sharded, ``...:tp`` with tp) ``-> digest`` of every member's
         parameters and optimizer state (audits: the replicas of a slot must be identical, however many
         workers were lost on the way)."""
         ranked, mesh = self.team.ranked(), self.team.mesh()

@@ -1,6 +1,6 @@
 """Who is in the run: one object for the replicas of the current generation, the live workers
-outside it (spares) and the workers still starting (pending). A replica is fsdp x pp workers, one
-per slot (shard, stage); it is the unit of repair: losing any of its workers drops it whole.
+outside it (spares) and the workers still starting (pending). A replica is fsdp x pp x tp workers,
+one per slot (shard, stage, tp); it is the unit of repair: losing any of its workers drops it whole.
 
 Only these verbs change its lists (start, drop the dead, add and admit the started, fill to the
 target), so every loss and every growth is counted and reported one way.
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from raytrain.config.mesh import Mesh
+from raytrain.reports.oom import OutOfMemory
 
 
 @dataclass(eq=False)
@@ -26,35 +27,42 @@ class Member:
     pid: Optional[int] = None
     committed: int = 0
     shard: int = 0
+    tp: int = 0
+    """Its rank in its stage's tp group (0 unless parallel.tp > 1)."""
+    saved: Any = None
+    """Its last background save once finished (raytrain.reports.BackgroundSave), as its step reports say."""
+    oom: Optional[OutOfMemory] = None
+    """Set when the worker was lost to memory (killed for it, or its allocation failed): an ``oom`` event."""
 
     @property
-    def slot(self) -> tuple[int, int]:
-        """(shard, stage): its place in any replica."""
-        return self.shard, self.stage
+    def slot(self) -> tuple[int, int, int]:
+        """(shard, stage, tp): its place in any replica."""
+        return self.shard, self.stage, self.tp
 
 
 @dataclass
 class Membership:
     pp: int
     replicas: list[list[Member]] = field(default_factory=list)
-    """The current generation: ``replicas[r][shard * pp + stage]``."""
+    """The current generation: ``replicas[r][(shard * pp + stage) * tp + t]``."""
     spares: list[Member] = field(default_factory=list)
     """Live, started workers outside the generation (the rest of a broken replica, a replacement)."""
     pending: list[Member] = field(default_factory=list)
     """Workers still starting."""
     fsdp: int = 1
+    tp: int = 1
 
     @property
     def dp(self) -> int:
         return len(self.replicas)
 
     @property
-    def slots(self) -> list[tuple[int, int]]:
-        """Every (shard, stage) of a replica, in rank order."""
-        return [(f, s) for f in range(self.fsdp) for s in range(self.pp)]
+    def slots(self) -> list[tuple[int, int, int]]:
+        """Every (shard, stage, tp) of a replica, in rank order."""
+        return self.mesh().slot_order()
 
     def mesh(self) -> Mesh:
-        return Mesh(dp=self.dp, fsdp=self.fsdp, pp=self.pp)
+        return Mesh(dp=self.dp, fsdp=self.fsdp, tp=self.tp, pp=self.pp)
 
     def members(self) -> list[Member]:
         """The generation's workers in rank order."""
@@ -62,7 +70,7 @@ class Membership:
 
     def ranked(self) -> list[tuple[int, Member]]:
         mesh = self.mesh()
-        return [(mesh.rank(replica=r, shard=m.shard, stage=m.stage), m)
+        return [(mesh.rank(replica=r, shard=m.shard, stage=m.stage, tp=m.tp), m)
                 for r, rep in enumerate(self.replicas) for m in rep]
 
     def everyone(self) -> list[Member]:
@@ -120,11 +128,12 @@ class Membership:
         return formed
 
     def stale_stages(self, step: int) -> list[str]:
-        """Slots with no member of the generation at ``step``, named ("stage 1", or "shard 1 stage 0"
-        when sharded)."""
+        """Slots with no member of the generation at ``step``, named ("stage 1", "shard 1 stage 0"
+        when sharded, "... tp 1" with tensor parallelism)."""
         current = {m.slot for m in self.members() if m.committed == step}
-        return [f"shard {shard} stage {stage}" if self.fsdp > 1 else f"stage {stage}"
-                for shard, stage in self.slots if (shard, stage) not in current]
+        return [(f"shard {shard} stage {stage}" if self.fsdp > 1 else f"stage {stage}")
+                + (f" tp {t}" if self.tp > 1 else "")
+                for shard, stage, t in self.slots if (shard, stage, t) not in current]
 
     def sources(self, step: int) -> dict[tuple[int, int], int]:
         """For each slot, the rank of a member at ``step`` (the state every other member takes)."""

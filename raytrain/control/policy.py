@@ -66,6 +66,16 @@ class ElasticPolicy:
         return NO_DECISION
 
     @staticmethod
+    def after_out_of_memory(step: int, last_oom_step: Optional[int]) -> Decision:
+        """A GIVE_UP when a worker ran out of memory again at the step (or save) where one already did:
+        with nothing committed between them the same layout would only run out once more, so repairing
+        up to elastic.max_failures times would spend a reload per try for nothing."""
+        if last_oom_step is not None and step == last_oom_step:
+            return Decision(Action.GIVE_UP, f"workers ran out of memory twice after step {step} with no step "
+                            "committed between: this layout does not fit in the workers' memory", "parallel")
+        return NO_DECISION
+
+    @staticmethod
     def settle_step(step: int, committed_by_survivors: list[int]) -> Decision:
         """Commit agreement after a loss during ``step``: a survivor that stepped proves that every
         worker voted, so the others roll forward; otherwise nobody stepped and it is retried."""

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.control.membership import Member
-from raytrain.reports import EvalReport, JoinReport, ShardReport
+from raytrain.reports import BackgroundSave, EvalReport, JoinReport, ShardReport
 
 SETUP_TIMEOUT_S = 300.0
 """Bound on any call that is not a step: start-up, joining a generation, state transfer, a save."""
@@ -59,8 +59,9 @@ class WorkerGroup(ABC):
     # --- starting and ending workers ----------------------------------------------------------
 
     @abstractmethod
-    def spawn(self, stage: int, placement, bundle: int, shard: int = 0) -> Member:
-        """Start a worker for (``shard``, ``stage``) on ``bundle`` of ``placement``; it starts in the background."""
+    def spawn(self, stage: int, placement, bundle: int, shard: int = 0, tp: int = 0) -> Member:
+        """Start a worker for (``shard``, ``stage``, ``tp``) on ``bundle`` of ``placement``; it starts in the
+        background."""
 
     @abstractmethod
     def started(self, members: list[Member], timeout: float) -> list[Member]:
@@ -106,6 +107,15 @@ class WorkerGroup(ABC):
         """Each member writes its shard into ``ckpt_dir``."""
 
     @abstractmethod
+    def start_save(self, members: list[Member], ckpt_dir: str) -> list[float]:
+        """Each member snapshots its shard and writes it into ``ckpt_dir`` in the background; the seconds
+        each snapshot took. Each member's step reports carry the write's result once it is done."""
+
+    @abstractmethod
+    def finish_save(self, members: list[Member]) -> list[Optional[BackgroundSave]]:
+        """Each member's background save, once it has finished (they are waited for)."""
+
+    @abstractmethod
     def load(self, members: list[Member], ckpt_dir: str) -> None:
         """Each member loads its part of the checkpoint at ``ckpt_dir``."""
 
@@ -143,12 +153,12 @@ def lost_members(group: WorkerGroup, outcomes: list[Outcome]) -> list[Member]:
     return [o.member for o in outcomes if not o.answered]
 
 
-def spawn_in_granted(group: WorkerGroup, placements: list, slots: list[tuple[int, int]],
+def spawn_in_granted(group: WorkerGroup, placements: list, slots: list[tuple[int, int, int]],
                      timeout: float) -> list[Member]:
-    """Start one replica's workers (one per (shard, stage) slot) in every placement group of ``placements``
+    """Start one replica's workers (one per (shard, stage, tp) slot) in every placement group of ``placements``
     that the cluster has granted within ``timeout``; those leave ``placements``."""
     members = []
     for pg, ready in group.granted(placements, timeout):
         placements.remove((pg, ready))
-        members += [group.spawn(s, pg, i, shard=f) for i, (f, s) in enumerate(slots)]
+        members += [group.spawn(s, pg, i, shard=f, tp=t) for i, (f, s, t) in enumerate(slots)]
     return members

@@ -11,7 +11,7 @@ coordinator, which saves what the survivors hold and ends the run.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from raytrain import checkpoint
 from raytrain.config import Config
@@ -49,6 +49,10 @@ class Repairs:
         self.num_samples = num_samples
         self.stopping = stopping
         self._next_grow_poll = 0.0
+        self.oom_events: dict[int, dict] = {}
+        """The ``oom`` event of each worker lost to memory, by id of its member."""
+        self._last_oom_step: Optional[int] = None
+        """The ledger's step when a worker was last lost to memory (a second loss there gives up)."""
 
     # --- REPAIRING ------------------------------------------------------------------------------
 
@@ -64,6 +68,8 @@ class Repairs:
             settle = self.policy.settle_step(failed_step, [r.committed for r in state.reports])
         if settle.action is Action.ROLL_FORWARD:
             lost += self._roll_forward(failed_step, list(state.reports), lost)
+        self._report_oom(lost, state.interrupted.value)
+        self._give_up_on_repeated_oom(lost)
         self._count_failure(lost)  # after the step is settled: a run that gives up saves its survivors' state
         crew.faults = FaultPlan.remaining(crew.faults, failed_step)  # fired, or moot: slots are renumbered now
         capacity = self._reform(lost)
@@ -85,6 +91,44 @@ class Repairs:
             return steps.after_commit(ledger, self.cfg)
         ledger.flush_row(None)
         return Running()
+
+    def _report_oom(self, lost: list[Member], during: str) -> None:
+        """An ``oom`` event for each member of ``lost`` that was lost to memory (once each): which worker
+        (its replica, shard and stage), what the run was doing, who ended it and its node's memory.
+        Its repair follows as for any lost worker (a replica remains) or a reload (none does)."""
+        mesh = self.crew.team.mesh()
+        ranks = {id(m): rank for rank, m in self.crew.team.ranked()}
+        for m in lost:
+            if m.oom is None or id(m) in self.oom_events:
+                continue
+            rank = ranks.get(id(m))
+            replica = mesh.coords(rank)[0] if rank is not None else None
+            event = {"event": "oom", "step": self.ledger.step, "during": during,
+                     "worker": _place(mesh.label(rank)) if rank is not None else f"shard {m.shard} stage {m.stage}",
+                     "replica": replica, "shard": m.shard, "stage": m.stage, "pid": m.pid, **m.oom.record(),
+                     "reason": "out of memory: the worker leaves the run like a lost worker (repaired, or reloaded)"}
+            self.oom_events[id(m)] = event
+            self.ledger.emit(event)
+
+    def out_of_memory(self, lost: tuple[Member, ...]) -> Optional[str]:
+        """For a run that gives up after losing ``lost``: which worker ran out of memory, how, and what the
+        run was doing (a step, a save, an evaluation), or None when no worker of them was lost to memory."""
+        found = next(((m, self.oom_events[id(m)]) for m in lost if id(m) in self.oom_events), None)
+        if found is None:
+            return None
+        m, event = found
+        step = event["step"]
+        running = {"step": f"a step (step {step + 1})", "checkpoint": f"a save (the checkpoint of step {step})",
+                   "eval": f"an evaluation (after step {step})"}.get(event["during"], f"re-forming the groups (step {step + 1})")
+        return f"{event['worker']} {m.oom.text()} during {running}"
+
+    def _give_up_on_repeated_oom(self, lost: list[Member]) -> None:
+        if not any(m.oom is not None for m in lost):
+            return
+        decision = self.policy.after_out_of_memory(self.ledger.step, self._last_oom_step)
+        self._last_oom_step = self.ledger.step
+        if decision.action is Action.GIVE_UP:
+            raise GiveUp(decision, tuple(lost))
 
     def _count_failure(self, lost: list[Member]) -> None:
         decision = self.policy.after_failure(self.ledger.count_failure())
@@ -114,6 +158,7 @@ class Repairs:
                 return capacity
             except WorkersLost as more:  # a failure during repair: repair again
                 lost += more.dead  # not to be saved from if the run gives up
+                self._report_oom(more.dead, "join")
                 self._count_failure(lost)
                 crew.faults = FaultPlan.remaining(crew.faults, ledger.step, keep_join=False)
                 ledger.emit({"event": "repair_failed", "step": ledger.step, "lost": len(more.dead),
@@ -182,7 +227,8 @@ class Repairs:
 
 
 def _place(label: str) -> str:
-    """``replica 1 stage 0`` (``replica 1 shard 1 stage 0``) from a worker's label (raytrain.config.mesh.Mesh.label)."""
+    """``replica 1 stage 0`` (``replica 1 shard 1 stage 0``, ``... stage 0 tp 1``) from a worker's label
+    (raytrain.config.mesh.Mesh.label)."""
     parts = label.split(":")
-    names = ("replica", "stage") if len(parts) == 2 else ("replica", "shard", "stage")
+    names = {2: ("replica", "stage"), 3: ("replica", "shard", "stage")}.get(len(parts), ("replica", "shard", "stage", "tp"))
     return " ".join(f"{n} {v}" for n, v in zip(names, parts))

@@ -1,18 +1,23 @@
 """Checkpoints as the coordinator writes them: one member per slot saves its shard into a new
 directory, then the manifest is published (atomic: a checkpoint without its manifest does not exist),
-then old ones are pruned. Also the last save of a run that gives up, from whichever live workers
-hold every slot's state at the committed step.
+then old ones are pruned. With checkpoint.async_save the savers write in the background while training
+goes on, and ``Checkpoints`` publishes the save once every file is durable (or drops it, torn, when a
+saver is lost first). Also the last save of a run that gives up, from whichever live workers hold every
+slot's state at the committed step.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Optional
 
 from raytrain import checkpoint
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
+from raytrain.control.ledger import Ledger
 from raytrain.control.membership import Member, Membership
-from raytrain.control.protocol import WorkerGroup, WorkersLost
+from raytrain.control.protocol import StepFailed, WorkerGroup, WorkersLost
 from raytrain.reports import ShardReport
 
 
@@ -27,12 +32,126 @@ def save_checkpoint(group: WorkerGroup, savers: list[Member], step: int, cfg: Co
     return ckpt_dir
 
 
+@dataclass
+class PendingSave:
+    """A checkpoint whose shards ``savers`` write in the background (checkpoint.async_save) while training
+    goes on. It is published only once every saver's file is durable: until then, and for ever if a saver
+    is lost first, the previous checkpoint stays the latest."""
+
+    ckpt_dir: str
+    step: int
+    savers: list[Member]
+    mesh: Mesh
+    started: float
+    stall_s: float
+    """The longest a saver's snapshot held up its training."""
+
+    def written(self) -> Optional[list[ShardReport]]:
+        """Every saver's shard once all are durable, as their step reports said (None while one writes);
+        StepFailed for a write that failed, as a synchronous save's error fails the run."""
+        done = [m.saved for m in self.savers]
+        if any(d is None or d.ckpt_dir != self.ckpt_dir for d in done):
+            return None
+        failed = [d.error for d in done if d.error]
+        if failed:
+            raise StepFailed(f"writing the checkpoint {self.ckpt_dir} in the background failed: {failed[0]}")
+        return [d.shard for d in done]
+
+
+def start_background_save(group: WorkerGroup, savers: list[Member], step: int, cfg: Config, mesh: Mesh) -> PendingSave:
+    """Have ``savers`` (one member per slot) snapshot their shards and write them into a new directory in the
+    background; returns once every snapshot is taken. WorkersLost if a saver died."""
+    ckpt_dir, t0 = checkpoint.new_step_dir(cfg.checkpoint.dir, step), time.perf_counter()
+    stalls = group.start_save(savers, ckpt_dir)
+    return PendingSave(ckpt_dir, step, list(savers), mesh, t0, max(stalls))
+
+
+def finish_background_save(group: WorkerGroup, pending: PendingSave) -> list[ShardReport]:
+    """Wait for every saver's background write; their shards. WorkersLost if a saver died."""
+    for member, result in zip(pending.savers, group.finish_save(pending.savers)):
+        member.saved = result
+    shards = pending.written()
+    assert shards is not None, "every saver has finished its write"
+    return shards
+
+
+def publish_background_save(pending: PendingSave, shards: list[ShardReport], cfg: Config,
+                            stage_layers: list[list[int]]) -> str:
+    """Publish a background save whose files are all durable (the manifest last), then prune."""
+    checkpoint.publish(pending.ckpt_dir, manifest(pending.step, shards, cfg, pending.mesh, stage_layers))
+    checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep)
+    return pending.ckpt_dir
+
+
+class Checkpoints:
+    """The run's saves, synchronous or in the background (at most one in flight), and their publication:
+    each published checkpoint becomes the ledger's ``last_checkpoint`` and a ``checkpoint`` event."""
+
+    def __init__(self, group: WorkerGroup, ledger: Ledger, cfg: Config, stage_layers: list[list[int]]):
+        self.group, self.ledger, self.cfg, self.stage_layers = group, ledger, cfg, stage_layers
+        self.pending: Optional[PendingSave] = None
+
+    def save(self, savers: list[Member], step: int, mesh: Mesh) -> str:
+        """Save and publish now (after the background save in flight); the directory. WorkersLost if a saver died."""
+        self.wait()
+        t0 = time.perf_counter()
+        ckpt_dir = save_checkpoint(self.group, savers, step, self.cfg, mesh, self.stage_layers)
+        seconds = time.perf_counter() - t0
+        self._published(ckpt_dir, step, seconds, stall_s=seconds, background=False)
+        return ckpt_dir
+
+    def start(self, savers: list[Member], step: int, mesh: Mesh) -> None:
+        """Start a background save (after the one in flight). WorkersLost if a saver died."""
+        self.wait()
+        self.pending = start_background_save(self.group, savers, step, self.cfg, mesh)
+
+    def publish_if_written(self) -> None:
+        """Publish the background save once every saver's step report says its file is durable."""
+        pending = self.pending
+        shards = pending.written() if pending is not None else None
+        if shards is not None:
+            self.pending = None
+            publish_background_save(pending, shards, self.cfg, self.stage_layers)
+            self._published(pending.ckpt_dir, pending.step, time.perf_counter() - pending.started,
+                            stall_s=pending.stall_s, background=True)
+
+    def wait(self) -> None:
+        """Block until the background save in flight is written, and publish it. WorkersLost if a saver died."""
+        pending = self.pending
+        if pending is not None:
+            t0 = time.perf_counter()
+            if pending.written() is None:
+                finish_background_save(self.group, pending)
+            pending.stall_s += time.perf_counter() - t0  # training waited for it
+            self.publish_if_written()
+
+    def settle(self, lost: tuple[Member, ...]) -> None:
+        """Workers were lost while a background save was in flight: publish it if every file was already
+        durable, else drop it when a saver is among the lost (the previous checkpoint stays the latest; a
+        torn checkpoint is never published). Savers that live on finish their write."""
+        pending = self.pending
+        if pending is None or not any(m in lost for m in pending.savers):
+            return
+        if pending.written() is not None:
+            self.publish_if_written()
+            return
+        self.pending = None
+        self.ledger.emit({"event": "checkpoint_abandoned", "step": pending.step, "path": pending.ckpt_dir,
+                          "reason": "a worker writing its shard in the background was lost",
+                          "latest": self.ledger.last_checkpoint})
+
+    def _published(self, ckpt_dir: str, step: int, seconds: float, stall_s: float, background: bool) -> None:
+        self.ledger.last_checkpoint = ckpt_dir
+        self.ledger.emit({"event": "checkpoint", "step": step, "path": ckpt_dir, "seconds": round(seconds, 3),
+                          "stall_s": round(stall_s, 3), "async": background})
+
+
 def manifest(step: int, shards: list[ShardReport], cfg: Config, mesh: Mesh, stage_layers: list[list[int]]) -> dict:
     """A checkpoint's manifest: its step, the layout it was saved from, its shards and the run's config."""
     return {
         "step": step, "samples_seen": step * cfg.train.global_batch,
         "finite": all(s.finite for s in shards),
-        "layout": {"dp": mesh.dp, "fsdp": mesh.fsdp, "pp": mesh.pp, "stage_layers": stage_layers},
+        "layout": {"dp": mesh.dp, "fsdp": mesh.fsdp, "tp": mesh.tp, "pp": mesh.pp, "stage_layers": stage_layers},
         "shards": [s.entry for s in shards], "config": cfg.to_dict(),
     }
 

@@ -68,7 +68,7 @@ def collect(group: WorkerGroup, call: StepCall, timeout_s: float, layout: str,
     reports = [o.value for o in outcomes if o.answered]
     for o in outcomes:
         if o.answered:
-            o.member.committed = o.value.committed
+            o.member.committed, o.member.saved = o.value.committed, o.value.saved
     dead = [o.member for o in outcomes if not o.answered]
     if dead:
         raise StepLost(dead, reports)
@@ -91,7 +91,7 @@ def drain(group: WorkerGroup, call: Optional[StepCall], timeout_s: float) -> lis
     outcomes = group.collect(call.members, call.refs, timeout_s)
     for o in outcomes:
         if o.value is not None:
-            o.member.committed = o.value.committed
+            o.member.committed, o.member.saved = o.value.committed, o.value.saved
     return lost_members(group, outcomes)
 
 
@@ -131,7 +131,7 @@ def after_commit(ledger: Ledger, cfg: Config, evaluated: bool = False) -> State:
 def aggregate_step(step: int, results: list[StepReport], wall_s: float, cfg: Config, mesh: Mesh, layout: str) -> dict:
     """One metrics.jsonl row from every worker's report of a step; ``dp`` is its live replica count."""
     B = cfg.train.global_batch
-    last_stage = [r for r in results if mesh.coords(r.rank)[1] == mesh.pp - 1]
+    last_stage = [r for r in results if mesh.coords(r.rank)[1] == mesh.pp - 1 and mesh.tp_index(r.rank) == 0]
     loss = sum(r.loss_sum for r in last_stage) / B
     # Bubble: idle share of each replica's pipeline span (its stages x its slowest stage's span).
     bubbles = []

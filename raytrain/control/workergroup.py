@@ -6,6 +6,7 @@ place (tests/helpers.py), so the coordinator's decisions are tested in milliseco
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from typing import Any, Callable, Optional
@@ -17,23 +18,25 @@ from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.control.membership import Member
 from raytrain.control.protocol import (SETUP_TIMEOUT_S, Outcome, StepFailed, WorkerGroup, WorkersLost,
                                        lost_members)
-from raytrain.reports import EvalReport, JoinReport, ShardReport, StepReport
+from raytrain.reports import BackgroundSave, EvalReport, JoinReport, ShardReport, StepReport
+from raytrain.reports.oom import (NodeMemory, OutOfMemory, WorkerOutOfMemory, error_line, is_out_of_memory,
+                                  kernel_killed, node_memory)
 
 
 class RayWorkerGroup(WorkerGroup):
     """Worker actors of one class (raytrain.worker.actor.StageWorker), each on one placement-group bundle."""
 
-    def __init__(self, worker_cls, options: dict, args_for_slot: Callable[[int, int], tuple]):
-        """``args_for_slot(stage, shard)``: the worker constructor's arguments for that slot."""
+    def __init__(self, worker_cls, options: dict, args_for_slot: Callable[[int, int, int], tuple]):
+        """``args_for_slot(stage, shard, tp)``: the worker constructor's arguments for that slot."""
         self.worker_cls = ray.remote(worker_cls) if not hasattr(worker_cls, "remote") else worker_cls
         self.options, self.args_for_slot = options, args_for_slot
 
-    def spawn(self, stage: int, placement, bundle: int, shard: int = 0) -> Member:
+    def spawn(self, stage: int, placement, bundle: int, shard: int = 0, tp: int = 0) -> Member:
         handle = self.worker_cls.options(
             **self.options,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle),
-        ).remote(*self.args_for_slot(stage, shard))
-        return Member(handle, stage, placement, bundle, ready=handle.pid.remote(), shard=shard)
+        ).remote(*self.args_for_slot(stage, shard, tp))
+        return Member(handle, stage, placement, bundle, ready=handle.pid.remote(), shard=shard, tp=tp)
 
     def started(self, members: list[Member], timeout: float) -> list[Member]:
         """The members whose actor is up (or failed to start) within ``timeout``."""
@@ -50,9 +53,13 @@ class RayWorkerGroup(WorkerGroup):
             raise StepFailed(f"a worker of stage {member.stage} did not start within {timeout:g}s although its "
                              "resources were granted; check the worker's log (ray logs) and the node's "
                              "health") from None
+        except ray.exceptions.OutOfMemoryError as e:  # killed for memory while starting: a death
+            member.oom = member.oom or memory_loss(e, member)
+            return None
         except ray.exceptions.RayActorError as e:
             if e.actor_init_failed:
                 raise StepFailed(f"a worker of stage {member.stage} failed to start: {worker_error(e)}") from None
+            member.oom = member.oom or memory_loss(e, member)
             return None
 
     def collect(self, members: list[Member], replies: list, timeout: float,
@@ -68,10 +75,18 @@ class RayWorkerGroup(WorkerGroup):
                 continue
             try:
                 outcomes.append(Outcome(m, ray.get(ref)))
-            except ray.exceptions.RayActorError:
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
+                m.oom = m.oom or memory_loss(e, m)
                 outcomes.append(Outcome(m, dead=True))
             except ray.exceptions.RayTaskError as e:
-                outcomes.append(Outcome(m, error=e))
+                oom = memory_loss(e, m)
+                if oom is None:
+                    outcomes.append(Outcome(m, error=e))
+                    continue
+                # Its state is undefined after a failed allocation: it leaves the run, like a lost worker.
+                m.oom = m.oom or oom
+                self.kill(m)
+                outcomes.append(Outcome(m, dead=True))
         return outcomes
 
     # --- calls every member answers before the caller goes on ----------------------------------
@@ -98,6 +113,14 @@ class RayWorkerGroup(WorkerGroup):
     def save(self, members: list[Member], ckpt_dir: str) -> list[ShardReport]:
         replies = [m.handle.save.remote(ckpt_dir) for m in members]
         return self._answers("save", members, replies, SETUP_TIMEOUT_S)
+
+    def start_save(self, members: list[Member], ckpt_dir: str) -> list[float]:
+        replies = [m.handle.start_save.remote(ckpt_dir) for m in members]
+        return self._answers("start_save", members, replies, SETUP_TIMEOUT_S)
+
+    def finish_save(self, members: list[Member]) -> list[Optional[BackgroundSave]]:
+        replies = [m.handle.finish_save.remote() for m in members]
+        return self._answers("finish_save", members, replies, SETUP_TIMEOUT_S)
 
     def load(self, members: list[Member], ckpt_dir: str) -> None:
         replies = [m.handle.load.remote(ckpt_dir) for m in members]
@@ -179,6 +202,8 @@ def _failed(ref) -> bool:
     collective where they will notice, however long their step takes."""
     try:
         value = ray.get(ref)
+    except ray.exceptions.RayTaskError as e:  # a worker out of memory left its groups: its peers fail now
+        return memory_loss(e, None) is not None
     except ray.exceptions.RayError:
         return False
     return isinstance(value, StepReport) and not value.ok
@@ -194,6 +219,50 @@ def _kill_process(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except (OSError, ProcessLookupError):
         pass  # gone already
+
+
+MEMORY_MONITOR = re.compile(r"killed due to the node running low on memory")
+"""Ray's memory monitor's words for a worker it killed (in an OutOfMemoryError, or an ActorDiedError's
+cause when the actor's death is reported before its task's)."""
+RAY_NODE_MEMORY = re.compile(r"Memory on the node \(IP: (?P<ip>[^,]+), ID: [^)]*\)(?: where the task .*? was running)? "
+                             r"was (?P<used>[\d.]+)\s*GB(?: used)? / (?P<total>[\d.]+)\s*GB", re.S)
+"""The node's memory at the kill in that message: ``was 22.3GB used / 23.5GB limit`` (Ray 2.56 on),
+``where the task (...) was running was 32.53GB / 33.28GB`` (before)."""
+
+
+def memory_loss(error: Exception, member: Optional[Member]) -> Optional[OutOfMemory]:
+    """Whether a call's Ray error says its worker ran out of memory, and how; None when it did not (or
+    nothing can tell). Ray's memory monitor names itself; a worker's own failed allocation comes as
+    its exception (raytrain.worker.actor raises WorkerOutOfMemory with its node's memory); a plain
+    death is the kernel's OOM killer only where this node's kernel log names the worker's pid."""
+    text = str(error)
+    if isinstance(error, ray.exceptions.OutOfMemoryError) or (
+            isinstance(error, ray.exceptions.RayActorError) and MEMORY_MONITOR.search(text)):
+        return killed_by_ray_monitor(text)
+    if isinstance(error, ray.exceptions.RayTaskError):
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, WorkerOutOfMemory):
+            return OutOfMemory("allocation failed", cause.error, node=cause.node, memory=cause.memory)
+        if isinstance(cause, BaseException) and is_out_of_memory(cause):
+            return OutOfMemory("allocation failed", error_line(cause))
+        return None
+    if (isinstance(error, ray.exceptions.ActorDiedError) and "ray.kill" not in text and member is not None
+            and member.pid and kernel_killed(member.pid)):
+        return OutOfMemory("kernel oom killer", f"the kernel's log: Killed process {member.pid}",
+                           node=ray.util.get_node_ip_address(), memory=node_memory())
+    return None
+
+
+def killed_by_ray_monitor(message: str) -> OutOfMemory:
+    """An OutOfMemory from Ray's memory monitor's message, with the node's memory at the kill."""
+    found = RAY_NODE_MEMORY.search(message)
+    memory, node = None, ""
+    if found:
+        total, used = float(found["total"]), float(found["used"])
+        memory = NodeMemory(round(total * 1024), round(max(total - used, 0.0) * 1024), "Ray's memory monitor at the kill")
+        node = found["ip"]
+    line = next((ln.strip() for ln in message.splitlines() if MEMORY_MONITOR.search(ln)), message.strip()[:300])
+    return OutOfMemory("ray memory monitor", line, node=node, memory=memory)
 
 
 def worker_error(error: Exception) -> str:

@@ -11,6 +11,11 @@ tokens are unused (text data is packed the same way: raytrain.data.text). So a r
 seq_len 64 is 100 samples, not one cut to its first 65 ids; a row shorter than seq_len + 1 is an error.
 The run's samples are the file's first ``num_samples`` windows: the ones data.eval_fraction holds out
 for the held-out loss are its last ones, outside the order.
+
+Many files (data.path a directory, a glob or a list: raytrain.data.shards) are numbered as their
+concatenation in sorted path order, so the order is over global window numbers and the same as over one
+file of the same rows; a worker reads them through ``ShardedDataset``, which opens each file only when a
+batch first reaches it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import hashlib
 import os
 import sysconfig
 import tempfile
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
@@ -31,8 +36,10 @@ if TYPE_CHECKING:
     import torch
 
 from raytrain.config import Config, DataConfig
+from raytrain.data import shards
 from raytrain.data import text as text_data
 from raytrain.data import token_cache
+from raytrain.data.shards import DataSource, Files
 from raytrain.data.atomic import atomic_path
 
 BUILTIN_COLUMN = "tokens"
@@ -100,10 +107,24 @@ def check_cache_dir(cache_dir: str) -> None:
 
 
 def resolve_data_path(cfg: Config) -> str:
-    """The Parquet file this run reads: data.path, or the built-in corpus (built if needed)."""
+    """The Parquet file this run reads when it reads one: data.path as written, or the built-in corpus
+    (built if needed). Many files (a directory, a glob, a list): ``data_files``."""
     if cfg.data.path is None:
         return builtin_corpus_path(cfg.data, cfg.model.seq_len)
+    assert isinstance(cfg.data.path, str), cfg.data.path
     return os.path.expanduser(cfg.data.path)
+
+
+def data_files(cfg: Config) -> list[str]:
+    """The files of the run's training data, sorted (raytrain.data.shards.resolve); the built-in corpus is one."""
+    if cfg.data.path is None:
+        return [builtin_corpus_path(cfg.data, cfg.model.seq_len)]
+    return shards.resolve(cfg.data.path, "data.path")
+
+
+def eval_files(cfg: Config) -> Optional[list[str]]:
+    """data.eval_path's files, sorted; None when it is unset."""
+    return None if cfg.data.eval_path is None else shards.resolve(cfg.data.eval_path, "data.eval_path")
 
 
 SCAN_BATCH_ROWS = 4096
@@ -114,18 +135,20 @@ SCAN_BUFFER_BYTES = 1 << 20
 
 
 def check_dataset(path: str, column: str, seq_len: int, global_batch: int, vocab_size: int,
-                  key: str = "data.path") -> int:
+                  key: str = "data.path", cache_dir: Optional[str] = None) -> int:
     """Validate a dataset before any actor starts; returns the number of samples: every row's windows of
     seq_len + 1 tokens (``windows``), which is what the run trains on. ``key`` is the config key that names
     the file (data.path, or data.eval_path for held-out rows), for the messages.
 
     Schema and size come from the metadata; nulls, row lengths (so the window count) and token ids in
     [0, vocab_size) from one streaming pass over the column, skipped where a fixed row width and the
-    Parquet statistics already answer (the built-in corpus needs no pass at all).
+    Parquet statistics already answer (the built-in corpus needs no pass at all). With ``cache_dir`` the
+    pass's findings are remembered per file version (token_cache.remembered): checking it again reads its
+    footer only.
     """
     source = f"{key}={path!r}"
     try:
-        meta = pq.ParquetFile(path, buffer_size=SCAN_BUFFER_BYTES, pre_buffer=False)
+        meta = pq.ParquetFile(shards.open_input(path), buffer_size=SCAN_BUFFER_BYTES, pre_buffer=False)
     except (OSError, pa.ArrowInvalid) as e:
         raise ValueError(f"{source} is not a readable Parquet file ({e})") from e
     names = meta.schema_arrow.names
@@ -134,7 +157,9 @@ def check_dataset(path: str, column: str, seq_len: int, global_batch: int, vocab
     kind = meta.schema_arrow.field(column).type
     _check_token_type(source, column, kind, vocab_size)
     width = seq_len + 1
-    n = _check_rows(meta, source, column, width, vocab_size)
+    memo = (lambda scan: scan()) if cache_dir is None else (
+        lambda scan: token_cache.remembered(path, column, width, cache_dir, scan))
+    n = _check_rows(meta, source, column, width, vocab_size, memo)
     if n < global_batch:
         raise ValueError(f"{source}: its {meta.metadata.num_rows} rows of {column!r} hold {n} samples (windows of "
                          f"model.seq_len + 1 = {width} tokens), fewer than train.global_batch={global_batch}; add "
@@ -168,9 +193,10 @@ def windows(length: int, width: int) -> int:
     return length // width
 
 
-def _check_rows(meta: pq.ParquetFile, source: str, column: str, width: int, vocab_size: int) -> int:
+def _check_rows(meta: pq.ParquetFile, source: str, column: str, width: int, vocab_size: int,
+                memo: Callable[[Callable[[], dict]], dict]) -> int:
     """No null rows or ids, every row >= ``width`` tokens, every id in [0, vocab_size); returns the rows'
-    windows of ``width`` tokens."""
+    windows of ``width`` tokens. ``memo(scan)`` runs the streaming pass, or recalls its findings."""
     kind = meta.schema_arrow.field(column).type
     fixed = _fixed_width(kind)
     if fixed is not None and fixed < width:
@@ -179,11 +205,17 @@ def _check_rows(meta: pq.ParquetFile, source: str, column: str, width: int, voca
     ids = not _is_bytes(kind)  # bytes are 0..255, checked against vocab_size with the type
     count = None if fixed is None else meta.metadata.num_rows * windows(fixed, width)
     if fixed is None or nulls != 0 or (ids and id_range is None):
-        scanned, count = _scan_rows(meta, source, column, width, want_range=ids and id_range is None)
-        id_range = id_range or scanned
+        want_range = ids and id_range is None
+        found = memo(lambda: _scan_findings(*_scan_rows(meta, source, column, width, want_range)))
+        count, scanned = found["samples"], found["ids"]
+        id_range = id_range or (None if scanned is None else tuple(scanned))
     if ids and id_range is not None:
         _check_id_range(source, column, *id_range, vocab_size)
     return count
+
+
+def _scan_findings(id_range: Optional[tuple[int, int]], count: int) -> dict:
+    return {"samples": count, "ids": None if id_range is None else list(id_range)}
 
 
 def _column_statistics(meta: pq.ParquetFile, column: str) -> tuple[Optional[int], Optional[tuple[int, int]]]:
@@ -293,7 +325,7 @@ class TokenDataset:
             # ParquetFile, not pq.read_table: read_table imports pyarrow.dataset, a noticeable cost per worker.
             # One thread: pyarrow's default pool (a thread per core in each worker) made the read 5x
             # slower with every worker decoding at once than alone.
-            table = pq.ParquetFile(path, memory_map=True).read(columns=[column], use_threads=False)
+            table = pq.ParquetFile(shards.open_input(path)).read(columns=[column], use_threads=False)
             self.rows = _decode_rows(table, column, width)
         self.seq_len = seq_len
 
@@ -316,14 +348,74 @@ class TokenDataset:
         return rows[:, :-1], rows[:, 1:]
 
 
-def open_dataset(path: str, cfg: Config) -> TokenDataset:
-    """The run's samples from the file at ``path`` (resolve_data_path): data.column's token rows, or with
-    data.text_column its text, tokenised and packed once per machine (raytrain.data.text)."""
+class ShardedDataset:
+    """The samples of many files (raytrain.data.shards.Files) under one numbering: file k's samples are
+    global ids [offset_k, offset_k + samples_k), so the sample order over the files is the order over their
+    concatenation, file by file in sorted path order.
+
+    Lazy: a file is opened (decoded into this machine's token cache, or tokenised) the first time a batch
+    needs one of its samples, so a worker's first step waits only for the files that step reads, never for
+    the whole corpus. A file whose sample count differs from the one prepare counted (rewritten during the
+    run) is an error, not a silent shift of every later id.
+    """
+
+    def __init__(self, files: Files, open_file: Callable[[str], TokenDataset], seq_len: int):
+        self.files, self.seq_len, self._open_file = files, seq_len, open_file
+        self.offsets = files.offsets
+        self.opened: dict[int, np.ndarray] = {}  # file index -> its (samples, seq_len + 1) rows
+
+    def __len__(self) -> int:
+        return self.files.total
+
+    def file_rows(self, k: int) -> np.ndarray:
+        """File k's rows, opened on first use."""
+        if k not in self.opened:
+            path, planned = self.files.paths[k], self.files.samples[k]
+            rows = self._open_file(path).rows
+            if len(rows) != planned:
+                raise ValueError(f"{path!r} holds {len(rows)} samples, not the {planned} it held when the run was "
+                                 "prepared: a data file changed during the run; restore it, or start a new run")
+            self.opened[k] = rows
+        return self.opened[k]
+
+    def batch(self, sample_ids: Sequence[int]) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """Inputs and next-token targets, each (len(sample_ids), seq_len) int64, as TokenDataset.batch."""
+        import torch
+
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        which = self.files.locate(ids)
+        out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
+        for k in np.unique(which).tolist():
+            here = which == k
+            out[here] = self.file_rows(k)[ids[here] - self.offsets[k]]
+        rows = torch.from_numpy(out)
+        return rows[:, :-1], rows[:, 1:]
+
+
+Dataset = Union[TokenDataset, ShardedDataset]
+
+
+def open_dataset(source: Union[str, Files], cfg: Config) -> Dataset:
+    """The run's samples: of one file at a path (opened now), or of prepare's ``Files`` (opened file by file
+    as batches reach them: ShardedDataset). A file holds data.column's token rows, or with data.text_column
+    its text, tokenised and packed once per machine (raytrain.data.text)."""
+    if isinstance(source, Files):
+        return ShardedDataset(source, lambda path: open_dataset(path, cfg), cfg.model.seq_len)
     d, seq_len = cfg.data, cfg.model.seq_len
     if d.text_column is None:
-        return TokenDataset(path, d.column, seq_len, d.cache_dir)
-    rows = text_data.packed_rows(path, d.text_column, d.tokenizer, seq_len + 1, d.cache_dir)
+        return TokenDataset(source, d.column, seq_len, d.cache_dir)
+    rows = text_data.packed_rows(source, d.text_column, d.tokenizer, seq_len + 1, d.cache_dir)
     return TokenDataset.of_rows(rows, seq_len)
+
+
+def counted_source(cfg: Config) -> DataSource:
+    """The run's files counted by opening (decoding) every one of them in this process: for the one-process
+    reference and tools; a run's driver counts them from their metadata instead (raytrain.driver.plan)."""
+    def counted(paths: list[str]) -> Files:
+        return Files(tuple(paths), tuple(len(open_dataset(p, cfg)) for p in paths))
+
+    held = eval_files(cfg)
+    return DataSource(counted(data_files(cfg)), None if held is None else counted(held))
 
 
 def _decode_rows(table: pa.Table, column: str, width: int) -> np.ndarray:
@@ -450,15 +542,16 @@ def training_rows(cfg: Config, rows: int) -> int:
     return rows - (0 if cfg.data.eval_path is not None else held_out_count(rows, cfg.data.eval_fraction))
 
 
-def held_out_source(cfg: Config, data_path: str, num_samples: int) -> tuple[str, int]:
-    """Where the held-out rows are: (Parquet file, id of the first row an evaluation reads).
+def held_out_source(cfg: Config, source: DataSource, num_samples: int) -> tuple[Files, int]:
+    """Where the held-out rows are: (files, id of the first row an evaluation reads).
 
-    data.eval_path: that file from its first row; else data.eval_fraction's rows of the training
-    file, which follow its ``num_samples`` training rows.
+    data.eval_path: its files from their first row; else data.eval_fraction's rows of the training
+    files, which follow their ``num_samples`` training rows.
     """
     if cfg.data.eval_path is not None:
-        return os.path.expanduser(cfg.data.eval_path), 0
-    return data_path, num_samples
+        assert source.held_out is not None, "prepare resolves data.eval_path's files"
+        return source.held_out, 0
+    return source.train, num_samples
 
 
 def held_out_ids(first: int, batch: int, global_batch: int, begin: int, end: int) -> list[int]:

@@ -28,13 +28,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raytrain.config import DataConfig
-from raytrain.data import token_cache
+from raytrain.data import shards, token_cache
 from raytrain.data.atomic import atomic_path
 
 SEPARATORS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 """End-of-text tokens, in order of preference: the first one the tokenizer has separates documents."""
 TOKENIZER_FILE = "tokenizer.json"
-JSON_LINES_SUFFIXES = (".jsonl", ".json")
 DOCS_PER_BATCH = 1024
 """Documents read and encoded at a time: building the cache holds one batch in memory, not the corpus."""
 COPY_TOKENS = 1 << 24
@@ -43,8 +42,8 @@ FORMAT = "packed-text-v1"
 """Part of the cache key: a change to how text becomes rows must change it."""
 
 
-def is_json_lines(path: str) -> bool:
-    return path.lower().endswith(JSON_LINES_SUFFIXES)
+is_json_lines = shards.is_json_lines
+JSON_LINES_SUFFIXES = shards.JSON_LINES_SUFFIXES
 
 
 # --- the tokenizer ----------------------------------------------------------------------------
@@ -106,7 +105,7 @@ def _parquet_documents(path: str, column: str) -> Iterator[list[str]]:
     import pyarrow.compute as pc  # not at the top: workers that find the cache built never need it
 
     first = 0
-    parquet = pq.ParquetFile(path, memory_map=True)
+    parquet = pq.ParquetFile(shards.open_input(path))
     for batch in parquet.iter_batches(batch_size=DOCS_PER_BATCH, columns=[column], use_threads=False):
         texts = batch.column(0)
         if texts.null_count:
@@ -134,7 +133,7 @@ def _json_documents(path: str, column: str) -> Iterator[list[str]]:
 def _utf8(path: str) -> Iterator:
     """``path`` opened as UTF-8 text; a decoding error names the file."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with shards.open_text(path) as f:
             yield f
     except UnicodeDecodeError as e:
         raise ValueError(f"data.path={path!r} is not UTF-8 text ({e}); write JSON lines as UTF-8") from e
@@ -168,7 +167,7 @@ def check_source(path: str, column: str) -> None:
             json_text(path, column, *first)
         return
     try:
-        schema = pq.ParquetFile(path).schema_arrow
+        schema = pq.ParquetFile(shards.open_input(path)).schema_arrow
     except (OSError, pa.ArrowInvalid) as e:
         raise ValueError(f"data.path={path!r} is not a readable Parquet file ({e}); text data is Parquet, or "
                          f"JSON lines in a file ending {' or '.join(JSON_LINES_SUFFIXES)}") from e

@@ -8,7 +8,7 @@ workers read them, and opening it costs a fraction of a millisecond.
 
 The first worker on a machine builds it under a file lock while the others wait; it is written
 atomically (raytrain.data.atomic), so no reader ever sees a half file. The key covers the source file's
-path, size and modification time, so a rewritten dataset gets a new cache, and FORMAT, so rows cut
+path (or URI), size and modification time, so a rewritten dataset gets a new cache, and FORMAT, so rows cut
 another way (before FORMAT, long rows were cut to their first window) are never read back.
 
 A row becomes its windows of ``width`` tokens (raytrain.data.TokenDataset), so the row count does not
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 from typing import Callable, Optional
@@ -29,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raytrain.data import shards
 from raytrain.data.atomic import atomic_path
 
 
@@ -45,15 +47,36 @@ def fixed_width(kind: pa.DataType) -> Optional[int]:
     return None
 
 
-def cache_path(source: str, column: str, width: int, cache_dir: str, variant: str = FORMAT) -> str:
+SCAN_FORMAT = "scan-v1"
+"""Part of the key of a remembered scan (``remembered``): a change to what a scan records must change it."""
+
+
+def cache_path(source: str, column: str, width: int, cache_dir: str, variant: str = FORMAT,
+               folder: str = "decoded", suffix: str = ".npy") -> str:
     """Where the decoded rows of ``source``'s ``column`` (its windows of ``width`` tokens) live.
 
-    ``variant`` names anything else the rows depend on (raytrain.data.text: the tokenizer's hash)."""
-    source = os.path.abspath(source)
-    st = os.stat(source)
-    key = f"{source}|{st.st_size}|{st.st_mtime_ns}|{column}|{width}" + (f"|{variant}" if variant else "")
+    ``variant`` names anything else the rows depend on (raytrain.data.text: the tokenizer's hash). ``source``
+    is a local path or a pyarrow.fs URI (raytrain.data.shards)."""
+    source, size, mtime_ns = shards.identity(source)
+    key = f"{source}|{size}|{mtime_ns}|{column}|{width}" + (f"|{variant}" if variant else "")
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-    return os.path.join(os.path.expanduser(cache_dir), "decoded", f"{os.path.basename(source)}-{digest}.npy")
+    return os.path.join(os.path.expanduser(cache_dir), folder, f"{shards.basename(source)}-{digest}{suffix}")
+
+
+def remembered(source: str, column: str, width: int, cache_dir: str, compute: Callable[[], dict]) -> dict:
+    """``compute()``'s facts (JSON) about this version of ``source``'s column, computed once per machine and
+    kept under ``checked/``: the driver's scan of a column whose window count no footer gives (rows of any
+    length), so that preparing the same files again (a resume, a restart, a sweep's trials) reads footers only.
+    A compute that raises (a bad file) leaves nothing behind."""
+    path = cache_path(source, column, width, cache_dir, variant=SCAN_FORMAT, folder="checked", suffix=".json")
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        with open(path) as f:
+            return json.load(f)
+    facts = compute()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        json.dump(facts, f)
+    return facts
 
 
 def open_rows(source: str, column: str, width: int, cache_dir: str, decode) -> np.ndarray:
@@ -77,7 +100,7 @@ def open_built(path: str, build: Callable[[str], None]) -> np.ndarray:
 
 def _build(source: str, column: str, width: int, path: str, decode) -> None:
     """Decode one row group at a time into the file: memory stays at one row group."""
-    parquet = pq.ParquetFile(source, memory_map=True)
+    parquet = pq.ParquetFile(shards.open_input(source))
     dtype = _smallest_dtype(parquet, column)
     groups = (decode(parquet.read_row_group(g, columns=[column], use_threads=False))
               for g in range(parquet.num_row_groups))

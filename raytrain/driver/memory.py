@@ -17,7 +17,7 @@ import ray
 from raytrain.config import Config
 from raytrain.config.layout import Layout
 from raytrain.driver.plan import model_layers, shardable_rows
-from raytrain.models.memory import Widths, WorkerMemory, estimate, gib
+from raytrain.models.memory import Widths, WorkerMemory, builtin_gpt_layers, estimate, gib
 from raytrain.models.user_code import wait_for_preload
 
 LARGEST_SUGGESTED_DEGREE = 64
@@ -41,15 +41,21 @@ def layout_memory(cfg: Config, layout: Layout, layer_params: list[int]) -> Worke
     micro_batch = max(1, cfg.train.global_batch // (layout.mesh.columns * layout.microbatches))
     return estimate(layer_params, pp=layout.pp, fsdp=layout.fsdp, micro_batch=micro_batch,
                     microbatches=layout.microbatches, schedule=layout.schedule, widths=widths,
-                    recompute=cfg.train.activation_checkpointing, cuts=layout.cuts)
+                    recompute=cfg.train.activation_checkpointing, cuts=layout.cuts,
+                    async_save=cfg.checkpoint.async_save, tp=layout.tp)
 
 
 def check_run_memory(cfg: Config, layout: Layout) -> None:
-    """``check_memory`` for a run, once Ray is up (its memory figures): the model's layers are counted
-    on the meta device (a model.factory model is built), after the driver's background import of torch,
-    which overlapped with Ray's start."""
+    """``check_memory`` for a run, once Ray is up (its memory figures): the built-in GPT's layers are
+    counted by arithmetic; a Hugging Face model's on the meta device (a model.factory model is built),
+    after the driver's background import of torch, which overlapped with Ray's start."""
     limit = worker_memory_bytes(cfg) if cfg.resources.check_memory else None
     if limit is None:
+        return
+    m = cfg.model
+    if m.hf is None and m.factory is None:  # the built-in GPT is counted by arithmetic: no torch on this path
+        layer_params, max_fsdp = builtin_gpt_layers(m.n_layer, m.d_model, m.vocab_size, m.seq_len)
+        check_memory(cfg, layout, layer_params, max_fsdp, limit)
         return
     wait_for_preload()  # never import torch beside the background import of it
     layers = model_layers(cfg)

@@ -1,5 +1,9 @@
 """Where workers run: the resources of one worker and the placement groups that reserve them.
 
+A tp group must stay on one node: the config requires resources.placement_strategy=STRICT_PACK with
+parallel.tp > 1 (raytrain.config.schema), so the starting replicas share one node and each replica
+granted later, in its own placement group, is on one node too.
+
 The run reserves ``parallel.dp`` replicas in one placement group before any worker starts (and fails
 after ``resources.placement_wait_s`` with what was asked and what the cluster has). Replicas beyond
 that, up to ``elastic.max_dp``, are asked for as one placement group each that Ray grants whenever
@@ -27,7 +31,8 @@ def worker_bundle(cfg: Config) -> dict:
 
 
 def request(cfg: Config, replicas: int) -> PlacementGroup:
-    """Ask (without waiting) for ``replicas`` x ``parallel.fsdp`` x ``parallel.pp`` worker bundles."""
+    """Ask (without waiting) for ``replicas`` x ``parallel.fsdp`` x ``parallel.tp`` x ``parallel.pp`` worker
+    bundles, in rank order (a tp group's bundles are consecutive)."""
     bundles = [worker_bundle(cfg) for _ in range(cfg.layout().with_dp(replicas).world_size)]
     return placement_group(bundles, strategy=cfg.resources.placement_strategy)
 
@@ -49,8 +54,8 @@ def reserve(cfg: Config, fixed_cluster: bool = False) -> PlacementGroup:
             f"layout {cfg.layout().label} needs {world} workers x {worker_bundle(cfg)} "
             f"(resources.placement_strategy={cfg.resources.placement_strategy}) but the cluster did not grant "
             f"them within resources.placement_wait_s={cfg.resources.placement_wait_s:g}s (cluster: {nodes} node(s), "
-            f"total {total}, free now {free}); lower parallel.dp / parallel.fsdp / parallel.pp, free resources, or "
-            "add nodes"
+            f"total {total}, free now {free}); lower parallel.dp / parallel.fsdp / parallel.tp / parallel.pp, free "
+            "resources, or add nodes"
         )
     return pg
 
@@ -64,4 +69,4 @@ def _refuse_what_never_fits(cfg: Config) -> None:
         raise ResourcesUnavailable(
             f"layout {cfg.layout().label} needs {world} workers x {worker_bundle(cfg)} = {needs} on this machine's "
             "embedded Ray, which cannot grow (RAY_ADDRESS is unset); lower parallel.dp / parallel.fsdp / "
-            "parallel.pp or resources.cpus_per_worker, or start a cluster and set RAY_ADDRESS")
+            "parallel.tp / parallel.pp or resources.cpus_per_worker, or start a cluster and set RAY_ADDRESS")

@@ -17,7 +17,9 @@ from typing import Optional
 from raytrain import checkpoint, data
 from raytrain.config import Config, check_shardable
 from raytrain.config.layout import Layout
+from raytrain.data import shards
 from raytrain.data import text as text_data
+from raytrain.data.shards import DataSource, Files
 from raytrain.driver.connect import run_root
 from raytrain.models.user_code import import_user_module
 
@@ -30,15 +32,16 @@ class RunPlan:
     """The config with its defaults filled in: run.name and checkpoint.dir are set."""
     layout: Layout
     """The layout, with the model's layer count and each stage's layers."""
-    data_path: str
-    """The file the run reads (the built-in corpus: built on this machine)."""
+    source: DataSource
+    """The files the run reads, each with its samples: data.path's (one file, or the sorted files of a
+    directory, glob or list; the built-in corpus: built on this machine) and data.eval_path's."""
     num_samples: int
-    """Training samples: the rows of data_path (or with data.text_column its text's packed rows) before
-    those data.eval_fraction holds out."""
+    """Training samples: the windows of the training files' token rows (or with data.text_column their
+    text's packed rows), all files together, before those data.eval_fraction holds out."""
     resume: Optional[str]
     """The checkpoint to resume from, checked; None to start fresh."""
     held_out: int = 0
-    """Held-out rows (data.eval_fraction's of data_path, or data.eval_path's); never trained on."""
+    """Held-out rows (data.eval_fraction's of the training files, or data.eval_path's); never trained on."""
 
     @property
     def run_dir(self) -> str:
@@ -57,9 +60,8 @@ def prepare(cfg: Config) -> RunPlan:
         from raytrain.models.hf_plan import resolve_cut, with_hf_architecture
 
         cfg = resolve_cut(with_hf_architecture(cfg))
-    data_path = data.resolve_data_path(cfg)
-    rows = _check_data(cfg, data_path)
-    num_samples, held_out = split_held_out(cfg, rows)
+    source = check_data(cfg)
+    num_samples, held_out = split_held_out(cfg, source)
     layout = plan_layout(cfg)
     root = run_root(cfg.run.dir)  # under ~/raytrain in a Ray job: the job's working dir is temporary
     run_name = cfg.run.name or _new_run_name(root, layout)
@@ -76,7 +78,7 @@ def prepare(cfg: Config) -> RunPlan:
         run=dataclasses.replace(cfg.run, dir=root, name=run_name),
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir),
     )
-    return RunPlan(cfg=cfg, layout=layout, data_path=data_path, num_samples=num_samples, resume=resume,
+    return RunPlan(cfg=cfg, layout=layout, source=source, num_samples=num_samples, resume=resume,
                    held_out=held_out)
 
 
@@ -99,14 +101,14 @@ def remove_if_empty(run_dir: str) -> None:
             return  # not empty: keep it
 
 
-def split_held_out(cfg: Config, rows: int) -> tuple[int, int]:
-    """(training rows, held-out rows) of a dataset of ``rows``: data.eval_fraction holds out its last rows,
-    data.eval_path (checked here like data.path) holds its own. A ValueError naming the keys when too few
-    rows are left to train on, or (with eval.every) too few held out for eval.batches: an error, not a
+def split_held_out(cfg: Config, source: DataSource) -> tuple[int, int]:
+    """(training rows, held-out rows) of the run's data: data.eval_fraction holds out the training files'
+    last rows, data.eval_path (checked like data.path) holds its own. A ValueError naming the keys when too
+    few rows are left to train on, or (with eval.every) too few held out for eval.batches: an error, not a
     clamp, so that every evaluation reads exactly eval.batches x train.global_batch rows."""
-    d, B = cfg.data, cfg.train.global_batch
+    d, B, rows = cfg.data, cfg.train.global_batch, source.train.total
     if d.eval_path is not None:
-        held = _check_data(cfg, os.path.expanduser(d.eval_path), key="data.eval_path")
+        held = source.held_out.total
         where, fix = f"data.eval_path={d.eval_path!r} has {held} rows", "add rows to it"
     else:
         held = data.held_out_count(rows, d.eval_fraction)
@@ -123,37 +125,68 @@ def split_held_out(cfg: Config, rows: int) -> tuple[int, int]:
     return data.training_rows(cfg, rows), held
 
 
-def _check_data(cfg: Config, data_path: str, key: str = "data.path") -> int:
+def check_data(cfg: Config) -> DataSource:
+    """data.path's files and data.eval_path's, resolved (raytrain.data.shards) and each checked and counted
+    (``check_files``)."""
+    held = data.eval_files(cfg)
+    return DataSource(check_files(cfg, data.data_files(cfg), "data.path"),
+                      None if held is None else check_files(cfg, held, "data.eval_path"))
+
+
+def check_files(cfg: Config, paths: list[str], key: str) -> Files:
+    """Every file of a dataset (``key`` names it) checked and counted before any actor starts. Token data
+    (data.column) needs only each Parquet footer where the column has a fixed width and statistics (the
+    built-in corpus's form); otherwise each file's column is streamed (nulls, row lengths, ids) once per
+    file version: the findings are remembered in data.cache_dir, so preparing the same files again reads
+    footers. Text (data.text_column) is tokenised here, file by file into this machine's cache: its packed
+    rows cannot be counted without the tokens (the sample order is a permutation of all of them). A bad
+    file (not Parquet, wrong or missing column, empty) is named, with the fix; the training files together
+    must fill a global batch."""
+    B = cfg.train.global_batch
+    if len(paths) == 1:
+        return shards.one_file(paths[0], _check_data(cfg, paths[0], key, B if key == "data.path" else 0))
+    spec = cfg.data.path if key == "data.path" else cfg.data.eval_path
+    where = f"one of the {len(paths)} files {key}={spec!r} names: fix it or remove it from there"
+    samples = []
+    for path in paths:
+        try:
+            count = _check_data(cfg, path, key, 0)
+        except ValueError as e:
+            raise ValueError(f"{e} ({where})") from e
+        if count == 0:
+            raise ValueError(f"{key} file {path!r} is empty: it holds no samples ({where})")
+        samples.append(count)
+    total = sum(samples)
+    if key == "data.path" and total < B:
+        raise ValueError(f"{key}={spec!r}: its {len(paths)} files hold {total} samples (of model.seq_len + 1 = "
+                         f"{cfg.model.seq_len + 1} tokens), fewer than train.global_batch={B}; add data, or lower "
+                         "train.global_batch or model.seq_len")
+    return Files(tuple(paths), tuple(samples))
+
+
+def _check_data(cfg: Config, data_path: str, key: str, batch: int) -> int:
     """The samples in a file of the run's data (``key`` names it), checked: the windows of model.seq_len + 1
     tokens its token rows (data.column) are cut into, or text packed into such rows (data.text_column:
-    tokenised here, into this machine's cache, to count them). The held-out file (data.eval_path) need not
-    fill a global batch."""
+    tokenised here, into this machine's cache, to count them); at least ``batch`` of them."""
     m, d = cfg.model, cfg.data
-    batch = cfg.train.global_batch if key == "data.path" else 0
     if d.text_column is not None:
         return text_data.check_text_dataset(data_path, d, m.seq_len, batch, m.vocab_size, key=key)
     if text_data.is_json_lines(data_path):
         raise ValueError(f"{key}={data_path!r} is JSON lines, read as text: set data.text_column to the key "
                          "holding the text and data.tokenizer to a directory holding tokenizer.json")
-    return data.check_dataset(data_path, d.column, m.seq_len, batch, m.vocab_size, key=key)
+    return data.check_dataset(data_path, d.column, m.seq_len, batch, m.vocab_size, key=key, cache_dir=d.cache_dir)
 
 
 def check_inputs(cfg: Config) -> None:
-    """What the config names on this machine: data.path exists, data.cache_dir takes files, model.factory
-    imports and has its function (what it returns is checked when plan_layout builds it)."""
-    path = cfg.data.path
-    if path is not None and "://" not in path and not os.path.exists(os.path.expanduser(path)):
-        holding = (f"a Parquet or JSON lines file with text under {cfg.data.text_column!r}" if cfg.data.text_column
-                   else f"a Parquet file with a {cfg.data.column!r} token column")
-        raise ValueError(f"data.path={path!r}: no such file; point it at {holding}, or unset it to use the "
-                         "built-in corpus")
+    """What the config names on this machine: data.path's entries name files, data.cache_dir takes files,
+    model.factory imports and has its function (what it returns is checked when plan_layout builds it)."""
+    if cfg.data.path is not None:
+        shards.resolve(cfg.data.path, "data.path")  # every entry names a file: listings only, nothing read
     if cfg.model.hf is not None and not os.path.isdir(os.path.expanduser(cfg.model.hf)):
         raise ValueError(f"model.hf={cfg.model.hf!r}: no such directory; point it at a local Hugging Face model "
                          "directory (config.json, and *.safetensors for pretrained weights)")
-    eval_path = cfg.data.eval_path
-    if eval_path is not None and "://" not in eval_path and not os.path.exists(os.path.expanduser(eval_path)):
-        raise ValueError(f"data.eval_path={eval_path!r}: no such file; point it at a Parquet file of held-out rows "
-                         f"with a '{cfg.data.column}' column, or unset it")
+    if cfg.data.eval_path is not None:
+        shards.resolve(cfg.data.eval_path, "data.eval_path")
     data.check_cache_dir(cfg.data.cache_dir)
     if cfg.model.factory is None:
         return

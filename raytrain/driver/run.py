@@ -18,8 +18,9 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain import checkpoint
-from raytrain.control.coordinator import Coordinator
+from raytrain.control.coordinator import Coordinator, OutOfMemoryLost
 from raytrain.control.protocol import WorkersLost
+from raytrain.control.workergroup import killed_by_ray_monitor
 from raytrain.driver.connect import cluster_reachable, embedded, ensure_ray
 from raytrain.driver.lease import Lease
 from raytrain.driver.memory import check_run_memory
@@ -29,6 +30,7 @@ from raytrain.driver.rendezvous import RendezvousStore, preload_torch_distribute
 from raytrain.driver.report import RunReporter
 from raytrain.driver.signals import Aborted, StopOnSignal
 from raytrain.reports import RunSummary
+from raytrain.reports.oom import FIT_ADVICE
 from raytrain.worker.actor import StageWorker
 
 POLL_INTERVAL_S = 1.0
@@ -62,8 +64,9 @@ class Result:
     skipped_steps: list[int] = field(default_factory=list)
     """Steps (1-based) not applied because their loss or gradient norm was not finite."""
     state_digests: dict[str, str] = field(default_factory=dict, repr=False)
-    """With run.record_samples: ``"replica:stage"`` (``"replica:shard:stage"`` with fsdp > 1) -> a digest of that worker's parameters and
-    optimizer state at the end (the replicas of a stage must be identical)."""
+    """With run.record_samples: ``"replica:stage"`` (``"replica:shard:stage"`` with fsdp > 1,
+    ``"replica:shard:stage:tp"`` with tp > 1) -> a digest of that worker's parameters and optimizer state
+    at the end (the replicas of a stage must be identical)."""
     eval_loss: Optional[float] = None
     """With eval.every: the last held-out loss (computed after the last step, so of the final
     parameters, unless the run stopped early); None without evaluation."""
@@ -143,7 +146,7 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
         growth = [request(cfg, 1) for _ in range(extra)]  # granted whenever capacity appears
         groups += growth
         # The driver built the built-in corpus in its own cache; workers on other machines get its bytes.
-        corpus = [ray.put(Path(plan.data_path).read_bytes())] if cfg.data.path is None else None
+        corpus = [ray.put(Path(plan.source.train.paths[0]).read_bytes())] if cfg.data.path is None else None
         here = ray.get_runtime_context().get_node_id()
         host = ray.util.get_node_ip_address()
         for restarts in range(cfg.elastic.coordinator_restarts + 1):
@@ -151,7 +154,7 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
             coordinator = ray.remote(Coordinator).options(
                 num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
             ).remote(
-                cfg, plan.data_path, plan.num_samples, plan.stage_layers, pg, first_bundle, resume,
+                cfg, plan.source, plan.num_samples, plan.stage_layers, pg, first_bundle, resume,
                 worker_cls=StageWorker, extra_placements=tuple(growth), corpus=corpus)
             try:
                 store = rendezvous.address(host, namespace=f"coordinator{restarts}")
@@ -165,6 +168,8 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
                     return _stopped_without_coordinator(cfg, reporter, stop.reason, resume), restarts
                 if not _coordinator_lost(e) or restarts == cfg.elastic.coordinator_restarts:
                     reporter.add([{"event": "failed", "error": str(getattr(e, "cause", e)).splitlines()[0][:500]}])
+                    if isinstance(e, ray.exceptions.OutOfMemoryError):  # the coordinator itself, each time
+                        raise coordinator_out_of_memory(e, checkpoint.latest(cfg.checkpoint.dir) or resume) from None
                     raise getattr(e, "cause", e) if isinstance(e, ray.exceptions.RayTaskError) else e from None
                 resume = checkpoint.latest(cfg.checkpoint.dir) or resume
                 reporter.add([{"event": "coordinator_restarted", "resume_from": resume, "restarts": restarts + 1,
@@ -191,10 +196,18 @@ def _stopped_without_coordinator(cfg, reporter: RunReporter, reason: str, resume
 
 def _coordinator_lost(error: Exception) -> bool:
     """Whether the coordinator actor (or a worker in a place it does not repair) was lost, which a
-    restart from the last checkpoint fixes, rather than an error the coordinator raised on purpose."""
+    restart from the last checkpoint fixes, rather than an error the coordinator raised on purpose.
+    Ray's memory monitor killing the coordinator is such a loss (an OutOfMemoryError, not an actor error)."""
     if isinstance(error, ray.exceptions.RayTaskError):  # raised in the coordinator: restart only for a lost worker
         return isinstance(getattr(error, "cause", None), (ray.exceptions.RayActorError, WorkersLost))
-    return isinstance(error, ray.exceptions.RayActorError)
+    return isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError))
+
+
+def coordinator_out_of_memory(error: Exception, last_checkpoint: Optional[str]) -> OutOfMemoryLost:
+    """The one line of a run whose coordinator Ray's memory monitor killed (after every restart)."""
+    kept = f"resume from {last_checkpoint}" if last_checkpoint else "no checkpoint was written yet"
+    return OutOfMemoryLost(f"the coordinator {killed_by_ray_monitor(str(error)).text()}, with "
+                           f"elastic.coordinator_restarts used up; {kept}; the node is short of memory: {FIT_ADVICE}")
 
 
 def _drive(coordinator, store, reporter: RunReporter, on_rows, stop) -> RunSummary:

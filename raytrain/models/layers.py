@@ -41,11 +41,20 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block with causal self-attention."""
+    """Pre-norm transformer block with causal self-attention.
+
+    Its tensor-parallel plan (``tp_plan``, applied by raytrain.worker.tensor_parallel): q/k/v and the MLP's
+    up projection colwise, the attention's and the MLP's out projections rowwise, the norms replicated.
+    ``qkv`` fuses three projections, so each tp rank holds its rows of each of q, k and v (its heads), not
+    one contiguous third; ``forward`` reads the head count from what ``qkv`` returns, so a rank runs its
+    n_head / tp heads and one process all of them, with the same arithmetic."""
+
+    tp_plan = {"qkv": ("colwise", 3), "proj": ("rowwise", 1), "fc": ("colwise", 1), "out": ("rowwise", 1)}
+    """Submodule -> (style, fused parts): how parallel.tp splits this block's linears."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)  # a key bias has no gradient: Adam would amplify noise
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -54,10 +63,12 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        B, T, D = x_BTD.shape
-        q, k, v = self.qkv(self.ln1(x_BTD)).split(D, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
+        B, T, _ = x_BTD.shape
+        qkv = self.qkv(self.ln1(x_BTD))  # (B, T, 3 * H * Dh): H is n_head / tp under tensor parallelism
+        q, k, v = qkv.split(qkv.size(-1) // 3, dim=2)
+        H = q.size(-1) // self.head_dim
+        q, k, v = (t.view(B, T, H, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, H * self.head_dim)
         x_BTD = x_BTD + self.proj(y)
         return x_BTD + self.out(F.gelu(self.fc(self.ln2(x_BTD))))
 

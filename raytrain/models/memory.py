@@ -6,12 +6,16 @@ Arithmetic on parameter counts and widths, no torch. The estimate of the fullest
 - **state**: 16 bytes per parameter it owns (fp32 parameter, gradient and AdamW's two moments), its
   stage's parameters divided among its fsdp shards;
 - **unsharded**: under fsdp, the largest layer's full parameters and gradients, which FSDP2 gathers
-  for that layer's forward and backward (fp32, 8 bytes per parameter);
+  for that layer's forward and backward (fp32, 8 bytes per parameter); with more than one micro-batch,
+  also the whole stage's unsharded gradients, which FSDP2 accumulates until the last micro-batch's
+  backward reduce-scatters them (4 bytes per parameter of the stage);
 - **activations**: what backward needs of each micro-batch it holds at once (GPipe: all of them;
   1F1B: at most pp - stage; without a pipeline: one), per transformer layer about 34 x tokens x width + 5 x heads x tokens x seq_len
   values (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"), or
   with activation checkpointing each layer's input plus one layer rebuilt in backward; the last
-  stage adds its logits and their gradient. Not estimated for a model.factory model, whose layers raytrain does not know.
+  stage adds its logits and their gradient. Not estimated for a model.factory model, whose layers raytrain does not know;
+- **snapshot**: with checkpoint.async_save, the host copy of its parameters and moments that a background
+  save writes while training goes on (12 bytes per parameter it owns).
 
 It is an estimate, not a bound: the allocator's slack, torch's own workspace and the libraries
 (about 400 MB per worker process on CPU) come on top.
@@ -24,8 +28,12 @@ from typing import Optional
 
 STATE_BYTES_PER_PARAM = 16
 """fp32 parameter, gradient and AdamW's two moments."""
+SNAPSHOT_BYTES_PER_PARAM = 12
+"""fp32 parameter and AdamW's two moments, copied for a background save (checkpoint.async_save)."""
 UNSHARDED_BYTES_PER_PARAM = 8
 """fp32 parameter and gradient of the layer FSDP2 has gathered."""
+ACCUMULATED_GRAD_BYTES_PER_PARAM = 4
+"""fp32 unsharded gradient FSDP2 holds between micro-batches (gradient sync only after the last)."""
 ACTIVATION_VALUES_PER_TOKEN_WIDTH = 34
 """Values a transformer layer saves for backward per token and unit of width (Korthikanti et al.)."""
 
@@ -47,15 +55,28 @@ class WorkerMemory:
     state: float
     unsharded: float
     activations: float
+    snapshot: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.state + self.unsharded + self.activations
+        return self.state + self.unsharded + self.activations + self.snapshot
 
     def describe(self) -> str:
         """``5.21 GiB (state 4.80, gathered layer 0.25, activations 0.16)``"""
         parts = f"state {gib(self.state)}, gathered layer {gib(self.unsharded)}, activations {gib(self.activations)}"
+        parts += f", checkpoint snapshot {gib(self.snapshot)}" if self.snapshot else ""
         return f"{gib(self.total)} GiB ({parts})"
+
+
+def builtin_gpt_layers(n_layer: int, d_model: int, vocab_size: int, seq_len: int) -> tuple[list[int], int]:
+    """The built-in GPT's parameters per layer (raytrain.models.layers: embedding, blocks, head) and the
+    rows of its largest parameter (how far fsdp may cut it), by arithmetic: the driver checks a run's
+    memory without waiting for torch. tests/test_memory.py holds it to the built model."""
+    D = d_model
+    embedding = vocab_size * D + seq_len * D  # token and position tables
+    block = 12 * D * D + 10 * D  # qkv 3D x D; proj, fc (4D), out with biases; two LayerNorms
+    head = 2 * D + vocab_size * D  # LayerNorm and the untied output projection
+    return [embedding, *[block] * n_layer, head], max(vocab_size, seq_len, 4 * D)
 
 
 def gib(n: float) -> str:
@@ -74,19 +95,26 @@ def stage_bounds(layer_params: list[int], pp: int, cuts: Optional[tuple[int, ...
 
 def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, microbatches: int, schedule: str,
              widths: Optional[Widths], recompute: bool = False,
-             cuts: Optional[tuple[int, ...]] = None) -> WorkerMemory:
+             cuts: Optional[tuple[int, ...]] = None, async_save: bool = False, tp: int = 1) -> WorkerMemory:
     """The fullest worker's needs when the model's layers (their parameter counts, in order) are cut
-    into ``pp`` stages and each stage is sharded ``fsdp`` ways; ``micro_batch`` rows per micro-batch."""
+    into ``pp`` stages and each stage is sharded ``fsdp`` ways; ``micro_batch`` rows per micro-batch.
+    With ``tp`` > 1 each layer between the first and the last (the built-in GPT's blocks; its embedding
+    and head stay whole on every tp rank) holds a ``1 / tp`` part."""
     stages = stage_bounds(layer_params, pp, cuts)
+    last_layer = len(layer_params) - 1
+    layer_params = [n if i in (0, last_layer) else n / tp for i, n in enumerate(layer_params)]
     worst = WorkerMemory(0.0, 0.0, 0.0)
     for index, (first, end) in enumerate(stages):
         params = layer_params[first:end]
         state = STATE_BYTES_PER_PARAM * sum(params) / fsdp
         unsharded = UNSHARDED_BYTES_PER_PARAM * max(params) if fsdp > 1 else 0.0
+        if fsdp > 1 and microbatches > 1:
+            unsharded += ACCUMULATED_GRAD_BYTES_PER_PARAM * sum(params)
         live = _live_microbatches(pp, index, microbatches, schedule)
         last = index == len(stages) - 1
         activations = _activations(widths, micro_batch, end - first, recompute, last, live) if widths else 0.0
-        candidate = WorkerMemory(state, unsharded, activations)
+        snapshot = SNAPSHOT_BYTES_PER_PARAM * sum(params) / fsdp if async_save else 0.0
+        candidate = WorkerMemory(state, unsharded, activations, snapshot)
         worst = candidate if candidate.total > worst.total else worst
     return worst
 

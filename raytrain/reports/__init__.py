@@ -54,6 +54,8 @@ class StepReport:
     """(name, start s, end s) of the step's work on this worker, when the step is traced."""
     sample_ids: Optional[list] = None
     """Rows this worker read (run.record_samples, first stages only)."""
+    saved: Optional["BackgroundSave"] = None
+    """This worker's last background save (checkpoint.async_save) once it has finished, until the next starts."""
 
 
 @dataclass
@@ -75,6 +77,16 @@ class ShardReport:
     entry: dict
     """The manifest's record of the file (raytrain.checkpoint.save_shard: name, size, checksum, slice)."""
     finite: bool
+
+
+@dataclass
+class BackgroundSave:
+    """A shard written on a worker's own thread while training went on (checkpoint.async_save): its
+    report once the file is durable, or the error that stopped the write."""
+
+    ckpt_dir: str
+    shard: Optional[ShardReport] = None
+    error: str = ""
 
 
 @dataclass

@@ -14,6 +14,9 @@ once ``step`` steps are committed, eval.every), ``join`` (while re-forming group
 a failure during repair; ``step`` is the step the run resumes at). ``pause`` does not kill: the
 worker stops itself (SIGSTOP) at the start of the step, as a hung machine would, until something
 sends it SIGCONT; tests use it to hold a run at a known step while they act from outside.
+``oom`` does not kill either: at the start of the step the worker's next allocation really fails
+(its address space is capped just above what it maps, RLIMIT_AS, for one torch allocation; nothing is
+touched), as a worker out of memory fails; the coordinator must take it out of the run.
 
 A worker calls its ``PhaseHook`` at each of these points (raytrain.worker.stage); the hook does nothing
 unless ``phase_hook`` gave it faults for that worker's slot. The executor holds no fault logic.
@@ -29,7 +32,7 @@ from typing import Optional
 
 from raytrain.config.errors import config_error
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "eval", "join", "pause")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "eval", "join", "pause", "oom")
 STEP_PHASES = ("pause", "forward", "backward", "allreduce", "optimizer")
 """The phases inside ``run_step``: a step the coordinator may have sent ahead of the previous reply."""
 
@@ -74,6 +77,34 @@ class Fault:
 def kill_self() -> None:
     """SIGKILL this process: no cleanup, no exception handlers, exactly like a lost machine."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+OOM_MARGIN_BYTES = 64 << 20
+"""How far above its mapped size an ``oom`` fault caps the worker's address space."""
+
+
+def fail_allocation() -> None:
+    """Make an allocation of this process really fail: cap its address space (RLIMIT_AS) just above what
+    it maps now, ask torch's allocator for more than the margin, and restore the limit at once. The
+    failed mapping never had a page, so no memory is used; torch raises its allocator's RuntimeError."""
+    import resource
+
+    import torch
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = _mapped_bytes() + OOM_MARGIN_BYTES
+    resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+    try:
+        torch.empty(4 * OOM_MARGIN_BYTES, dtype=torch.uint8)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    raise MemoryError("an oom fault's allocation did not fail under RLIMIT_AS")
+
+
+def _mapped_bytes() -> int:
+    """This process's mapped address space (VmSize)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 
 
 def kill_process(pid: int) -> None:
@@ -126,6 +157,9 @@ class FaultHook(PhaseHook):
         if phase == "forward" and (step, "pause") in self._due:
             self._wait_for_reply(step)
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until someone sends SIGCONT
+        if phase == "forward" and (step, "oom") in self._due:
+            self._due.discard((step, "oom"))
+            fail_allocation()
         if (step, phase) not in self._due:
             return
         if phase == "checkpoint" and file is not None:

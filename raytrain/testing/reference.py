@@ -11,7 +11,7 @@ from torch import nn
 from raytrain import checkpoint, data
 from raytrain.config import Config
 from raytrain.models.layers import build_model
-from raytrain.optim import apply_step, make_optimizer
+from raytrain.optim.optimizer import apply_step, make_optimizer
 
 
 def train_reference(
@@ -34,8 +34,7 @@ def train_reference(
                 param.copy_(state["model"][name])
         checkpoint.load_optimizer_state(optimizer, names, state["optim"])
         start = checkpoint.read_manifest(resume_from)["step"]
-    path = data.resolve_data_path(cfg)
-    dataset = data.open_dataset(path, cfg)
+    dataset = data.open_dataset(data.counted_source(cfg).train, cfg)
     num_samples = data.training_rows(cfg, len(dataset))
     B = cfg.train.global_batch
     losses = []
@@ -54,10 +53,10 @@ def train_reference(
 def reference_eval_loss(cfg: Config, model: nn.Module) -> float:
     """The held-out loss of ``model`` (eval.every): the mean loss over the first eval.batches x
     train.global_batch held-out rows, one full batch at a time in this process."""
-    path = data.resolve_data_path(cfg)
-    num_samples = data.training_rows(cfg, len(data.open_dataset(path, cfg)))
-    source, first = data.held_out_source(cfg, path, num_samples)
-    held_out = data.open_dataset(source, cfg)
+    source = data.counted_source(cfg)
+    num_samples = data.training_rows(cfg, source.train.total)
+    files, first = data.held_out_source(cfg, source, num_samples)
+    held_out = data.open_dataset(files, cfg)
     loss_fn, B, total = build_model(cfg.model, cfg.train.seed, []).loss_fn, cfg.train.global_batch, 0.0
     with torch.no_grad():
         for batch in range(cfg.eval.batches):

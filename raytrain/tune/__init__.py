@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -30,8 +31,9 @@ from raytrain.config.layout import Layout
 from raytrain.config.mesh import Mesh
 from raytrain.driver.placement import worker_bundle
 from raytrain.driver.plan import check_inputs, plan_layout
+from raytrain.tune.stall import StallWatch, StopWhenStalled, SweepStalled, take_verdict
 
-LAYOUT_KEYS = ("parallel.dp", "parallel.fsdp", "parallel.pp", "parallel.microbatches", "parallel.schedule")
+LAYOUT_KEYS = ("parallel.dp", "parallel.fsdp", "parallel.tp", "parallel.pp", "parallel.microbatches", "parallel.schedule")
 LAYOUTS = "layouts"
 """Space key for an explicit list of layouts, each a mapping of parallel.* keys (a grid over them)."""
 SCHEDULERS = ("none", "asha", "pbt")
@@ -67,7 +69,8 @@ class SweepConfig:
     name: Optional[str] = None
     """Experiment name; default a timestamp."""
     resources_wait_s: float = 120.0
-    """Bound on how long a sweep may show no progress while trials wait for resources."""
+    """Bound on how long a sweep may have no trial running while trials wait (for resources, or for
+    an errored trial under synchronous PBT): then it stops, naming them, and can be resumed."""
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -83,6 +86,8 @@ class SweepConfig:
         if self.scheduler == "pbt" and not build_config(flatten_sections(self.base, "sweep base")).checkpoint.every:
             raise ValueError("sweep.scheduler=pbt needs checkpoint.every > 0: trials clone each other through "
                              "checkpoints, and PBT perturbs every checkpoint.every steps")
+        if not self.resources_wait_s > 0:
+            raise ValueError(f"sweep.resources_wait_s={self.resources_wait_s}: use a number of seconds > 0")
         if not 0 < self.quantile_fraction <= 0.5:
             raise ValueError(f"sweep.quantile_fraction={self.quantile_fraction}: use a fraction in (0, 0.5]")
         valid = set(all_keys()) | set(RENAMED_KEYS)  # an old name is renamed by build_config, with a warning
@@ -231,8 +236,9 @@ def raytrain_trainable(params: dict) -> None:
     # Each start of the trial (first, resumed, or cloned by PBT) gets its own run and checkpoint
     # directories, so a restart never mistakes an older incarnation's checkpoint for its latest.
     run_dir = os.path.join(trial_dir, f"run-{int(started * 1000)}")
+    # Tune attaches each checkpoint to the metrics of its step, so a trial saves synchronously.
     overrides.update({"run.dir": trial_dir, "run.name": os.path.basename(run_dir),
-                      "checkpoint.dir": os.path.join(run_dir, "checkpoints")})
+                      "checkpoint.dir": os.path.join(run_dir, "checkpoints"), "checkpoint.async_save": False})
     restored = tune.get_checkpoint()
     local_ckpt = None
     if restored is not None:
@@ -241,11 +247,12 @@ def raytrain_trainable(params: dict) -> None:
         if checkpoint.read_manifest(local_ckpt)["step"] >= trial_config(base, overrides).train.steps:
             return  # paused (PBT) or interrupted at its last step: nothing is left to train
     cfg = trial_config(base, overrides)
-    state = {"first_step_s": None, "samples": 0, "seconds": 0.0, "eval_loss": float("nan"), "eval_step": 0}
+    state = {"first_step_s": None, "samples": 0, "seconds": 0.0, "eval_loss": float("nan"), "eval_step": 0,
+             "ended": False}
 
     def report(rows: list[dict]) -> None:
         for row in rows:
-            if "step" not in row or "loss" not in row:
+            if "step" not in row or "loss" not in row or state["ended"]:
                 continue
             if state["first_step_s"] is None:
                 state["first_step_s"] = time.time() - started
@@ -263,7 +270,14 @@ def raytrain_trainable(params: dict) -> None:
             if cfg.eval.every:  # every report has the latest value (NaN before the first): Tune wants its metric in each
                 metrics.update(eval_loss=state["eval_loss"], eval_step=state["eval_step"])
             ckpt = tune.Checkpoint.from_directory(row["checkpoint"]) if row.get("checkpoint") else None
-            tune.report(metrics, checkpoint=ckpt)
+            try:
+                tune.report(metrics, checkpoint=ckpt)
+            except SystemExit:
+                # Tune ends a paused or stopped trial's thread with SystemExit from report; the run
+                # stops on it, and the rows its teardown still forwards must not report again, for
+                # a second report would wait forever on the session's lock.
+                state["ended"] = True
+                raise
 
     pg = ray.util.get_current_placement_group()
     run(prepare(cfg), stream=open(os.devnull, "w"), on_rows=report, placement=(pg, 0))
@@ -320,11 +334,10 @@ def run_sweep(sweep: SweepConfig, resume: Optional[str] = None):
         try:
             tuner = tune.Tuner.restore(where, _trainable_for(sweep), resume_unfinished=True, resume_errored=True)
         except Exception as e:  # a damaged experiment state: one line, not Tune's traceback
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ValueError(f"--resume {resume}: {where} holds a sweep Tune cannot restore ({first}); "
-                             "start it again without --resume") from None
+            raise _cannot_restore(resume, where, e) from None
     else:
         name = sweep.name or time.strftime("sweep-%Y%m%d-%H%M%S")
+        watch = StallWatch(sweep.resources_wait_s)
         storage = os.path.abspath(os.path.expanduser(sweep.storage_path))
         tuner = tune.Tuner(
             _trainable_for(sweep),
@@ -332,13 +345,24 @@ def run_sweep(sweep: SweepConfig, resume: Optional[str] = None):
             tune_config=tune.TuneConfig(
                 num_samples=sweep.num_samples, scheduler=_scheduler(sweep),
                 max_concurrent_trials=sweep.max_concurrent_trials,
-                reuse_actors=True,  # a trial of the same resources reuses a warm process (imports, torch)
+                # A trial of the same resources reuses a warm process (imports, torch), but only where
+                # trials end on their own: Tune errors a trial whose reused process still runs the
+                # trial it paused or stopped (a schedule's), as one's teardown may outlast Tune's 2 s.
+                reuse_actors=sweep.scheduler == "none",
                 **({} if sweep.scheduler != "none" else {"metric": sweep.metric, "mode": sweep.mode}),
             ),
-            run_config=tune.RunConfig(name=name, storage_path=storage,
-                                      callbacks=[_TrialLog()], verbose=0),
+            run_config=tune.RunConfig(name=name, storage_path=storage, callbacks=[_TrialLog(), watch],
+                                      stop=StopWhenStalled(watch), verbose=0),
         )
-    return tuner.fit()
+    take_verdict()  # a verdict left by an earlier sweep in this process is not this one's
+    with warnings.catch_warnings():
+        # Tune's advice to reuse processes under PBT, which reuse_actors above explains not taking
+        warnings.filterwarnings("ignore", message="Consider boosting PBT performance", category=UserWarning)
+        grid = tuner.fit()
+    stalled = take_verdict()
+    if stalled is not None:
+        raise SweepStalled(f"sweep {grid.experiment_path} stopped: {stalled}")
+    return grid
 
 
 def experiment_dir(path: str) -> str:
@@ -353,6 +377,7 @@ def resumable_dir(path: str) -> str:
     """The experiment directory ``--resume path`` names, or a one-line ValueError saying what to pass."""
     where = experiment_dir(path)
     if tune.Tuner.can_restore(where):
+        _check_tuner_state(path, where)
         return where
     fix = "pass the 'experiment' directory a sweep printed (runs/sweeps/<name>)"
     if os.path.isdir(where):
@@ -363,6 +388,28 @@ def resumable_dir(path: str) -> str:
     else:
         what = "does not exist"
     raise ValueError(f"--resume {path}: {where} {what}; {fix}")
+
+
+def _check_tuner_state(path: str, where: str) -> None:
+    """A local experiment's ``tuner.pkl`` must unpickle, which Tune finds out only after Ray started.
+    Tune unpickles that file on restore anyway: reading it here trusts it no more than before."""
+    state = os.path.join(where, "tuner.pkl")
+    if "://" in where or not os.path.isfile(state):
+        return
+    import ray.cloudpickle
+
+    try:
+        with open(state, "rb") as f:
+            ray.cloudpickle.load(f)
+    except Exception as e:
+        raise _cannot_restore(path, where, e) from None
+
+
+def _cannot_restore(path: str, where: str, error: Exception) -> ValueError:
+    """The one line for an experiment whose saved state does not load: the first line of why."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return ValueError(f"--resume {path}: {where} holds a sweep Tune cannot restore ({first}); "
+                      "start it again without --resume")
 
 
 def named(sweep: SweepConfig) -> SweepConfig:

@@ -8,56 +8,102 @@ contains ``Worker`` so the processes are recognisable in ``ps`` (``ray::StageWor
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from typing import Optional
 
 import ray
 
 from raytrain.config import Config
+from raytrain.data import shards
 from raytrain.data.atomic import atomic_path
-from raytrain.reports import EvalReport, JoinReport, ShardReport, StepReport
+from raytrain.data.shards import DataSource
+from raytrain.reports import BackgroundSave, EvalReport, JoinReport, ShardReport, StepReport
+from raytrain.reports.oom import WorkerOutOfMemory, error_line, is_out_of_memory, node_memory
+
+
+def leaves_when_out_of_memory(method):
+    """A worker call that ran out of memory (a MemoryError, torch's OutOfMemoryError or its CPU allocator's
+    error) raises WorkerOutOfMemory with this node's memory, after dropping the worker's process groups so
+    that its peers fail at once: its state is undefined now, and the coordinator takes it out of the run."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            if isinstance(e, WorkerOutOfMemory) or not is_out_of_memory(e):
+                raise
+            error = error_line(e)
+            e.__traceback__ = None  # its frames hold what was allocated
+            del e
+            try:
+                self.stage.leave()
+            except Exception:  # noqa: BLE001 -- it leaves the run either way
+                pass
+            raise WorkerOutOfMemory(error, node_memory(), os.getpid(), ray.util.get_node_ip_address()) from None
+
+    return call
 
 
 class StageWorker:
-    def __init__(self, cfg: Config, data_path: str, num_samples: int, stage: int, layer_ids: list[int],
-                 corpus: Optional[list] = None, shard: int = 0):
+    def __init__(self, cfg: Config, source: DataSource, num_samples: int, stage: int, layer_ids: list[int],
+                 corpus: Optional[list] = None, shard: int = 0, tp: int = 0):
         from raytrain.worker.stage import Stage
 
-        data_path = dataset_here(data_path, corpus, cfg.data.cache_dir)
-        self.stage = Stage(cfg, data_path, num_samples, stage, layer_ids, shard=shard)
+        source = dataset_here(source, corpus, cfg.data.cache_dir)
+        self.stage = Stage(cfg, source, num_samples, stage, layer_ids, shard=shard, tp=tp)
 
     def pid(self) -> int:
         return os.getpid()
 
+    @leaves_when_out_of_memory
     def join(self, rank, mesh, shares, store, generation, faults) -> JoinReport:
         return self.stage.join(rank, mesh, shares, store, generation, faults)
 
     def leave(self) -> None:
         self.stage.leave()
 
+    @leaves_when_out_of_memory
     def commit_prepared(self, step: int) -> int:
         return self.stage.commit_prepared(step)
 
+    @leaves_when_out_of_memory
     def skip_step(self, step: int) -> int:
         return self.stage.skip_step(step)
 
+    @leaves_when_out_of_memory
     def sync_state(self, src_rank: int) -> int:
         return self.stage.sync_state(src_rank)
 
     @ray.method(enable_task_events=False)  # called every step: not worth tracing in Ray's task table
+    @leaves_when_out_of_memory
     def run_step(self, step: int, trace: bool = False) -> StepReport:
         # The hook sees the reply: a fault due in the next step waits until the caller has read it.
         return self.stage.hook.reply(step, self.stage.run_step(step, trace))
 
+    @leaves_when_out_of_memory
     def evaluate(self) -> EvalReport:
         return self.stage.evaluate()
 
+    @leaves_when_out_of_memory
     def save(self, ckpt_dir: str) -> ShardReport:
         return self.stage.save(ckpt_dir)
 
+    @leaves_when_out_of_memory
+    def start_save(self, ckpt_dir: str) -> float:
+        return self.stage.start_save(ckpt_dir)
+
+    @leaves_when_out_of_memory
+    def finish_save(self) -> Optional[BackgroundSave]:
+        return self.stage.finish_save()
+
+    @leaves_when_out_of_memory
     def load(self, ckpt_dir: str) -> None:
         self.stage.load(ckpt_dir)
 
+    @leaves_when_out_of_memory
     def state_digest(self) -> str:
         return self.stage.state_digest()
 
@@ -65,15 +111,16 @@ class StageWorker:
         self.stage.shutdown()
 
 
-def dataset_here(data_path: str, corpus: Optional[list], cache_dir: str) -> str:
-    """The dataset's path on this machine. The driver's path where it exists here (the driver's own
-    machine, or storage every node mounts); else, for the built-in corpus, which the driver built in
-    its own cache, the driver's copy of the file (``corpus``: [object ref of its bytes]) written
-    into this machine's cache, so that every worker trains on the same bytes."""
-    if os.path.exists(data_path) or not corpus:
-        return data_path
+def dataset_here(source: DataSource, corpus: Optional[list], cache_dir: str) -> DataSource:
+    """The run's files as this machine reads them. The driver's paths (its own machine, storage every
+    node mounts, or URIs); but for the built-in corpus, which the driver built in its own cache, where this
+    machine lacks it, the driver's copy of the file (``corpus``: [object ref of its bytes]) written into
+    this machine's cache, so that every worker trains on the same bytes."""
+    data_path = source.train.paths[0]
+    if not corpus or os.path.exists(data_path):
+        return source
     local = os.path.join(os.path.expanduser(cache_dir), os.path.basename(data_path))
     if not os.path.exists(local):
         with atomic_path(local) as tmp, open(tmp, "wb") as f:
             f.write(ray.get(corpus[0]))
-    return local
+    return dataclasses.replace(source, train=shards.one_file(local, source.train.samples[0]))

@@ -38,6 +38,9 @@ class Generation:
     stage: int
     shard: int
     """This worker's shard of its stage (0 unless parallel.fsdp > 1)."""
+    tp_index: int
+    """This worker's rank in its stage's tp group (0 unless parallel.tp > 1). The tp ranks of a column
+    read the same samples and compute the same loss: only tp rank 0 reports them."""
     is_first: bool
     is_last: bool
     prev_rank: Optional[int]
@@ -69,19 +72,20 @@ def form_generation(cfg: Config, rank: int, mesh: Mesh, shares: list[int], store
     divide its share. ``stage_output`` runs this stage's layers on an example input (no grad); it is
     given the generation's groups first (a sharded stage re-forms its FSDP wrapping on them)."""
     replica, stage = mesh.coords(rank)
-    shard = mesh.shard(rank)
+    shard, tp_index = mesh.shard(rank), mesh.tp_index(rank)
     is_first, is_last = stage == 0, stage == mesh.pp - 1
     backend = "nccl" if cfg.resources.use_gpu else "gloo"
     groups = init_groups(mesh, rank, store, number, backend, cfg.elastic.detect_timeout_s)
-    prev_rank = None if is_first else mesh.rank(replica=replica, shard=shard, stage=stage - 1)
-    next_rank = None if is_last else mesh.rank(replica=replica, shard=shard, stage=stage + 1)
+    prev_rank = None if is_first else mesh.rank(replica=replica, shard=shard, stage=stage - 1, tp=tp_index)
+    next_rank = None if is_last else mesh.rank(replica=replica, shard=shard, stage=stage + 1, tp=tp_index)
     on_groups(groups)
     tail, dtype = _exchange_shapes(cfg.model.seq_len, prev_rank, next_rank, stage_output, device)
     par = cfg.parallel
     plan = tuple(schedule.build_plan(par.schedule, mesh.pp, par.microbatches, par.split_backward)[stage])
     slices = data.even_shares(shares[replica], mesh.fsdp)
     return Generation(
-        number=number, mesh=mesh, rank=rank, replica=replica, stage=stage, shard=shard, is_first=is_first,
+        number=number, mesh=mesh, rank=rank, replica=replica, stage=stage, shard=shard, tp_index=tp_index,
+        is_first=is_first,
         is_last=is_last, prev_rank=prev_rank, next_rank=next_rank, plan=plan,
         split_mbs=frozenset(schedule.split_microbatches(list(plan))),
         last_grad_action=schedule.last_gradient_action(list(plan)),

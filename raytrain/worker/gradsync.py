@@ -100,3 +100,39 @@ class GradientBuckets:
     def scale_(self, factor: float) -> None:
         for b in self.buffers:
             b.mul_(factor)
+
+
+def clip_global_norm(grads, clip: float, groups: Sequence[Optional[dist.ProcessGroup]],
+                     tp_group: Optional[dist.ProcessGroup] = None) -> Optional[float]:
+    """The global gradient norm over all shards and stages (``groups``: the fsdp group, then the pp group;
+    the dp replicas already agree), with ``grads`` scaled down to ``clip`` when above it; None with
+    clipping off (``clip`` 0: no collective). ``grads``: GradientBuckets or a sharded stage's gradients.
+    With a ``tp_group``, ``grads`` are a tensor-parallel stage's: the squares of its split gradients are
+    summed over the tp group, its replicated ones (whole on every tp rank) counted once."""
+    if clip == 0:
+        return None
+    if tp_group is not None:
+        split, whole = grads.squared_norms()
+        dist.all_reduce(split, group=tp_group)
+        sq = split + whole
+    else:
+        sq = grads.squared_norm()
+    for group in groups:
+        if group is not None:
+            dist.all_reduce(sq, group=group)
+    norm = float(sq.sqrt())
+    coef = clip / (norm + 1e-6)
+    if coef < 1.0:
+        grads.scale_(coef)
+    return norm
+
+
+def squared_norms_by_split(params: Sequence[torch.Tensor], split: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sums of squares of the gradients of the tp-split parameters and of the others (the global norm sums
+    the first over the tp group and counts the second once per tp group)."""
+    split_sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
+    whole_sq = torch.zeros_like(split_sq)
+    for p, is_split in zip(params, split):
+        if p.grad is not None:
+            (split_sq if is_split else whole_sq).add_(p.grad.float().pow(2).sum())
+    return split_sq, whole_sq

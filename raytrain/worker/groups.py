@@ -24,6 +24,8 @@ class Groups:
     """This rank's pipeline group; None when pp == 1."""
     fsdp_group: Optional[dist.ProcessGroup] = None
     """This rank's sharding group; None when fsdp == 1."""
+    tp_group: Optional[dist.ProcessGroup] = None
+    """This rank's tensor-parallel group (consecutive ranks, one node); None when tp == 1."""
 
 
 def init_groups(
@@ -35,13 +37,9 @@ def init_groups(
     dist.init_process_group(
         backend, store=prefixed, rank=rank, world_size=mesh.world_size, timeout=timedelta(seconds=timeout_s)
     )
-    mine = {"dp": None, "pp": None, "fsdp": None}
+    mine = {"dp": None, "pp": None, "fsdp": None, "tp": None}
     # Every rank must create every group, in the same order.
-    for kind, size, members in (
-        ("dp", mesh.dp, [mesh.dp_ranks(s, f) for f in range(mesh.fsdp) for s in range(mesh.pp)]),
-        ("pp", mesh.pp, [mesh.pp_ranks(r, f) for r in range(mesh.dp) for f in range(mesh.fsdp)]),
-        ("fsdp", mesh.fsdp, [mesh.fsdp_ranks(r, s) for r in range(mesh.dp) for s in range(mesh.pp)]),
-    ):
+    for kind, size, members in _group_members(mesh):
         if size == 1:
             continue
         for ranks in members:
@@ -50,7 +48,18 @@ def init_groups(
             group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
             if rank in ranks:
                 mine[kind] = group
-    return Groups(mine["dp"], mine["pp"], mine["fsdp"])
+    return Groups(mine["dp"], mine["pp"], mine["fsdp"], mine["tp"])
+
+
+def _group_members(mesh: Mesh) -> list[tuple[str, int, list[list[int]]]]:
+    """(kind, size, member lists) of every group of the grid, in the order every rank creates them."""
+    replicas, shards, stages, tps = range(mesh.dp), range(mesh.fsdp), range(mesh.pp), range(mesh.tp)
+    return [
+        ("dp", mesh.dp, [mesh.dp_ranks(s, f, t) for f in shards for s in stages for t in tps]),
+        ("pp", mesh.pp, [mesh.pp_ranks(r, f, t) for r in replicas for f in shards for t in tps]),
+        ("fsdp", mesh.fsdp, [mesh.fsdp_ranks(r, s, t) for r in replicas for s in stages for t in tps]),
+        ("tp", mesh.tp, [mesh.tp_ranks(r, s, f) for r in replicas for f in shards for s in stages]),
+    ]
 
 
 def destroy_groups() -> None:

@@ -16,6 +16,11 @@ reductions are SUMs (``ShardedGrads``, the sharded counterpart of raytrain.worke
 
 A shard owns rows ``[start, stop)`` of dim 0 of every parameter (``shard_rows``: torch.chunk's cut,
 as FSDP2 makes it); checkpoints record them so any layout can reassemble or re-cut them.
+
+With parallel.tp > 1 (2-D, as torchtitan's ``parallelize_llama`` orders it) each layer is first split
+over the tp dimension of a (replicate, shard, tp) device mesh (raytrain.worker.tensor_parallel), then
+FSDP2 shards the tp parts: a worker owns rows of its tp rank's part of each parameter, boxes of the
+whole (``slices``), and the global norm sums the split parameters' squares over the tp group too.
 """
 
 from __future__ import annotations
@@ -31,11 +36,16 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import torch.distributed as dist
 
+from raytrain.checkpoint.assemble import slices_entry
 from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed, build_model
+from raytrain.models.tensor_plan import layer_plan, local_boxes, rows_of_stack, split_of
 from raytrain.worker.groups import Groups
+from raytrain.worker.tensor_parallel import local_part, parallelize_layers
+from raytrain.worker.gradsync import squared_norms_by_split
+from raytrain.worker.wrapping import adopt
 
 CommLog = Optional[list]
 """Where the traced collectives go: (name, start, end) tuples, or None when not tracing."""
@@ -51,7 +61,10 @@ def shard_rows(rows: int, fsdp: int, shard: int) -> tuple[int, int]:
 
 def device_mesh(groups: Groups, mesh: Mesh, rank: int, device_type: str) -> DeviceMesh:
     """The FSDP2 mesh of this worker's stage: its fsdp group, with its dp group as HSDP's replicate
-    dimension when there are replicas."""
+    dimension when there are replicas (and its tp group as the innermost dimension with parallel.tp > 1:
+    ``tp_device_mesh``)."""
+    if mesh.tp > 1:
+        return tp_device_mesh(groups, mesh, rank, device_type)
     if mesh.dp == 1:
         return DeviceMesh.from_group(groups.fsdp_group, device_type, mesh_dim_names=("shard",))
     _, stage = mesh.coords(rank)
@@ -60,47 +73,74 @@ def device_mesh(groups: Groups, mesh: Mesh, rank: int, device_type: str) -> Devi
                                  mesh_dim_names=("replicate", "shard"))
 
 
+def tp_device_mesh(groups: Groups, mesh: Mesh, rank: int, device_type: str) -> DeviceMesh:
+    """The (replicate, shard, tp) mesh of this worker's stage (no replicate dimension when dp == 1): FSDP2
+    shards over its ``shard`` (and replicates over ``replicate``) dimensions, DTensor splits each layer
+    over ``tp``, as torchtitan's 2-D parallelism does."""
+    replica, stage = mesh.coords(rank)
+    replicas = range(mesh.dp) if mesh.dp > 1 else [replica]
+    grid = [[[mesh.rank(replica=r, shard=f, stage=stage, tp=t) for t in range(mesh.tp)] for f in range(mesh.fsdp)]
+            for r in replicas]
+    if mesh.dp == 1:
+        return DeviceMesh.from_group([groups.fsdp_group, groups.tp_group], device_type, mesh=grid[0],
+                                     mesh_dim_names=("shard", "tp"))
+    return DeviceMesh.from_group([groups.dp_group, groups.fsdp_group, groups.tp_group], device_type, mesh=grid,
+                                 mesh_dim_names=("replicate", "shard", "tp"))
+
+
 class ShardedLayers:
     """This worker's rows of its stage's parameters, and the FSDP2 wrapping of each generation."""
 
-    def __init__(self, cfg: Config, layer_ids: list[int], shard: int, fsdp: int, device: torch.device):
-        self.cfg, self.shard, self.fsdp, self.device = cfg, shard, fsdp, device
+    def __init__(self, cfg: Config, layer_ids: list[int], shard: int, fsdp: int, device: torch.device,
+                 tp: int = 1, tp_index: int = 0):
+        """With ``tp`` > 1 (the built-in GPT) this worker is tp rank ``tp_index`` of its shard: it owns
+        rows of its tp part of each parameter (``slices``: boxes of the whole), not rows of the whole."""
+        self.cfg, self.shard, self.fsdp, self.device, self.tp = cfg, shard, fsdp, device, tp
         self.meta_layers, self.names, self.loss_fn, full_values, buffers = _meta_stage(cfg, layer_ids)
-        self.rows: list[tuple[int, int, int]] = []
-        """(start, stop, total rows) of each parameter that this shard owns."""
+        self.rows: Optional[list[tuple[int, int, int]]] = [] if tp == 1 else None
+        """(start, stop, total rows) of each parameter that this shard owns (None with tp > 1)."""
+        self.slices: Optional[list] = [] if tp > 1 else None
+        """With tp > 1: the checkpoint's ``slices`` entry of each parameter (the boxes this worker holds)."""
+        self.split: list[bool] = []
+        """Whether each parameter is split over the tp group (never, with tp == 1)."""
         self.params: list[torch.Tensor] = []
-        for value in full_values():
-            start, stop = shard_rows(value.shape[0], fsdp, shard)
-            self.rows.append((start, stop, value.shape[0]))
-            self.params.append(value[start:stop].clone().to(device))
+        parts = _tp_parts(self.meta_layers, tp, tp_index)
+        for value, (boxes, split) in zip(full_values(), parts):
+            self._own(value, boxes, split)
         self.buffers = [b.to(device) for b in buffers]
         """The stage's buffers (rotary tables, masks: not sharded), in module order."""
         self.module: Optional[nn.Module] = None
         self.comm_log: CommLog = None
+
+    def _own(self, value: torch.Tensor, boxes, split: bool) -> None:
+        """Take this shard's rows of ``value`` (of its tp part of it, stacked by ``boxes``, with tp > 1)."""
+        if self.slices is None:
+            start, stop = shard_rows(value.shape[0], self.fsdp, self.shard)
+            self.rows.append((start, stop, value.shape[0]))
+            self.params.append(value[start:stop].clone().to(self.device))
+            self.split.append(False)
+            return
+        local = local_part(value, boxes)
+        start, stop = shard_rows(local.shape[0], self.fsdp, self.shard)
+        self.slices.append(slices_entry(rows_of_stack(boxes, start, stop), tuple(value.shape)))
+        self.params.append(local[start:stop].clone().to(self.device))
+        self.split.append(split)
 
     def wrap(self, groups: Groups, mesh: Mesh, rank: int, optimizer: torch.optim.Optimizer) -> "ShardedGrads":
         """Shard a fresh copy of the stage on this generation's groups, holding the current values;
         ``params`` and ``optimizer`` then step its shards. Collective-free."""
         assert mesh.fsdp == self.fsdp and mesh.shard(rank) == self.shard, (mesh, rank, self.shard)
         layers = copy.deepcopy(self.meta_layers)
+        grid = device_mesh(groups, mesh, rank, self.device.type)
+        if self.tp > 1:  # 2-D: split each layer over tp first, then shard the tp parts
+            layers = parallelize_layers(layers, grid["tp"])
+            grid = grid["replicate", "shard"] if mesh.dp > 1 else grid["shard"]
         if self.cfg.train.activation_checkpointing:
             layers = [Recomputed(layer) for layer in layers]
-        module = _fully_shard_stage(layers, device_mesh(groups, mesh, rank, self.device.type), self)
-        module.to_empty(device=self.device)
-        dparams = list(module.parameters())
-        with torch.no_grad():
-            buffers = list(module.buffers())
-            assert len(buffers) == len(self.buffers), (len(buffers), len(self.buffers))
-            for buffer, value in zip(buffers, self.buffers):  # to_empty left them uninitialised
-                buffer.copy_(value)
-            local = [p.to_local() for p in dparams]  # views of FSDP's sharded storage
-            for new, old in zip(local, self.params):
-                assert new.shape == old.shape, (new.shape, old.shape)
-                new.copy_(old)
-        _repoint(optimizer, self.params, local)
-        self.params[:] = local
+        module = _fully_shard_stage(layers, grid, self)
+        dparams = adopt(module, self.device, self.buffers, self.params, optimizer)
         self.module = module
-        return ShardedGrads(module, dparams, self.params)
+        return ShardedGrads(module, dparams, self.params, self.split)
 
     def release(self) -> None:
         """Drop the wrapping (its groups are going); ``params`` keep the values and the prepared gradients.
@@ -111,6 +151,16 @@ class ShardedLayers:
         for the timeout instead of failing at once."""
         self.module = None
         clear_dtensor_sharding_cache()
+
+
+def _tp_parts(meta_layers: list[nn.Module], tp: int, index: int) -> list[tuple[list, bool]]:
+    """(boxes tp rank ``index`` holds, whether split) of every parameter of the stage, in order; with
+    tp == 1, ``(None, False)`` each."""
+    if tp == 1:
+        return [(None, False)] * sum(1 for layer in meta_layers for _ in layer.parameters())
+    return [(local_boxes(layer_plan(layer), name, tuple(p.shape), tp, index),
+             split_of(layer_plan(layer), name) is not None)
+            for layer in meta_layers for name, p in layer.named_parameters()]
 
 
 def _meta_stage(cfg: Config, layer_ids: list[int]):
@@ -204,24 +254,16 @@ def _fully_shard_stage(layers: list[nn.Module], mesh: DeviceMesh, owner: Sharded
     return root
 
 
-def _repoint(optimizer: torch.optim.Optimizer, old: list[torch.Tensor], new: list[torch.Tensor]) -> None:
-    """Move the optimizer's parameters and their state from ``old`` to ``new`` (same order and shapes)."""
-    by_old = {id(o): n for o, n in zip(old, new)}
-    state = dict(optimizer.state)
-    optimizer.state.clear()
-    optimizer.state.update({by_old[id(p)]: s for p, s in state.items()})
-    for group in optimizer.param_groups:
-        group["params"] = [by_old[id(p)] for p in group["params"]]
-
-
 class ShardedGrads:
     """GradientBuckets' contract for a sharded stage: ``zero`` before a step, ``arm`` before its last
     backward (FSDP2 then reduces: earlier micro-batches accumulate unsharded gradients locally),
     ``finish`` after it, then the norm and scaling act on this shard's reduced gradients, which the
     optimizer's plain ``params`` see as their ``.grad``."""
 
-    def __init__(self, module: nn.Module, dparams: list[nn.Parameter], params: list[torch.Tensor]):
+    def __init__(self, module: nn.Module, dparams: list[nn.Parameter], params: list[torch.Tensor],
+                 split: Optional[list[bool]] = None):
         self.module, self.dparams, self.params = module, dparams, params
+        self.split = split or [False] * len(params)
 
     def zero(self) -> None:
         for p in self.dparams + self.params:
@@ -243,11 +285,13 @@ class ShardedGrads:
 
     def squared_norm(self) -> torch.Tensor:
         """Sum of squares of this shard's gradients (the global norm sums it over the fsdp and pp groups)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
-        for p in self.params:
-            if p.grad is not None:
-                total += p.grad.float().pow(2).sum()
-        return total
+        split, whole = self.squared_norms()
+        return split + whole
+
+    def squared_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sums of squares of this shard's tp-split and of its other gradients (with tp > 1 the global norm
+        sums the first over the tp group too)."""
+        return squared_norms_by_split(self.params, self.split)
 
     def scale_(self, factor: float) -> None:
         for p in self.params:

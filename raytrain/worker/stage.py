@@ -3,7 +3,8 @@ slice and executor.
 
 Hosted by the ``StageWorker`` actor (raytrain.worker.actor). A worker's stage and shard are fixed for its
 life; its place in the grid is not. With parallel.fsdp > 1 the stage's parameters, gradients and
-optimizer state are sharded over its fsdp group with FSDP2 (raytrain.worker.sharded), re-wrapped on the
+optimizer state are sharded over its fsdp group with FSDP2 (raytrain.worker.sharded); with parallel.tp > 1
+each layer is split over its tp group (raytrain.worker.tensor_parallel); either is re-wrapped on the
 groups of every generation it joins. Contract: ``join`` a generation (collective over its members)
 -> optional ``load`` or ``sync_state`` -> ``run_step(step)`` for every step in order (``evaluate``
 between two steps when asked) -> ``save`` on replica 0 of each stage when asked. After a failure the
@@ -31,7 +32,7 @@ import math
 import os
 import resource
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,16 +42,17 @@ from raytrain import checkpoint, data
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.models.layers import Recomputed, build_model
-from raytrain.reports import EvalReport, JoinReport, ShardReport, StepReport
-from raytrain.optim import apply_step, make_optimizer
+from raytrain.reports import BackgroundSave, EvalReport, JoinReport, ShardReport, StepReport
+from raytrain.reports.oom import reraise_out_of_memory
+from raytrain.optim.optimizer import apply_step, make_optimizer
 from raytrain.testing.faults import PhaseHook, phase_hook
+from raytrain.worker.saving import ShardSaves
 from raytrain.worker.executor import PlanExecutor
 from raytrain.worker.generation import Generation, form_generation
-from raytrain.worker.gradsync import GradientBuckets
+from raytrain.worker.gradsync import GradientBuckets, clip_global_norm
 from raytrain.worker.groups import Groups, destroy_groups
-from raytrain.worker.sharded import ShardedLayers
 from raytrain.worker.stage_eval import HeldOutLoss
-from raytrain.worker.stage_state import StageState, all_finite
+from raytrain.worker.stage_state import StageState
 
 HookFactory = Callable[[list[str], int, int, int], PhaseHook]
 """(fault specs, replica, stage, shard) -> the hook of the worker at that slot."""
@@ -59,31 +61,35 @@ HookFactory = Callable[[list[str], int, int, int], PhaseHook]
 class Stage:
     """The layers of one stage of one replica, and how to train them; see the module docstring."""
 
-    def __init__(self, cfg: Config, data_path: str, num_samples: int, stage: int, layer_ids: list[int],
-                 make_hook: HookFactory = phase_hook, shard: int = 0):
+    def __init__(self, cfg: Config, source: data.DataSource, num_samples: int, stage: int, layer_ids: list[int],
+                 make_hook: HookFactory = phase_hook, shard: int = 0, tp: int = 0):
         self.cfg = cfg
-        self.data_path, self.num_samples = data_path, num_samples
+        self.source, self.num_samples = source, num_samples
         torch.set_num_threads(cfg.resources.cpus_per_worker)
         self.device = torch.device("cuda", 0) if cfg.resources.use_gpu else torch.device("cpu")
         if cfg.resources.use_gpu:
             torch.cuda.set_device(self.device)
-        self.stage, self.shard_index = stage, shard
-        # with parallel.fsdp > 1: this shard's rows, wrapped per generation (its first join makes the executor)
-        self.sharded, module, names, self.loss_fn = _stage_layers(cfg, layer_ids, shard, self.device)
+        self.stage, self.shard_index, self.tp_index = stage, shard, tp
+        # with parallel.fsdp > 1: this shard's rows, with parallel.tp > 1: this tp rank's boxes, wrapped per
+        # generation (its first join makes the executor)
+        self.sharded, module, names, self.loss_fn = _stage_layers(cfg, layer_ids, shard, tp, self.device)
         self.params = self.sharded.params if self.sharded is not None else list(module.parameters())
         self.grads = None if self.sharded is not None else GradientBuckets(self.params, None)
         self.executor = None if self.sharded is not None else self._executor(module)
         self.optimizer = make_optimizer(self.params, cfg.train)
+        held = self.sharded
+        written = held.split if held is not None and tp > 0 else None  # tp rank 0 writes the parts all hold
         self.state = StageState(names, self.params, self.optimizer, self.device, cfg.train.fused_optimizer,
-                                self.sharded.rows if self.sharded is not None else None)
-        self.dataset: Optional[data.TokenDataset] = None  # loaded on the first join (first and last stages)
-        self.held_out = HeldOutLoss(cfg, data_path, num_samples, self.device)
+                                held.rows if held else None, held.slices if held else None, written)
+        self.dataset: Optional[data.Dataset] = None  # opened on the first join (first and last stages)
+        self.held_out = HeldOutLoss(cfg, source, num_samples, self.device)
         self.committed = 0  # steps applied so far; the next step to run
         self.prepared: Optional[int] = None  # a step whose gradients are reduced but not yet applied
         self.gen: Optional[Generation] = None  # the generation this worker is a member of (None after leave)
         self.rank: Optional[int] = None  # its rank in the last generation it joined: reports after leave name it
         self.make_hook = make_hook
         self.hook = PhaseHook()  # called at every phase point; the last join's faults arm it
+        self.saves = ShardSaves(self.state, stage, _part(cfg, shard, tp) if self.sharded is not None else None)
         self.joins = 0  # join attempts so far, successful or not
 
     # --- membership ------------------------------------------------------------------------------
@@ -94,13 +100,13 @@ class Stage:
         self.leave()
         self.joins += 1
         replica, stage = mesh.coords(rank)
-        assert (stage, mesh.shard(rank)) == (self.stage, self.shard_index), \
-            f"worker of stage {self.stage} shard {self.shard_index} placed at {mesh.label(rank)}"
+        assert (stage, mesh.shard(rank), mesh.tp_index(rank)) == (self.stage, self.shard_index, self.tp_index), \
+            f"worker of stage {self.stage} shard {self.shard_index} tp {self.tp_index} placed at {mesh.label(rank)}"
         self.rank, self.hook = rank, self.make_hook(faults, replica, stage, self.shard_index)
         if generation > 0:  # generation 0 is the start; a join fault names a repair's
             self.hook("join", self.committed)
         if self.dataset is None and stage in (0, mesh.pp - 1):
-            self.dataset = data.open_dataset(self.data_path, self.cfg)
+            self.dataset = data.open_dataset(self.source.train, self.cfg)  # files open as steps reach them
         self.gen = form_generation(self.cfg, rank, mesh, shares, store, generation,
                                    lambda example: self.executor.output_of(example), self.device,
                                    on_groups=lambda groups: self._on_groups(groups, mesh, rank))
@@ -152,6 +158,13 @@ class Stage:
     # --- one step ---------------------------------------------------------------------------------
 
     def run_step(self, step: int, trace: bool = False) -> StepReport:
+        """Run ``step``; returns its metrics with ``ok``, and the background save once it has finished."""
+        self.saves.writer.release()  # a background save's write runs beside this step
+        report = self._run_step(step, trace)
+        report.saved = self.saves.writer.finished()
+        return report
+
+    def _run_step(self, step: int, trace: bool) -> StepReport:
         """Run ``step``; returns its metrics with ``ok``. A failed collective returns ``ok=False``.
 
         A step the coordinator sent ahead of one that failed here finds no groups, or finds the
@@ -176,6 +189,7 @@ class Stage:
             report.wall_s += time.perf_counter() - t0
             report.ok = True
         except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
+            reraise_out_of_memory(e)  # not a peer's failure: this worker leaves the run (raytrain.worker.actor)
             report.error = f"{type(e).__name__}: {str(e)[:300]}"
             e.__traceback__ = None  # its frames hold the step's buffers, and through them the groups
             # Close our connections now: peers blocked on us (not on the dead worker) fail at once
@@ -225,18 +239,19 @@ class Stage:
         self.hook("allreduce", step)  # peers are all-reducing now
         self.grads.finish()
         t_reduced = time.perf_counter()
-        grad_norm = self._clip_gradients()
+        grad_norm = clip_global_norm(self.grads, cfg.train.grad_clip, (gen.groups.fsdp_group, gen.groups.pp_group),
+                                     tp_group=gen.groups.tp_group)
         t_end = time.perf_counter()
         report.busy_s, report.wall_s, report.pipeline_s = buf.busy_s, t_end - t_start, t_sync - t_start
         report.peak_live, report.grad_norm, report.samples = buf.peak_live, grad_norm, len(ids)
         report.peak_mem_mb = peak_memory_mb(self.device)
-        if gen.is_last:
+        if gen.is_last and gen.tp_index == 0:  # the other tp ranks computed the same loss
             report.loss_sum = float(buf.loss_sum)
         if trace:
             events = buf.events + [("allreduce wait", t_sync, t_reduced), ("clip", t_reduced, t_end)]
             events += self.sharded.comm_log if self.sharded is not None else []
             report.events = [(name, a - t_start, b - t_start) for name, a, b in events]
-        if cfg.run.record_samples and gen.is_first:
+        if cfg.run.record_samples and gen.is_first and gen.tp_index == 0:
             report.sample_ids = ids
 
     def evaluate(self) -> EvalReport:
@@ -250,47 +265,33 @@ class Stage:
         try:
             loss_sum, rows = self.held_out.loss_sum(self.executor, self.gen, self.committed, self.dataset)
         except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
+            reraise_out_of_memory(e)  # not a peer's failure: this worker leaves the run (raytrain.worker.actor)
             report.error = f"{type(e).__name__}: {str(e)[:300]}"
             e.__traceback__ = None
             self.leave()
             return report
-        if self.gen.is_last:
+        if self.gen.is_last and self.gen.tp_index == 0:
             report.loss_sum, report.rows = loss_sum, rows
         report.ok = True
         return report
-
-    def _clip_gradients(self) -> Optional[float]:
-        """Global gradient norm over all shards and stages (the dp replicas already agree), clipped to
-        train.grad_clip; None with clipping off (no collective: ``_finite`` still checks each worker's)."""
-        clip = self.cfg.train.grad_clip
-        if clip == 0:
-            return None
-        sq = self.grads.squared_norm()
-        for group in (self.gen.groups.fsdp_group, self.gen.groups.pp_group):  # shards, then stages
-            if group is not None:
-                dist.all_reduce(sq, group=group)
-        norm = float(sq.sqrt())
-        coef = clip / (norm + 1e-6)
-        if coef < 1.0:
-            self.grads.scale_(coef)
-        return norm
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.resources.bf16)
 
     # --- state ----------------------------------------------------------------------------------
 
-    def shard(self) -> dict[str, Any]:
-        """This stage's model and optimizer state, keyed by global parameter name, on the CPU."""
-        return self.state.shard()
-
     def save(self, ckpt_dir: str) -> ShardReport:
         """Write this stage's shard (its rows of it, when sharded) into ``ckpt_dir``; what the manifest
         records of it."""
-        part = self.shard_index if self.sharded is not None else None
-        shard, name = self.shard(), checkpoint.shard_name(self.stage, part)
-        self.hook("checkpoint", self.committed, file=checkpoint.join_uri(ckpt_dir, name))
-        return ShardReport(entry=checkpoint.save_shard(ckpt_dir, self.stage, shard, part), finite=all_finite(shard))
+        return self.saves.save(ckpt_dir, self.committed, self.hook)
+
+    def start_save(self, ckpt_dir: str) -> float:
+        """Snapshot this stage's shard and write it in the background; the seconds training stalled."""
+        return self.saves.start(ckpt_dir, self.committed, self.hook)
+
+    def finish_save(self) -> Optional[BackgroundSave]:
+        """Wait for the background save in flight; its result (None if none was started)."""
+        return self.saves.writer.wait()
 
     def load(self, ckpt_dir: str) -> None:
         """Take this stage's parameters and optimizer state from any layout's checkpoint."""
@@ -302,13 +303,28 @@ class Stage:
         return self.state.digest(self.committed)
 
     def shutdown(self) -> None:
+        self.saves.writer.wait()  # a shard being written is not cut off
         self.leave()
 
 
-def _stage_layers(cfg: Config, layer_ids: list[int], shard: int, device: torch.device):
-    """(sharded layers or None, the replicated module or None, global parameter names, loss function)."""
+def _part(cfg: Config, shard: int, tp: int) -> int:
+    """Which file of its stage a worker writes: one per (shard, tp rank)."""
+    return shard * cfg.parallel.tp + tp
+
+
+def _stage_layers(cfg: Config, layer_ids: list[int], shard: int, tp: int, device: torch.device):
+    """(sharded or tensor-parallel layers, or None; the replicated module or None; global parameter names;
+    loss function)."""
+    if cfg.parallel.tp > 1 and cfg.parallel.fsdp == 1:
+        from raytrain.worker.tensor_parallel import TensorParallelLayers  # DTensor: imported only when used
+
+        split = TensorParallelLayers(cfg, layer_ids, tp, cfg.parallel.tp, device)
+        return split, None, split.names, split.loss_fn
     if cfg.parallel.fsdp > 1:
-        sharded = ShardedLayers(cfg, layer_ids, shard, cfg.parallel.fsdp, device)
+        # Imported here: FSDP2 and DTensor take a second to import, which a replicated stage's start-up skips.
+        from raytrain.worker.sharded import ShardedLayers
+
+        sharded = ShardedLayers(cfg, layer_ids, shard, cfg.parallel.fsdp, device, cfg.parallel.tp, tp)
         return sharded, None, sharded.names, sharded.loss_fn
     module, names, loss_fn = _replicated_stage(cfg, layer_ids, device)
     return None, module, names, loss_fn

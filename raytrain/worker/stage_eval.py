@@ -25,18 +25,19 @@ from raytrain.worker.generation import Generation, for_evaluation
 class HeldOutLoss:
     """One stage's evaluator: where its held-out rows are, and the forward passes over them."""
 
-    def __init__(self, cfg: Config, data_path: str, num_samples: int, device: torch.device):
+    def __init__(self, cfg: Config, source: data.DataSource, num_samples: int, device: torch.device):
         self.cfg, self.device = cfg, device
-        self.path, self.first = data.held_out_source(cfg, data_path, num_samples)
-        self.dataset: Optional[data.TokenDataset] = None  # data.eval_path's rows, opened on first use
+        self.source, self.num_samples = source, num_samples  # read at the first evaluation
+        self.dataset: Optional[data.Dataset] = None  # data.eval_path's rows, opened on first use
 
     def loss_sum(self, executor: PlanExecutor, gen: Generation, step: int,
-                 train_rows: Optional[data.TokenDataset]) -> tuple[float, int]:
+                 train_rows: Optional[data.Dataset]) -> tuple[float, int]:
         """Sum over this worker's share of the held-out rows of their mean next-token loss (meaningful
         on the last stage only), and how many rows that share is, run by the stage's executor of this
         generation. ``train_rows``: the stage's training dataset (data.eval_fraction's rows follow its
         training rows); ``step`` only labels the pass."""
         plan, rows, B = for_evaluation(gen), self._rows(gen, train_rows), self.cfg.train.global_batch
+        first = data.held_out_source(self.cfg, self.source, self.num_samples)[1]
         module, total = executor.module, 0.0
         was_training = module.training
         module.eval()
@@ -45,20 +46,19 @@ class HeldOutLoss:
                 for batch in range(self.cfg.eval.batches):
                     x = y = None
                     if rows is not None:
-                        ids = data.held_out_ids(self.first, batch, B, gen.batch_offset, gen.batch_offset + gen.share)
+                        ids = data.held_out_ids(first, batch, B, gen.batch_offset, gen.batch_offset + gen.share)
                         x, y = (t.to(self.device, non_blocking=True) for t in rows.batch(ids))
                     total += float(executor.run(plan, step, x, y, PhaseHook(), trace=False).loss_sum)
         finally:
             module.train(was_training)
         return total, self.cfg.eval.batches * gen.share
 
-    def _rows(self, gen: Generation, train_rows: Optional[data.TokenDataset]) -> Optional[data.TokenDataset]:
+    def _rows(self, gen: Generation, train_rows: Optional[data.Dataset]) -> Optional[data.Dataset]:
         """The dataset the held-out rows are read from (first and last stages only; None elsewhere)."""
         if not (gen.is_first or gen.is_last):
             return None
         if self.cfg.data.eval_path is None:
             return train_rows
         if self.dataset is None:
-            cfg = self.cfg
-            self.dataset = data.open_dataset(self.path, cfg)
+            self.dataset = data.open_dataset(data.held_out_source(self.cfg, self.source, self.num_samples)[0], self.cfg)
         return self.dataset

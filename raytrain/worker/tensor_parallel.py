@@ -1,0 +1,167 @@
+"""A stage's layers split over its tp group with DTensor tensor parallelism (``parallelize_module``).
+
+Contract, as raytrain.worker.sharded's for FSDP2: ``TensorParallelLayers(cfg, layer_ids, index, tp, device)``
+holds this tp rank's part of every parameter of its stage as plain tensors (``params``, in the stage's
+parameter order), cut by each layer's plan (raytrain.models.tensor_plan: colwise and rowwise linears
+split, everything else whole) from the values every layout gives them: the built-in GPT is built on the
+meta device and each layer is materialised alone, by its (seed, layer index) rule, to take this rank's
+boxes of it (``slices``: what checkpoints record). Every generation, ``wrap(groups, mesh, rank,
+optimizer)`` parallelises a fresh meta copy of the stage over a 1-D device mesh made from that
+generation's tp group (``DeviceMesh.from_group``), copies ``params`` into it and re-points ``params`` and
+the optimizer at its local tensors: a wrapping holds one generation's groups, which die with it, while
+the values and AdamW's state are plain tensors that survive a re-forming.
+
+Gradients: a split parameter's gradient is its DTensor gradient's local part (redistributed to the
+parameter's own placement first, should autograd leave it partial); a replicated parameter (norms,
+embedding, head, rowwise biases) sees the same full activations and output gradients on every tp rank
+(ColwiseParallel all-reduces its input's gradient), so its gradient is whole and identical there. With
+dp > 1 they are summed over the dp group (``TensorParallelGrads``). The global norm counts the split
+parameters' squares summed over the tp group and the replicated ones once (raytrain.worker.gradsync).
+
+This class serves parallel.tp alone (with dp and pp); with parallel.fsdp > 1 the stage is 2-D and
+raytrain.worker.sharded's ``ShardedLayers`` applies ``parallelize_layers`` before FSDP2.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from raytrain.checkpoint.assemble import slices_entry
+from raytrain.compat import clear_dtensor_sharding_cache
+from raytrain.config import Config
+from raytrain.config.mesh import Mesh
+from raytrain.models.layers import Recomputed, build_model
+from raytrain.models.tensor_plan import Box, layer_plan, local_boxes, split_of
+from raytrain.worker.groups import Groups
+from raytrain.worker.gradsync import squared_norms_by_split
+from raytrain.worker.wrapping import adopt
+
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def local_part(value: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
+    """The boxes of ``value`` stacked along dim 0 (a copy): what a tp rank holds of it."""
+    return torch.cat([value[tuple(slice(a, b) for a, b in box)] for box in boxes]).clone()
+
+
+def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh) -> list[nn.Module]:
+    """Apply each layer's plan (raytrain.models.tensor_plan) over ``tp_mesh``, in place; the layers."""
+    for layer in layers:
+        plan = {name: STYLES[style]() for name, (style, _) in layer_plan(layer).items()}
+        if plan:  # every rank holds the same (meta) values: no scatter from a source rank
+            parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
+    return layers
+
+
+class TensorParallelLayers:
+    """This tp rank's part of its stage's parameters, and the tensor-parallel wrapping of each generation."""
+
+    rows = None  # a tp rank holds boxes (``slices``), not FSDP's rows
+
+    def __init__(self, cfg: Config, layer_ids: list[int], index: int, tp: int, device: torch.device):
+        self.cfg, self.index, self.tp, self.device = cfg, index, tp, device
+        with torch.device("meta"):
+            spec = build_model(cfg.model, cfg.train.seed, layer_ids)
+        self.meta_layers, self.names, self.loss_fn = spec.layers, spec.param_names(), spec.loss_fn
+        self.slices: list[list] = []
+        """Of each parameter, the boxes of the whole that this rank holds, stacked along dim 0, as the
+        checkpoint's ``slices`` record them (raytrain.checkpoint.assemble.slices_entry)."""
+        self.params: list[torch.Tensor] = []
+        self.split: list[bool] = []
+        """Whether each parameter is split over the tp group (else every tp rank holds it whole)."""
+        self.buffers: list[torch.Tensor] = []
+        for layer_id in layer_ids:  # one whole layer at a time
+            layer = build_model(cfg.model, cfg.train.seed, [layer_id]).layers[0]
+            plan = layer_plan(layer)
+            self.buffers += [b.detach().clone().to(device) for b in layer.buffers()]
+            for name, value in layer.named_parameters():
+                boxes = local_boxes(plan, name, tuple(value.shape), tp, index)
+                self.slices.append(slices_entry(boxes, tuple(value.shape)))
+                self.split.append(split_of(plan, name) is not None)
+                self.params.append(local_part(value.detach(), boxes).to(device))
+        self.module: Optional[nn.Module] = None
+        self.comm_log = None  # the trace of FSDP's collectives; DTensor's are not traced
+
+    def wrap(self, groups: Groups, mesh: Mesh, rank: int, optimizer: torch.optim.Optimizer) -> "TensorParallelGrads":
+        """Parallelise a fresh copy of the stage on this generation's tp group, holding the current values;
+        ``params`` and ``optimizer`` then step its local tensors. Collective-free."""
+        assert mesh.tp == self.tp and mesh.tp_index(rank) == self.index, (mesh, rank, self.index)
+        tp_mesh = DeviceMesh.from_group(groups.tp_group, self.device.type, mesh_dim_names=("tp",))
+        layers = parallelize_layers(copy.deepcopy(self.meta_layers), tp_mesh)
+        if self.cfg.train.activation_checkpointing:
+            layers = [Recomputed(layer) for layer in layers]
+        module = nn.Sequential(*layers)
+        dparams = adopt(module, self.device, self.buffers, self.params, optimizer)
+        self.module = module
+        return TensorParallelGrads(dparams, self.params, self.split, groups.dp_group)
+
+    def release(self) -> None:
+        """Drop the wrapping (its groups are going); ``params`` keep the values and the prepared gradients.
+        DTensor's sharding cache holds the device mesh: cleared too (raytrain.worker.sharded says why)."""
+        self.module = None
+        clear_dtensor_sharding_cache()
+
+
+class TensorParallelGrads:
+    """GradientBuckets' contract for a tensor-parallel stage: ``zero`` before a step, ``arm`` before its
+    last backward (nothing to do: gradients accumulate locally), ``finish`` after it (local gradients
+    onto ``params``, summed over the dp group), then the norm and scaling act on them."""
+
+    def __init__(self, dparams: list[nn.Parameter], params: list[torch.Tensor], split: list[bool],
+                 dp_group: Optional[dist.ProcessGroup]):
+        self.dparams, self.params, self.split, self.group = dparams, params, split, dp_group
+
+    def zero(self) -> None:
+        for p in self.dparams + self.params:
+            p.grad = None
+
+    def arm(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        with torch.no_grad():
+            for dp, p in zip(self.dparams, self.params):
+                p.grad = _local_grad(dp, p)
+            if self.group is not None:
+                grads = [p.grad for p in self.params]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
+    def squared_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sums of squares of this rank's split and of its replicated gradients (the global norm sums the
+        first over the tp group and counts the second once)."""
+        return squared_norms_by_split(self.params, self.split)
+
+    def squared_norm(self) -> torch.Tensor:
+        """This rank's sum of squares (finite exactly when every gradient it holds is)."""
+        split, whole = self.squared_norms()
+        return split + whole
+
+    def scale_(self, factor: float) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+
+def _local_grad(dparam: nn.Parameter, param: torch.Tensor) -> torch.Tensor:
+    """This rank's gradient of ``param``: a DTensor's local part, in the parameter's own placement."""
+    grad = dparam.grad
+    if grad is None:
+        return torch.zeros_like(param)
+    if isinstance(grad, DTensor):
+        if tuple(grad.placements) != tuple(dparam.placements):
+            grad = grad.redistribute(dparam.device_mesh, dparam.placements)
+        grad = grad.to_local()
+    return grad

@@ -1,0 +1,123 @@
+"""Tensor parallelism (parallel.tp: DTensor colwise/rowwise over each block of the built-in GPT): the
+same math as one process in every composition, layout-independent checkpoints, and bad input refused."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from raytrain import checkpoint, train
+from raytrain.testing.reference import reference_eval_loss, train_reference
+from tests.forked_stages import run_stages
+from tests.helpers import assert_same_params, reference_state, relative_error
+
+TP = "resources.placement_strategy=STRICT_PACK"
+"""A tp group stays on one node: parallel.tp > 1 needs it."""
+
+
+@pytest.mark.parametrize("layout", [
+    ("parallel.tp=2",),
+    ("parallel.tp=2", "train.grad_clip=0.05"),  # every step clipped: the global norm counts each gradient once
+    ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"),
+    ("parallel.dp=2", "parallel.tp=2", "train.grad_clip=0.05"),
+    ("parallel.tp=2", "train.activation_checkpointing=true"),
+    ("parallel.fsdp=2", "parallel.tp=2", "train.grad_clip=0.05"),  # 2-D: FSDP2 over the tp parts
+    ("parallel.dp=2", "parallel.fsdp=2", "parallel.tp=2"),  # HSDP over the tp parts: a (replicate, shard, tp) mesh
+    ("parallel.fsdp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"),  # each stage 2-D
+], ids=["tp2", "tp2-clipped", "tp2-pp2", "dp2-tp2-clipped", "tp2-recompute", "fsdp2-tp2-clipped", "dp2-fsdp2-tp2",
+        "fsdp2-tp2-pp2"])
+def test_tensor_parallel_layouts_match_single_process(make_config, tmp_path, layout):
+    cfg = make_config(*layout, TP, "train.steps=3")
+    model, _ = run_stages(cfg, str(tmp_path))
+    assert_same_params(model, reference_state(cfg))
+    # the parameters every tp rank holds the same part of (norms, embedding, head, rowwise biases) stayed
+    # identical; only tp rank 0 writes them
+    for stage in range(cfg.parallel.pp):
+        for shard in range(cfg.parallel.fsdp):
+            files = [torch.load(tmp_path / f"stage{stage}-{shard}-{t}.pt", weights_only=True) for t in (0, 1)]
+            held = [torch.load(tmp_path / f"stage{stage}-{shard}-{t}-held.pt", weights_only=True) for t in (0, 1)]
+            split, same = set(files[1]["model"]), set(held[1]) - set(files[1]["model"])
+            assert set(files[0]["model"]) == set(held[0]) == split | same and split and same
+            assert all(torch.equal(held[0][n], held[1][n]) for n in same)
+            assert all(n.rsplit(".", 2)[1] in ("qkv", "proj", "fc", "out") for n in split), split
+
+
+def test_bf16_autocast_runs_inside_the_tensor_parallel_layers_with_fp32_master_weights(make_config, tmp_path):
+    # bf16 autocast around DTensor's colwise/rowwise matmuls: the run differs from fp32 by bf16's
+    # rounding (so autocast was on), stays close to it, and keeps fp32 parameters and AdamW state.
+    cfg = make_config("parallel.tp=2", TP, "train.steps=3", "resources.bf16=true")
+    model, _ = run_stages(cfg, str(tmp_path))
+    want = reference_state(cfg)  # the one-process reference runs in fp32
+    assert all(t.dtype == torch.float32 for t in model.values())
+    worst = max(relative_error(model[k], want[k]) for k in want)
+    assert 1e-6 < worst < 2e-2, worst
+    shard = torch.load(tmp_path / "stage0-0-0.pt", weights_only=True)
+    assert all(t.dtype == torch.float32 for t in shard["model"].values())
+
+
+@pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.fsdp=2", "parallel.tp=2")], ids=["tp2", "fsdp2-tp2"])
+def test_a_new_generation_rewraps_the_layers_on_its_groups_and_keeps_the_trajectory(make_config, tmp_path, layout):
+    # what a repair does to survivors: their groups re-form, the stage is parallelised again on them,
+    # and the optimizer steps the new wrapping's local tensors with the state it had
+    cfg = make_config(*layout, TP, "train.steps=4")
+    model, _ = run_stages(cfg, str(tmp_path), rejoin_at=2)
+    assert_same_params(model, reference_state(cfg))
+
+
+def test_bad_tensor_parallel_input_exits_2_before_ray_starts(tmp_path):
+    # the refusals themselves are in tests/test_config.py's table; here the CLI's exit and one line
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrain", "train", "--set", f"run.dir={tmp_path}", "--set", "parallel.tp=2",
+         "--set", f"model.hf={tmp_path}", "--set", "resources.placement_strategy=STRICT_PACK"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("config error: parallel.tp=2: not yet supported for Hugging Face / factory models (model.hf is set); "
+            "use parallel.fsdp") in proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_tp2_on_actors_checkpoints_slices_that_every_layout_resumes(ray_session, make_config, tmp_path):
+    # two workers split each block; each writes its own column and row slices of every split tensor
+    rows = "data.eval_fraction=0.05"  # held-out rows for eval.every (every config: it sets the training rows)
+    cfg = make_config("parallel.tp=2", TP, "train.steps=3", "run.record_samples=true", "eval.every=3", rows,
+                      f"checkpoint.dir={tmp_path / 'ckpts'}")
+    first = train(cfg)
+    assert sorted(first.state_digests) == ["0:0:0:0", "0:0:0:1"]
+    assert [r["layout"] for r in first.metrics] == ["dp=1 tp=2 pp=1"] * 3
+    reference, losses = train_reference(cfg)
+    # the loss, the held-out loss and the samples are tp rank 0's alone: the other rank read the same
+    assert [r["loss"] for r in first.metrics] == pytest.approx(losses, rel=1e-5)
+    assert first.metrics[-1]["eval_loss"] == pytest.approx(reference_eval_loss(cfg, reference), rel=1e-5)
+    ids = [i for r in first.metrics for i in r["sample_ids"]]
+    assert len(ids) == 3 * 8 and len(set(ids)) == len(ids)
+    manifest = checkpoint.read_manifest(first.checkpoint)
+    assert manifest["format"] == 4
+    assert sorted(s["file"] for s in manifest["shards"]) == ["stage-0-shard-0.pt", "stage-0-shard-1.pt"]
+    shard = torch.load(os.path.join(first.checkpoint, "stage-0-shard-1.pt"), weights_only=True)
+    assert shard["slices"]["1.fc.weight"] == [[64, 128, 128], [0, 32, 32]]  # rank 1's half of the MLP's rows
+    assert shard["slices"]["1.out.weight"] == [[0, 32, 32], [64, 128, 128]]  # ... and of the down projection's columns
+    assert shard["slices"]["1.qkv.weight"] == [[[16, 32, 96], [0, 32, 32]], [[48, 64, 96], [0, 32, 32]],
+                                               [[80, 96, 96], [0, 32, 32]]]  # its head of each of q, k and v
+    # what both ranks hold whole (norms, embedding, head, rowwise biases) is in rank 0's file alone
+    assert "1.ln1.weight" not in shard["model"] and "0.tok.weight" not in shard["optim"]
+    rank0 = torch.load(os.path.join(first.checkpoint, "stage-0-shard-0.pt"), weights_only=True)
+    assert rank0["slices"]["1.ln1.weight"] == [[0, 32, 32]] and rank0["model"]["0.tok.weight"].shape == (256, 32)
+    assert_same_params(checkpoint.load_state_dict(first.checkpoint), reference_state(cfg))
+    want = reference_state(make_config("train.steps=6", rows))
+    # on actors as dp=1 (whole stages load the reassembled boxes) ...
+    resumed = train(make_config("train.steps=6", rows, f"checkpoint.resume={first.checkpoint}"))
+    assert_same_params(checkpoint.load_state_dict(resumed.checkpoint), want)
+    # ... in forked stage workers as fsdp=2 (each shard reads its rows of the boxes) and as fsdp=2 x tp=2
+    # (each reads its rows of its own boxes) ...
+    for layout in (["parallel.fsdp=2"], ["parallel.fsdp=2", "parallel.tp=2", TP]):
+        model, _ = run_stages(make_config(*layout, "train.steps=6", rows, f"checkpoint.resume={first.checkpoint}"),
+                              str(tmp_path / "-".join(layout)))
+        assert_same_params(model, want)
+    # ... and in a plain process; and the dp=1 checkpoint resumes as tp=2 (each tp rank reads its boxes)
+    model, _ = train_reference(make_config("train.steps=6", rows), resume_from=first.checkpoint)
+    assert_same_params(dict(model.state_dict()), want)
+    model, _ = run_stages(make_config("parallel.tp=2", TP, "train.steps=8", rows,
+                                      f"checkpoint.resume={resumed.checkpoint}"), str(tmp_path / "tp2"))
+    assert_same_params(model, reference_state(make_config("train.steps=8", rows)))
