@@ -6,6 +6,7 @@ an added node, so removing that node kills exactly one worker, as losing a machi
 """
 
 import os
+import signal
 import time
 
 import pytest
@@ -13,8 +14,8 @@ import pytest
 from raytrain import checkpoint, data, train
 from raytrain.api import prepare
 from raytrain.control.coordinator import CapacityLost
-from tests.helpers import (LONG_RUN_LR, assert_replicas_identical, assert_same_params, hold_until_a_new_worker_starts,
-                           reference_state, stage_worker_pids)
+from tests.helpers import (LONG_RUN_LR, WhenPaused, assert_replicas_identical, assert_same_params,
+                           hold_until_a_new_worker_starts, pid_alive, reference_state, stage_worker_pids)
 
 
 @pytest.fixture
@@ -72,26 +73,36 @@ def test_node_lost_then_added_grows_back_to_max_dp(ray_cluster, worker_node, mak
 def test_capacity_below_min_dp_waits_then_fails_with_checkpoint_intact(ray_cluster, worker_node, make_config,
                                                                       tmp_path):
     # min_dp defaults to dp=2: losing the node leaves one replica and nowhere to start a second.
+    # Both replicas pause at the start of step 10, the node goes while they are held, and only then
+    # does the survivor go on: the run ends at a known step (10 committed), whatever the timing.
     cfg = make_config("parallel.dp=2", f"checkpoint.dir={tmp_path / 'ckpt'}", "train.steps=100000", "checkpoint.every=4",
-                      "elastic.capacity_wait_s=4", "resources.placement_strategy=STRICT_SPREAD", "run.trace_steps=0")
+                      "elastic.capacity_wait_s=4", "resources.placement_strategy=STRICT_SPREAD", "run.trace_steps=0",
+                      'elastic.faults=["0:0@10:pause","1:0@10:pause"]')
     seen = {"removed_at": None}
 
-    def on_rows(rows):
-        if seen["removed_at"] is None and any(r.get("step", 0) >= 9 and "loss" in r for r in rows):
-            ray_cluster.remove_node(worker_node, allow_graceful=False)
-            seen["removed_at"] = time.time()
+    def remove_the_node_then_resume_the_survivor(paused, started):
+        ray_cluster.remove_node(worker_node, allow_graceful=False)
+        seen["removed_at"] = time.time()
+        deadline = time.monotonic() + 20  # the removed node's worker dies with its raylet
+        while all(pid_alive(p) for p in paused) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in paused:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGCONT)
 
-    with pytest.raises(CapacityLost) as err:
-        train(cfg, on_rows=on_rows)
+    with WhenPaused(2, remove_the_node_then_resume_the_survivor, after_step=9) as watcher:
+        with pytest.raises(CapacityLost) as err:
+            train(cfg, on_rows=watcher.on_rows)
+    assert watcher.acted and seen["removed_at"] is not None
     waited = time.time() - seen["removed_at"]
     message = str(err.value)
     assert "elastic.min_dp=2" in message and "elastic.capacity_wait_s=4" in message, message
     assert 4 <= waited < 40, f"failed {waited:.1f}s after the node was lost; elastic.capacity_wait_s=4 bounds the wait"
     latest = checkpoint.latest(cfg.checkpoint.dir)
     assert latest is not None and latest in message
-    step = checkpoint.read_manifest(latest)["step"]
-    assert step >= 9  # the surviving replica saved the step the run reached, not only the last periodic save
-    assert_same_params(checkpoint.load_state_dict(latest), reference_state(cfg, steps=step))
+    # The surviving replica saved the step the run reached (10), not only the last periodic save (8).
+    assert checkpoint.read_manifest(latest)["step"] == 10
+    assert_same_params(checkpoint.load_state_dict(latest), reference_state(cfg, steps=10))
 
 
 def test_hybrid_losing_a_node_without_spare_capacity_carries_on_with_dp1(ray_cluster, add_node, make_config,
