@@ -92,7 +92,7 @@ def test_sigterm_to_the_whole_process_group_of_an_embedded_ray_exits_143_in_seco
         took = time.monotonic() - sent
     finally:
         proc.kill()
-    assert proc.returncode == 143, err[-3000:]
+    assert proc.returncode == 143, f"{err[-3000:]}\nstdout: {out[-1000:]}\n{_driver_core_log(proc.pid)}"
     assert took < 20, f"{took:.1f} s from the signal to the exit\n{err[-3000:]}"
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["stopped"] == "SIGTERM" and summary["checkpoint"] is not None
@@ -102,6 +102,13 @@ def test_sigterm_to_the_whole_process_group_of_an_embedded_ray_exits_143_in_seco
     while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(pid_alive(p) for p in workers), "a worker outlived the stopped run"
+
+
+def _driver_core_log(pid: int) -> str:
+    """The end of Ray's own log of the driver process ``pid`` (its core worker): where a driver that
+    Ray's C++ ended (an exit without a Python traceback) says why."""
+    logs = sorted(Path("/tmp/ray").glob(f"session_*/logs/python-core-driver-*_{pid}.log"))
+    return f"{logs[-1]}:\n{logs[-1].read_text(errors='replace')[-3000:]}" if logs else "no core-driver log"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
