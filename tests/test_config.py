@@ -51,7 +51,7 @@ def _rejected(overrides, tmp_path) -> ValueError:
          ["parallel.tp=3", "model.n_head=4", "divisor of 4"]),
         (["parallel.tp=2"], ["resources.placement_strategy='PACK'", "STRICT_PACK"]),
         (["parallel.tp=2", "model.factory=tests.factories:one_row_head", "resources.placement_strategy=STRICT_PACK"],
-         ["parallel.tp=2", "not yet supported for Hugging Face / factory models", "use parallel.fsdp"]),
+         ["parallel.tp=2", "not yet supported for model.factory models", "use parallel.fsdp"]),
         (["parallel.tp=2", "parallel.split_backward=true"], ["parallel.split_backward", "parallel.tp > 1"]),
         (["parallel.fsdp=2", "parallel.dp=1", "elastic.max_dp=5"], ["elastic.max_dp=5", "parallel.fsdp=2"]),
         (["model.vocab_size=128"], ["model.vocab_size=128", "built-in corpus", "bytes", ">= 256", "data.path"]),

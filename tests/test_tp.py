@@ -11,7 +11,8 @@ import torch
 from raytrain import checkpoint, train
 from raytrain.testing.reference import reference_eval_loss, train_reference
 from tests.forked_stages import run_stages
-from tests.helpers import assert_same_params, reference_state, relative_error
+from tests.helpers import LONG_RUN_LR, assert_same_params, reference_state, relative_error
+from tests.hf_models import assert_same_hf_params, write_hf_model
 
 TP = "resources.placement_strategy=STRICT_PACK"
 """A tp group stays on one node: parallel.tp > 1 needs it."""
@@ -70,11 +71,11 @@ def test_bad_tensor_parallel_input_exits_2_before_ray_starts(tmp_path):
     # the refusals themselves are in tests/test_config.py's table; here the CLI's exit and one line
     proc = subprocess.run(
         [sys.executable, "-m", "raytrain", "train", "--set", f"run.dir={tmp_path}", "--set", "parallel.tp=2",
-         "--set", f"model.hf={tmp_path}", "--set", "resources.placement_strategy=STRICT_PACK"],
+         "--set", "model.factory=tests.factories:one_row_head", "--set", "resources.placement_strategy=STRICT_PACK"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert ("config error: parallel.tp=2: not yet supported for Hugging Face / factory models (model.hf is set); "
-            "use parallel.fsdp") in proc.stderr
+    assert ("config error: parallel.tp=2: not yet supported for model.factory models (their layers name no "
+            "tensor-parallel plan); use parallel.fsdp") in proc.stderr
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
 
 
@@ -121,3 +122,73 @@ def test_tp2_on_actors_checkpoints_slices_that_every_layout_resumes(ray_session,
     model, _ = run_stages(make_config("parallel.tp=2", TP, "train.steps=8", rows,
                                       f"checkpoint.resume={resumed.checkpoint}"), str(tmp_path / "tp2"))
     assert_same_params(model, reference_state(make_config("train.steps=8", rows)))
+
+
+@pytest.mark.parametrize("family, layout", [
+    ("llama", ("parallel.tp=2", "train.grad_clip=0.05")),
+    ("llama", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),
+    ("llama", ("parallel.fsdp=2", "parallel.tp=2")),
+    ("llama", ("parallel.dp=2", "parallel.tp=2")),
+    ("qwen2", ("parallel.tp=2",)),  # biased q/k/v projections, split with their columns
+], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-fsdp2-tp2", "llama-dp2-tp2", "qwen2-tp2"])
+def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_process(make_config, tmp_path, family,
+                                                                                  layout):
+    # the family's base_model_tp_plan (q/k/v, gate/up colwise; o/down rowwise) on each decoder layer
+    path = write_hf_model(tmp_path / "model", family)
+    cfg = make_config(f"model.hf={path}", *layout, TP, "train.steps=3", LONG_RUN_LR)
+    model, _ = run_stages(cfg, str(tmp_path / "run"))
+    assert_same_hf_params(model, reference_state(cfg))
+    files = [torch.load(tmp_path / "run" / f"stage0-0-{t}.pt", weights_only=True) for t in (0, 1)]
+    split = set(files[1]["model"])
+    assert split and all(n.rsplit(".", 2)[1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj") for n in split), split
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (("parallel.tp=4",), "does not divide its num_key_value_heads=2"),
+    (("parallel.tp=2", "model.hf_cut=whole"), "trains whole (model.hf_cut=whole)"),
+], ids=["kv-heads", "whole"])
+def test_a_hugging_face_tp_that_cannot_split_its_layers_is_refused_before_any_actor(tmp_path, overrides, words):
+    from raytrain.config import load_config
+    from raytrain.driver.plan import prepare
+
+    path = write_hf_model(tmp_path / "model", "llama")
+    cfg = load_config(None, [f"model.hf={path}", TP, "train.global_batch=8", f"run.dir={tmp_path}/runs", *overrides])
+    with pytest.raises(ValueError, match="parallel.tp=") as e:
+        prepare(cfg)
+    assert words in str(e.value) and "use parallel.fsdp" in str(e.value)
+
+
+def test_a_family_without_a_tensor_parallel_plan_is_refused(tmp_path):
+    from raytrain.config import load_config
+    from raytrain.driver.plan import prepare
+
+    path = write_hf_model(tmp_path / "model", "gpt2")
+    cfg = load_config(None, [f"model.hf={path}", TP, "parallel.tp=2", f"run.dir={tmp_path}/runs"])
+    with pytest.raises(ValueError, match=r"parallel.tp=2: model.hf=.*declares no tensor-parallel plan"):
+        prepare(cfg)
+
+
+def test_a_tied_llama_at_tp2_on_actors_exports_and_resumes_as_one_worker(ray_session, make_config, tmp_path):
+    # tied embeddings: the stage is built whole once (its layers share the head), then split by the plan
+    import transformers
+
+    from raytrain.models.export import export_hf
+
+    path = write_hf_model(tmp_path / "source", "llama", tied=True)
+    base = (f"model.hf={path}", LONG_RUN_LR)
+    cfg = make_config(*base, "parallel.tp=2", TP, "train.steps=3", f"checkpoint.dir={tmp_path / 'ckpts'}")
+    first = train(cfg)
+    assert [r["layout"] for r in first.metrics] == ["dp=1 tp=2 pp=1"] * 3
+    shard = torch.load(os.path.join(first.checkpoint, "stage-0-shard-1.pt"), weights_only=True)
+    assert shard["slices"]["1.layer.self_attn.q_proj.weight"] == [[16, 32, 32], [0, 32, 32]]  # heads 2 and 3
+    assert shard["slices"]["1.layer.self_attn.o_proj.weight"] == [[0, 32, 32], [16, 32, 32]]
+    assert shard["slices"]["1.layer.self_attn.k_proj.weight"] == [[8, 16, 16], [0, 32, 32]]  # its one KV head
+    state = checkpoint.load_state_dict(first.checkpoint)
+    assert_same_hf_params(state, reference_state(cfg))
+    export_hf(first.checkpoint, str(tmp_path / "out"))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
+    assert torch.equal(exported.model.layers[0].mlp.down_proj.weight, state["1.layer.mlp.down_proj.weight"])
+    resumed = train(make_config(*base, "train.steps=5", f"checkpoint.resume={first.checkpoint}"))
+    assert_same_hf_params(checkpoint.load_state_dict(resumed.checkpoint), reference_state(make_config(*base, "train.steps=5")))

@@ -449,16 +449,17 @@ class Config:
                     "lower elastic.max_dp")
 
     def _check_tensor_parallel(self):
-        """parallel.tp splits the built-in GPT's heads and MLP columns, on one node."""
+        """parallel.tp splits the heads and MLP columns of the built-in GPT or a Hugging Face family, on one node."""
         tp, m = self.parallel.tp, self.model
         if tp == 1:
             return
-        require(m.hf is None and m.factory is None, "parallel.tp", tp,
-                f"not yet supported for Hugging Face / factory models (model.{'hf' if m.hf else 'factory'} is set); "
+        require(m.factory is None, "parallel.tp", tp,
+                "not yet supported for model.factory models (their layers name no tensor-parallel plan); "
                 "use parallel.fsdp")
-        require(m.n_head % tp == 0, "parallel.tp", tp,
-                f"does not divide model.n_head={m.n_head} (each tp rank runs n_head / tp heads; model.d_model and "
-                f"the MLP width 4 x d_model then divide too); use a divisor of {m.n_head}")
+        if m.hf is None:  # a Hugging Face family's heads and widths are checked against its config.json
+            require(m.n_head % tp == 0, "parallel.tp", tp,
+                    f"does not divide model.n_head={m.n_head} (each tp rank runs n_head / tp heads; model.d_model "
+                    f"and the MLP width 4 x d_model then divide too); use a divisor of {m.n_head}")
         require(self.resources.placement_strategy == "STRICT_PACK", "resources.placement_strategy",
                 self.resources.placement_strategy, f"parallel.tp={tp} needs its workers on one node (a tp group "
                 "talks on every layer); set resources.placement_strategy=STRICT_PACK")

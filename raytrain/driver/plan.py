@@ -57,9 +57,10 @@ def prepare(cfg: Config) -> RunPlan:
     """Check ``cfg`` against this machine and plan the run; a ValueError naming the key when it cannot run."""
     check_inputs(cfg)
     if cfg.model.hf is not None:
-        from raytrain.models.hf_plan import resolve_cut, with_hf_architecture
+        from raytrain.models.hf_plan import check_tensor_parallel, resolve_cut, with_hf_architecture
 
         cfg = resolve_cut(with_hf_architecture(cfg))
+        check_tensor_parallel(cfg)
     source = check_data(cfg)
     num_samples, held_out = split_held_out(cfg, source)
     layout = plan_layout(cfg)

@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from raytrain.models.hf_tensor_plan import decoder_layer_plan
+
 HF_EXTRA = "pip install -e '.[hf]'"
 
 
@@ -214,6 +216,8 @@ class HFDecoderLayer(nn.Module):
     def __init__(self, layer: nn.Module, rotary: Optional[nn.Module], config, index: int):
         super().__init__()
         self.layer, self.rotary, self.config = layer, rotary, config
+        self.tp_plan = decoder_layer_plan(config)
+        """The family's colwise / rowwise projections (raytrain.models.hf_tensor_plan): parallel.tp's split."""
         self.sliding = _attention_type(layer, config, index) == "sliding_attention"
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:

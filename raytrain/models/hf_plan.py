@@ -13,6 +13,7 @@ from raytrain.config import Config
 from raytrain.models.hf_model import (UncuttableModel, WholeModel, causal_attention_problem, cut_layers, describe,
                                load_hf_config, meta_model, not_causal_lm, transformers_module)
 from raytrain.config.layout import Layout
+from raytrain.models.hf_tensor_plan import tp_problem
 from raytrain.models.hf_weights import hf_layers, missing_weights, weight_files
 
 VERIFY_MAX_PARAMS = 500_000_000
@@ -92,6 +93,23 @@ def resolve_cut(cfg: Config) -> Config:
                          "parallel.pp=1 with model.hf_cut=auto or whole (data parallel trains any causal LM)")
     print(f"raytrain: model.hf: {problem}; it trains whole (data parallel)", file=sys.stderr)
     return dataclasses.replace(cfg, model=dataclasses.replace(m, hf_cut="whole"))
+
+
+def check_tensor_parallel(cfg: Config) -> None:
+    """A ValueError naming parallel.tp when the family's decoder layers cannot be split over its tp
+    ranks (raytrain.models.hf_tensor_plan says why); ``cfg`` has its cut resolved."""
+    m, tp = cfg.model, cfg.parallel.tp
+    if tp == 1:
+        return
+    if m.hf_cut != "layers":
+        raise ValueError(f"parallel.tp={tp}: model.hf={m.hf!r} trains whole (model.hf_cut={m.hf_cut}), and tensor "
+                         "parallelism splits the decoder layers of a cut model; use parallel.fsdp")
+    config = load_hf_config(m.hf, m.trust_remote_code)
+    _, layers = hf_layers(m.hf, "layers", m.trust_remote_code)
+    problem = tp_problem(config, layers[1].layer, tp)
+    if problem is not None:
+        raise ValueError(f"parallel.tp={tp}: model.hf={m.hf!r} ({describe(config)}): {problem}; use parallel.fsdp, "
+                         "or a tp that fits")
 
 
 def _two_layer_config(config):

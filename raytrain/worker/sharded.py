@@ -40,11 +40,12 @@ from raytrain.checkpoint.assemble import slices_entry
 from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
-from raytrain.models.layers import Recomputed, build_model
-from raytrain.models.tensor_plan import layer_plan, local_boxes, rows_of_stack, split_of
+from raytrain.models.layers import Recomputed
+from raytrain.models.tensor_plan import rows_of_stack
 from raytrain.worker.groups import Groups
 from raytrain.worker.tensor_parallel import local_part, parallelize_layers
 from raytrain.worker.gradsync import squared_norms_by_split
+from raytrain.worker.stage_values import meta_stage, tp_parts
 from raytrain.worker.wrapping import adopt
 
 CommLog = Optional[list]
@@ -96,7 +97,7 @@ class ShardedLayers:
         """With ``tp`` > 1 (the built-in GPT) this worker is tp rank ``tp_index`` of its shard: it owns
         rows of its tp part of each parameter (``slices``: boxes of the whole), not rows of the whole."""
         self.cfg, self.shard, self.fsdp, self.device, self.tp = cfg, shard, fsdp, device, tp
-        self.meta_layers, self.names, self.loss_fn, full_values, buffers = _meta_stage(cfg, layer_ids)
+        self.meta_layers, self.names, self.loss_fn, full_values, buffers = meta_stage(cfg, layer_ids)
         self.rows: Optional[list[tuple[int, int, int]]] = [] if tp == 1 else None
         """(start, stop, total rows) of each parameter that this shard owns (None with tp > 1)."""
         self.slices: Optional[list] = [] if tp > 1 else None
@@ -104,7 +105,7 @@ class ShardedLayers:
         self.split: list[bool] = []
         """Whether each parameter is split over the tp group (never, with tp == 1)."""
         self.params: list[torch.Tensor] = []
-        parts = _tp_parts(self.meta_layers, tp, tp_index)
+        parts = tp_parts(self.meta_layers, tp, tp_index)
         for value, (boxes, split) in zip(full_values(), parts):
             self._own(value, boxes, split)
         self.buffers = [b.to(device) for b in buffers]
@@ -151,86 +152,6 @@ class ShardedLayers:
         for the timeout instead of failing at once."""
         self.module = None
         clear_dtensor_sharding_cache()
-
-
-def _tp_parts(meta_layers: list[nn.Module], tp: int, index: int) -> list[tuple[list, bool]]:
-    """(boxes tp rank ``index`` holds, whether split) of every parameter of the stage, in order; with
-    tp == 1, ``(None, False)`` each."""
-    if tp == 1:
-        return [(None, False)] * sum(1 for layer in meta_layers for _ in layer.parameters())
-    return [(local_boxes(layer_plan(layer), name, tuple(p.shape), tp, index),
-             split_of(layer_plan(layer), name) is not None)
-            for layer in meta_layers for name, p in layer.named_parameters()]
-
-
-def _meta_stage(cfg: Config, layer_ids: list[int]):
-    """The stage's layers on the meta device, their global parameter names, the loss, a generator of
-    each parameter's full initial value in that order (one layer's at a time for the built-in GPT and
-    a model.hf stage; a model.factory's, or a stage whose layers share a parameter, is built whole,
-    once) and the stage's buffers (filled in as the generator runs)."""
-    seed, buffers = cfg.train.seed, []
-    by_layer = _hf_stage_by_layer(cfg, layer_ids) if cfg.model.hf is not None else None
-    if by_layer is not None:
-        return by_layer
-    if cfg.model.factory is None and cfg.model.hf is None:
-        with torch.device("meta"):
-            spec = build_model(cfg.model, seed, layer_ids)
-
-        def values():
-            for layer_id in layer_ids:
-                layer = build_model(cfg.model, seed, [layer_id]).layers[0]
-                buffers.extend(b.detach().clone() for b in layer.buffers())
-                yield from (p.detach() for p in layer.parameters())
-    else:
-        spec = build_model(cfg.model, seed, layer_ids)
-        stage = nn.Sequential(*spec.layers)
-        built = [p.detach().clone() for p in stage.parameters()]
-        buffers += [b.detach().clone() for b in stage.buffers()]
-        _to_meta_keeping_ties(stage)
-
-        def values():
-            while built:
-                yield built.pop(0)
-    return spec.layers, spec.param_names(), spec.loss_fn, values, buffers
-
-
-def _hf_stage_by_layer(cfg: Config, layer_ids: list[int]):
-    """``_meta_stage`` for a Hugging Face stage, one layer materialised at a time (a worker never holds
-    more of the full model than one layer); None when its layers share a parameter (tied embeddings)."""
-    from raytrain.models.hf_weights import hf_layers
-    from raytrain.models.layers import ModelSpec, cross_entropy_loss
-
-    _, every = hf_layers(cfg.model.hf, cfg.model.hf_cut, cfg.model.trust_remote_code)
-    meta = [every[i] for i in layer_ids]
-    stage = nn.Sequential(*meta)
-    if len({id(p) for p in stage.parameters()}) < sum(1 for layer in meta for _ in layer.parameters()):
-        return None
-    buffers: list[torch.Tensor] = []
-    stage_buffers = list(stage.buffers())  # shared ones (the rotary tables of every decoder layer) once
-
-    def values():
-        real: dict[int, torch.Tensor] = {}
-        for layer_id, meta_layer in zip(layer_ids, meta):
-            layer = build_model(cfg.model, cfg.train.seed, [layer_id]).layers[0]
-            for (_, shell), (_, value) in zip(meta_layer.named_buffers(remove_duplicate=False),
-                                              layer.named_buffers(remove_duplicate=False)):
-                real.setdefault(id(shell), value.detach().clone())
-            yield from (p.detach() for p in layer.parameters())
-        buffers.extend(real[id(b)] for b in stage_buffers)
-
-    spec = ModelSpec(meta, layer_ids, len(every), cross_entropy_loss)
-    return spec.layers, spec.param_names(), spec.loss_fn, values, buffers
-
-
-def _to_meta_keeping_ties(module: nn.Module) -> None:
-    """Free ``module``'s storage, leaving it on the meta device with its parameter objects (and so a
-    parameter two layers share stays one): swapped, not replaced."""
-    swapping = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        module.to_empty(device="meta")
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swapping)
 
 
 def _fully_shard_stage(layers: list[nn.Module], mesh: DeviceMesh, owner: ShardedLayers) -> nn.Module:

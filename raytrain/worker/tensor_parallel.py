@@ -3,9 +3,10 @@
 Contract, as raytrain.worker.sharded's for FSDP2: ``TensorParallelLayers(cfg, layer_ids, index, tp, device)``
 holds this tp rank's part of every parameter of its stage as plain tensors (``params``, in the stage's
 parameter order), cut by each layer's plan (raytrain.models.tensor_plan: colwise and rowwise linears
-split, everything else whole) from the values every layout gives them: the built-in GPT is built on the
-meta device and each layer is materialised alone, by its (seed, layer index) rule, to take this rank's
-boxes of it (``slices``: what checkpoints record). Every generation, ``wrap(groups, mesh, rank,
+split, everything else whole) from the values every layout gives them: the stage is built on the meta
+device and each layer is materialised alone (raytrain.worker.stage_values), by the built-in GPT's
+(seed, layer index) rule or from a Hugging Face directory's weights, to take this rank's boxes of it
+(``slices``: what checkpoints record). Every generation, ``wrap(groups, mesh, rank,
 optimizer)`` parallelises a fresh meta copy of the stage over a 1-D device mesh made from that
 generation's tp group (``DeviceMesh.from_group``), copies ``params`` into it and re-points ``params`` and
 the optimizer at its local tensors: a wrapping holds one generation's groups, which die with it, while
@@ -38,10 +39,11 @@ from raytrain.checkpoint.assemble import slices_entry
 from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
-from raytrain.models.layers import Recomputed, build_model
-from raytrain.models.tensor_plan import Box, layer_plan, local_boxes, split_of
+from raytrain.models.layers import Recomputed
+from raytrain.models.tensor_plan import Box, layer_plan
 from raytrain.worker.groups import Groups
 from raytrain.worker.gradsync import squared_norms_by_split
+from raytrain.worker.stage_values import meta_stage, tp_parts
 from raytrain.worker.wrapping import adopt
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -68,25 +70,18 @@ class TensorParallelLayers:
 
     def __init__(self, cfg: Config, layer_ids: list[int], index: int, tp: int, device: torch.device):
         self.cfg, self.index, self.tp, self.device = cfg, index, tp, device
-        with torch.device("meta"):
-            spec = build_model(cfg.model, cfg.train.seed, layer_ids)
-        self.meta_layers, self.names, self.loss_fn = spec.layers, spec.param_names(), spec.loss_fn
+        self.meta_layers, self.names, self.loss_fn, full_values, buffers = meta_stage(cfg, layer_ids)
         self.slices: list[list] = []
         """Of each parameter, the boxes of the whole that this rank holds, stacked along dim 0, as the
         checkpoint's ``slices`` record them (raytrain.checkpoint.assemble.slices_entry)."""
         self.params: list[torch.Tensor] = []
         self.split: list[bool] = []
         """Whether each parameter is split over the tp group (else every tp rank holds it whole)."""
-        self.buffers: list[torch.Tensor] = []
-        for layer_id in layer_ids:  # one whole layer at a time
-            layer = build_model(cfg.model, cfg.train.seed, [layer_id]).layers[0]
-            plan = layer_plan(layer)
-            self.buffers += [b.detach().clone().to(device) for b in layer.buffers()]
-            for name, value in layer.named_parameters():
-                boxes = local_boxes(plan, name, tuple(value.shape), tp, index)
-                self.slices.append(slices_entry(boxes, tuple(value.shape)))
-                self.split.append(split_of(plan, name) is not None)
-                self.params.append(local_part(value.detach(), boxes).to(device))
+        for value, (boxes, split) in zip(full_values(), tp_parts(self.meta_layers, tp, index)):
+            self.slices.append(slices_entry(boxes, tuple(value.shape)))
+            self.split.append(split)
+            self.params.append(local_part(value, boxes).to(device))
+        self.buffers = [b.to(device) for b in buffers]
         self.module: Optional[nn.Module] = None
         self.comm_log = None  # the trace of FSDP's collectives; DTensor's are not traced
 

@@ -24,7 +24,11 @@ def adopt(module: torch.nn.Module, device: torch.device, buffers: list[torch.Ten
     local tensors (a DTensor's ``to_local()``: views of its storage). Returns the module's parameters."""
     from torch.distributed.tensor import DTensor  # imported by the wrappers that need it, never at start-up
 
-    module.to_empty(device=device)
+    ties = _tied_names(module)
+    module.to_empty(device=device)  # materialises each module's parameters apart: a tie comes undone
+    for first, *others in ties:
+        for name in others:
+            _set_parameter(module, name, module.get_parameter(first))
     wrapped = list(module.parameters())
     with torch.no_grad():
         own = list(module.buffers())
@@ -38,3 +42,16 @@ def adopt(module: torch.nn.Module, device: torch.device, buffers: list[torch.Ten
     repoint(optimizer, params, local)
     params[:] = local
     return wrapped
+
+
+def _tied_names(module: torch.nn.Module) -> list[list[str]]:
+    """The names of each parameter that more than one submodule holds (tied embeddings), first name first."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _set_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner), leaf, param)
