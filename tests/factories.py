@@ -40,3 +40,36 @@ def with_a_scalar(cfg):
 def one_row_head(cfg):
     """A model whose last layer has a 1-row parameter (a shard of it may be empty)."""
     return [nn.Embedding(cfg.vocab_size, 8), nn.Linear(8, 1), nn.Linear(1, cfg.vocab_size)]
+
+
+class GatedMLP(nn.Module):
+    """A residual SwiGLU block that declares its own tensor-parallel plan: the fused gate-and-up
+    projection splits by columns (two parts: each tp rank holds its columns of each), the down
+    projection by rows. ``forward`` reads its local width from what ``up`` returns."""
+
+    tp_plan = {"up": ("colwise", 2), "down": ("rowwise", 1)}
+
+    def __init__(self, width, hidden):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        gate, up = self.up(self.norm(x)).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
+def planned_mlp(cfg):
+    """Embedding, two planned gated MLPs, a head: a model.factory model parallel.tp can split."""
+    return [nn.Embedding(cfg.vocab_size, cfg.d_model), GatedMLP(cfg.d_model, 2 * cfg.d_model),
+            GatedMLP(cfg.d_model, 2 * cfg.d_model), nn.Linear(cfg.d_model, cfg.vocab_size)]
+
+
+class PlansItsNorm(GatedMLP):
+    tp_plan = {"norm": ("colwise", 1)}
+
+
+def plan_names_a_norm(cfg):
+    """A plan that names a LayerNorm, which tensor parallelism cannot split as a linear."""
+    return [nn.Embedding(cfg.vocab_size, cfg.d_model), PlansItsNorm(cfg.d_model, 64), nn.Linear(cfg.d_model, cfg.vocab_size)]

@@ -74,8 +74,9 @@ def test_bad_tensor_parallel_input_exits_2_before_ray_starts(tmp_path):
          "--set", "model.factory=tests.factories:one_row_head", "--set", "resources.placement_strategy=STRICT_PACK"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert ("config error: parallel.tp=2: not yet supported for model.factory models (their layers name no "
-            "tensor-parallel plan); use parallel.fsdp") in proc.stderr
+    assert ("config error: parallel.tp=2: model.factory='tests.factories:one_row_head' cannot be split: no layer "
+            "declares a tensor-parallel plan (a tp_plan attribute). Declare tp_plan on its layers (README: Any "
+            "model) or use parallel.fsdp") in proc.stderr
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
 
 
@@ -122,6 +123,20 @@ def test_tp2_on_actors_checkpoints_slices_that_every_layout_resumes(ray_session,
     model, _ = run_stages(make_config("parallel.tp=2", TP, "train.steps=8", rows,
                                       f"checkpoint.resume={resumed.checkpoint}"), str(tmp_path / "tp2"))
     assert_same_params(model, reference_state(make_config("train.steps=8", rows)))
+
+
+@pytest.mark.parametrize("layout", [
+    ("parallel.tp=2", "train.grad_clip=0.05"),
+    ("parallel.fsdp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"),
+], ids=["tp2-clipped", "fsdp2-tp2-pp2"])
+def test_a_factory_model_splits_by_the_plan_its_layers_declare(make_config, tmp_path, layout):
+    # tests.factories.GatedMLP declares a fused (two-part) colwise and a rowwise linear
+    cfg = make_config("model.factory=tests.factories:planned_mlp", *layout, TP, "train.steps=3")
+    model, _ = run_stages(cfg, str(tmp_path))
+    assert_same_params(model, reference_state(cfg))
+    stage = cfg.parallel.pp - 1
+    files = [torch.load(tmp_path / f"stage{stage}-0-{t}.pt", weights_only=True) for t in (0, 1)]
+    assert {n.rsplit(".", 2)[1] for n in files[1]["model"]} == {"up", "down"}, set(files[1]["model"])
 
 
 @pytest.mark.parametrize("family, layout", [

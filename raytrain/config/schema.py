@@ -136,7 +136,7 @@ class ParallelConfig:
     """Workers that shard one replica's parameters, gradients and optimizer state (FSDP2; HSDP with dp > 1)."""
     tp: int = 1
     """Workers that split each transformer block of a stage (tensor parallelism: attention heads and MLP
-    columns; the built-in GPT only; with fsdp, FSDP2 shards the tp parts). Its group talks on every
+    columns, by each layer's plan; with fsdp, FSDP2 shards the tp parts). Its group talks on every
     layer, so it is placed on one node."""
     pp: int = 1
     """Pipeline stages the model is cut into."""
@@ -449,14 +449,11 @@ class Config:
                     "lower elastic.max_dp")
 
     def _check_tensor_parallel(self):
-        """parallel.tp splits the heads and MLP columns of the built-in GPT or a Hugging Face family, on one node."""
+        """parallel.tp splits the heads and MLP columns of the built-in GPT (or a plan's linears), on one node."""
         tp, m = self.parallel.tp, self.model
         if tp == 1:
             return
-        require(m.factory is None, "parallel.tp", tp,
-                "not yet supported for model.factory models (their layers name no tensor-parallel plan); "
-                "use parallel.fsdp")
-        if m.hf is None:  # a Hugging Face family's heads and widths are checked against its config.json
+        if m.hf is None and m.factory is None:  # the others' plans are checked when the driver builds them
             require(m.n_head % tp == 0, "parallel.tp", tp,
                     f"does not divide model.n_head={m.n_head} (each tp rank runs n_head / tp heads; model.d_model "
                     f"and the MLP width 4 x d_model then divide too); use a divisor of {m.n_head}")

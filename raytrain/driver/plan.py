@@ -219,11 +219,22 @@ def plan_layout(cfg: Config) -> Layout:
         layers = _layers(cfg)
         layout = Layout.of(cfg.parallel).for_model(len(layers), "model.factory")
         check_shardable(layout.fsdp, shardable_rows(layers), "model.factory's largest parameter (or it has a scalar)")
+        _check_factory_plan(cfg, layers)
         if not layout.needs_cuts:
             return layout
     from raytrain.pipeline.partition import plan_cuts
 
     return dataclasses.replace(layout, cuts=tuple(plan_cuts(layers, layout.num_chunks, _timing_input(cfg))))
+
+
+def _check_factory_plan(cfg: Config, layers: list) -> None:
+    """parallel.tp > 1 needs the factory's layers to declare a plan their linears fit."""
+    from raytrain.models.tensor_plan import plan_problem
+
+    problem = plan_problem(layers, cfg.parallel.tp) if cfg.parallel.tp > 1 else None
+    if problem is not None:
+        raise ValueError(f"parallel.tp={cfg.parallel.tp}: model.factory={cfg.model.factory!r} cannot be split: "
+                         f"{problem}. Declare tp_plan on its layers (README: Any model) or use parallel.fsdp")
 
 
 def _hf_layout(cfg: Config) -> Layout:

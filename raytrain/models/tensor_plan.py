@@ -7,6 +7,10 @@ added once after the sum); a parameter in no planned submodule is replicated. A 
 fuses ``parts`` projections (q, k and v in one weight) is split per part, so rank r holds its rows of
 each part: several boxes, stacked along dim 0 in the rank's local tensor in that order.
 
+A model.factory layer declares the same form (README: "Any model"); ``plan_problem`` checks it on the
+driver before any actor starts. Its ``forward`` must read its local widths from what its colwise
+linears return (a tp rank runs 1/tp of the heads), as ``Block.forward`` does.
+
 Checkpoints record these boxes (``slices``, raytrain.checkpoint.assemble), so any layout reads a tp
 worker's file, and a tp worker loads its boxes from any layout's. No torch.distributed here.
 """
@@ -14,6 +18,8 @@ worker's file, and a tp worker loads its boxes from any layout's. No torch.distr
 from __future__ import annotations
 
 from typing import Optional
+
+from torch import nn
 
 Box = tuple[tuple[int, int], ...]
 """[start, stop) per dim of the whole tensor."""
@@ -24,6 +30,33 @@ Plan = dict[str, tuple[str, int]]
 def layer_plan(layer) -> Plan:
     """A layer's tensor-parallel plan (empty: every parameter replicated)."""
     return dict(getattr(layer, "tp_plan", {}))
+
+
+def plan_problem(layers: list[nn.Module], tp: int) -> Optional[str]:
+    """Why ``tp`` ranks cannot split these layers by their ``tp_plan`` (None when they can): no layer
+    declares one, or one names a submodule that is not a linear, a style other than colwise / rowwise,
+    or widths that 1/tp of each part does not divide."""
+    planned = [(i, layer_plan(layer)) for i, layer in enumerate(layers) if layer_plan(layer)]
+    if not planned:
+        return "no layer declares a tensor-parallel plan (a tp_plan attribute)"
+    for i, plan in planned:
+        for name, entry in plan.items():
+            where = f"layer {i}'s tp_plan[{name!r}]"
+            if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0] in ("colwise", "rowwise")
+                    and isinstance(entry[1], int) and entry[1] >= 1):
+                return f"{where} is {entry!r}; give (\"colwise\" | \"rowwise\", fused parts >= 1)"
+            try:
+                module = layers[i].get_submodule(name)
+            except AttributeError:
+                module = None
+            if not isinstance(module, nn.Linear):
+                return f"{where} names no nn.Linear of that layer"
+            style, parts = entry
+            width, what = ((module.out_features, "out_features") if style == "colwise"
+                           else (module.in_features, "in_features"))
+            if width % (parts * tp):
+                return f"{where}: {name}.{what}={width} does not split into {parts} part(s) of tp={tp} slices"
+    return None
 
 
 def split_of(plan: Plan, param_name: str) -> Optional[tuple[str, int, int]]:
