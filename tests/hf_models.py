@@ -1,4 +1,4 @@
-"""Tiny Hugging Face causal LMs of four families, written to a directory as ``save_pretrained`` does."""
+"""Tiny Hugging Face causal LMs (FAMILIES, and Qwen3), written to a directory as ``save_pretrained`` does."""
 
 import logging
 
@@ -21,6 +21,8 @@ def hf_config(family: str, tied: bool = False, layers: int = 2):
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
     if family == "mistral":
         return T.MistralConfig(**common, sliding_window=8)  # shorter than model.seq_len: the window mask matters
+    if family == "qwen3":  # per-head q/k norms; its head_dim defaults to 128
+        return T.Qwen3Config(**common, head_dim=8)
     return {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config}[family](**common)
 
 

@@ -143,13 +143,16 @@ def test_tp_is_the_innermost_digit_of_the_rank(dp, fsdp, tp, pp):
 
 
 def test_a_tp_rank_holds_its_heads_of_each_fused_part_and_the_ranks_tile_every_tensor():
-    from raytrain.models.tensor_plan import local_boxes, split_of
+    from raytrain.models.tensor_plan import grad_summed, local_boxes, split_of
 
     plan = {"qkv": ("colwise", 3), "proj": ("rowwise", 1)}
     assert local_boxes(plan, "qkv.weight", (12, 4), 2, 1) == [((2, 4), (0, 4)), ((6, 8), (0, 4)), ((10, 12), (0, 4))]
     assert local_boxes(plan, "proj.weight", (4, 4), 2, 1) == [((0, 4), (2, 4))]
     assert local_boxes(plan, "proj.bias", (4,), 2, 1) == [((0, 4),)]  # added once, after the sum: whole
     assert local_boxes(plan, "ln.weight", (4,), 2, 0) == [((0, 4),)] and split_of(plan, "ln.weight") is None
+    summed = {"q_norm": ("replicated_grad_sum", 1)}  # whole on each rank; its gradient summed over tp
+    assert local_boxes(summed, "q_norm.weight", (4,), 2, 1) == [((0, 4),)] and split_of(summed, "q_norm.weight") is None
+    assert grad_summed(summed, "q_norm.weight") and not grad_summed(plan, "qkv.weight")
     for name, shape in (("qkv.weight", (12, 4)), ("proj.weight", (4, 4))):
         cells = [(i, j) for t in range(2) for box in local_boxes(plan, name, shape, 2, t)
                  for i in range(*box[0]) for j in range(*box[1])]

@@ -145,7 +145,11 @@ def test_a_factory_model_splits_by_the_plan_its_layers_declare(make_config, tmp_
     ("llama", ("parallel.fsdp=2", "parallel.tp=2")),
     ("llama", ("parallel.dp=2", "parallel.tp=2")),
     ("qwen2", ("parallel.tp=2",)),  # biased q/k/v projections, split with their columns
-], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-fsdp2-tp2", "llama-dp2-tp2", "qwen2-tp2"])
+    # per-head q/k norms, whole on each rank, their gradients summed over the tp group
+    ("qwen3", ("parallel.tp=2", "train.grad_clip=0.05")),
+    ("qwen3", ("parallel.fsdp=2", "parallel.tp=2")),
+], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-fsdp2-tp2", "llama-dp2-tp2", "qwen2-tp2", "qwen3-tp2-clipped",
+        "qwen3-fsdp2-tp2"])
 def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_process(make_config, tmp_path, family,
                                                                                   layout):
     # the family's base_model_tp_plan (q/k/v, gate/up colwise; o/down rowwise) on each decoder layer

@@ -1,10 +1,11 @@
 """A Hugging Face family's tensor-parallel plan, read from its config's ``base_model_tp_plan``.
 
 transformers declares per family which projections of a decoder layer split by columns or by rows
-(``"layers.*.self_attn.q_proj": "colwise"``). raytrain maps the two plain styles onto its own plan
-(raytrain.models.tensor_plan) for each cut decoder layer; a family whose layers need any other style
-(packed or fused projections, experts, norms whose gradient must be summed over the tp group) is
-refused for parallel.tp, with the style named, before any actor starts.
+(``"layers.*.self_attn.q_proj": "colwise"``). raytrain maps the plain styles and
+``replicated_with_grad_allreduce`` (a per-head norm: Qwen3's, Gemma 3's q_norm and k_norm) onto its own
+plan (raytrain.models.tensor_plan) for each cut decoder layer; a family whose layers need any other
+style (packed, gathered or fused projections, experts) is refused for parallel.tp, with the style
+named, before any actor starts.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from typing import Optional
 
 from torch import nn
 
-from raytrain.models.tensor_plan import Plan
+from raytrain.models.tensor_plan import GRAD_SUM, Plan
 
 LAYER_PREFIX = "layers.*."
 """How a base-model plan names a submodule of every decoder layer."""
-PLAIN_STYLES = ("colwise", "rowwise")
+STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": GRAD_SUM}
+"""transformers' style -> raytrain's, for the styles raytrain applies."""
 
 
 def declared_plan(config) -> dict[str, str]:
@@ -27,9 +29,9 @@ def declared_plan(config) -> dict[str, str]:
 
 
 def decoder_layer_plan(config) -> Plan:
-    """raytrain's plan for one decoder layer (its wrapper holds the layer as ``layer``): the plain
-    colwise / rowwise entries, one part each (transformers' plain styles split unfused projections)."""
-    return {f"layer.{name}": (style, 1) for name, style in declared_plan(config).items() if style in PLAIN_STYLES}
+    """raytrain's plan for one decoder layer (its wrapper holds the layer as ``layer``): the entries of
+    the styles it applies, one part each (transformers' plain styles split unfused projections)."""
+    return {f"layer.{name}": (STYLES[style], 1) for name, style in declared_plan(config).items() if style in STYLES}
 
 
 def tp_problem(config, decoder_layer: nn.Module, tp: int) -> Optional[str]:
@@ -38,14 +40,17 @@ def tp_problem(config, decoder_layer: nn.Module, tp: int) -> Optional[str]:
     if not declared:
         return "its config declares no tensor-parallel plan for its decoder layers (base_model_tp_plan)"
     for name, style in declared.items():
-        if style not in PLAIN_STYLES:
-            return (f"its plan splits {name} as {style!r}, and raytrain splits only plain colwise / rowwise "
-                    "linears")
+        if style not in STYLES:
+            return (f"its plan splits {name} as {style!r}, and raytrain applies only "
+                    f"{', '.join(map(repr, STYLES))}")
         try:
             module = decoder_layer.get_submodule(name)
         except AttributeError:
             module = None
-        if not isinstance(module, nn.Linear):
+        if STYLES[style] == GRAD_SUM:
+            if module is None:
+                return f"its plan names {name}, which this model's decoder layers do not have"
+        elif not isinstance(module, nn.Linear):
             return f"its plan names {name}, which is not a linear layer in this model"
     text = config.get_text_config()
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):

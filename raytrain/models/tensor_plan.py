@@ -6,6 +6,8 @@ weight's and bias's dim 0), ``rowwise`` its input features (its weight's dim 1; 
 added once after the sum); a parameter in no planned submodule is replicated. A colwise linear that
 fuses ``parts`` projections (q, k and v in one weight) is split per part, so rank r holds its rows of
 each part: several boxes, stacked along dim 0 in the rank's local tensor in that order.
+``replicated_grad_sum`` keeps a module whole on every rank but sums its gradient over the tp group: a
+norm applied to each head (Qwen3's q_norm) sees only the rank's heads, so each rank's gradient is a part.
 
 A model.factory layer declares the same form (README: "Any model"); ``plan_problem`` checks it on the
 driver before any actor starts. Its ``forward`` must read its local widths from what its colwise
@@ -24,7 +26,9 @@ from torch import nn
 Box = tuple[tuple[int, int], ...]
 """[start, stop) per dim of the whole tensor."""
 Plan = dict[str, tuple[str, int]]
-"""Submodule name -> ("colwise" | "rowwise", fused parts)."""
+"""Submodule name -> ("colwise" | "rowwise" | "replicated_grad_sum", fused parts)."""
+SPLIT_STYLES = ("colwise", "rowwise")
+GRAD_SUM = "replicated_grad_sum"
 
 
 def layer_plan(layer) -> Plan:
@@ -34,21 +38,25 @@ def layer_plan(layer) -> Plan:
 
 def plan_problem(layers: list[nn.Module], tp: int) -> Optional[str]:
     """Why ``tp`` ranks cannot split these layers by their ``tp_plan`` (None when they can): no layer
-    declares one, or one names a submodule that is not a linear, a style other than colwise / rowwise,
-    or widths that 1/tp of each part does not divide."""
+    declares one, or one names a style it does not know, a split submodule that is not a linear, or
+    widths that 1/tp of each part does not divide."""
     planned = [(i, layer_plan(layer)) for i, layer in enumerate(layers) if layer_plan(layer)]
     if not planned:
         return "no layer declares a tensor-parallel plan (a tp_plan attribute)"
     for i, plan in planned:
         for name, entry in plan.items():
             where = f"layer {i}'s tp_plan[{name!r}]"
-            if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0] in ("colwise", "rowwise")
+            if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0] in (*SPLIT_STYLES, GRAD_SUM)
                     and isinstance(entry[1], int) and entry[1] >= 1):
-                return f"{where} is {entry!r}; give (\"colwise\" | \"rowwise\", fused parts >= 1)"
+                return f"{where} is {entry!r}; give (\"colwise\" | \"rowwise\" | \"{GRAD_SUM}\", fused parts >= 1)"
             try:
                 module = layers[i].get_submodule(name)
             except AttributeError:
                 module = None
+            if entry[0] == GRAD_SUM:
+                if module is None:
+                    return f"{where} names no submodule of that layer"
+                continue
             if not isinstance(module, nn.Linear):
                 return f"{where} names no nn.Linear of that layer"
             style, parts = entry
@@ -70,7 +78,15 @@ def split_of(plan: Plan, param_name: str) -> Optional[tuple[str, int, int]]:
         return style, parts, 0
     if style == "rowwise":
         return (style, parts, 1) if leaf == "weight" else None
+    if style == GRAD_SUM:
+        return None
     raise ValueError(f"unknown tensor-parallel style {style!r} for {module}")
+
+
+def grad_summed(plan: Plan, param_name: str) -> bool:
+    """Whether parameter ``param_name`` is whole on every tp rank with its gradient summed over them."""
+    module = param_name.rpartition(".")[0]
+    return module in plan and plan[module][0] == GRAD_SUM
 
 
 def local_boxes(plan: Plan, param_name: str, shape: tuple[int, ...], tp: int, index: int) -> list[Box]:

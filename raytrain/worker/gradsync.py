@@ -127,6 +127,24 @@ def clip_global_norm(grads, clip: float, groups: Sequence[Optional[dist.ProcessG
     return norm
 
 
+def all_reduce_flat(grads: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    """Sum ``grads`` over ``group`` in place, as one collective over their concatenation."""
+    if group is None or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def sum_over_tp(params: Sequence[torch.Tensor], summed: Sequence[bool], tp_group: Optional[dist.ProcessGroup]) -> None:
+    """Sum the gradients of the ``summed`` parameters over the tp group (each rank's covers its heads)."""
+    if any(summed):
+        all_reduce_flat([p.grad for p, s in zip(params, summed) if s], tp_group)
+
+
 def squared_norms_by_split(params: Sequence[torch.Tensor], split: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
     """Sums of squares of the gradients of the tp-split parameters and of the others (the global norm sums
     the first over the tp group and counts the second once per tp group)."""

@@ -44,8 +44,8 @@ from raytrain.models.layers import Recomputed
 from raytrain.models.tensor_plan import rows_of_stack
 from raytrain.worker.groups import Groups
 from raytrain.worker.tensor_parallel import local_part, parallelize_layers
-from raytrain.worker.gradsync import squared_norms_by_split
-from raytrain.worker.stage_values import meta_stage, tp_parts
+from raytrain.worker.gradsync import squared_norms_by_split, sum_over_tp
+from raytrain.worker.stage_values import meta_stage, tp_grad_summed, tp_parts
 from raytrain.worker.wrapping import adopt
 
 CommLog = Optional[list]
@@ -105,6 +105,8 @@ class ShardedLayers:
         self.split: list[bool] = []
         """Whether each parameter is split over the tp group (never, with tp == 1)."""
         self.params: list[torch.Tensor] = []
+        self.summed = tp_grad_summed(self.meta_layers) if tp > 1 else []
+        """Whether each whole parameter's gradient is summed over the tp group (a per-head norm's)."""
         parts = tp_parts(self.meta_layers, tp, tp_index)
         for value, (boxes, split) in zip(full_values(), parts):
             self._own(value, boxes, split)
@@ -141,7 +143,7 @@ class ShardedLayers:
         module = _fully_shard_stage(layers, grid, self)
         dparams = adopt(module, self.device, self.buffers, self.params, optimizer)
         self.module = module
-        return ShardedGrads(module, dparams, self.params, self.split)
+        return ShardedGrads(module, dparams, self.params, self.split, (self.summed, groups.tp_group))
 
     def release(self) -> None:
         """Drop the wrapping (its groups are going); ``params`` keep the values and the prepared gradients.
@@ -182,9 +184,12 @@ class ShardedGrads:
     optimizer's plain ``params`` see as their ``.grad``."""
 
     def __init__(self, module: nn.Module, dparams: list[nn.Parameter], params: list[torch.Tensor],
-                 split: Optional[list[bool]] = None):
+                 split: Optional[list[bool]] = None,
+                 summed_over_tp: tuple[list[bool], Optional[dist.ProcessGroup]] = ((), None)):
         self.module, self.dparams, self.params = module, dparams, params
         self.split = split or [False] * len(params)
+        self.summed_over_tp = summed_over_tp
+        """With tp > 1: which gradients FSDP reduced over the fsdp group alone still sum over tp too."""
 
     def zero(self) -> None:
         for p in self.dparams + self.params:
@@ -203,6 +208,7 @@ class ShardedGrads:
         with torch.no_grad():
             for dp, p in zip(self.dparams, self.params):
                 p.grad = dp.grad.to_local() if dp.grad is not None else torch.zeros_like(p)
+            sum_over_tp(self.params, *self.summed_over_tp)
 
     def squared_norm(self) -> torch.Tensor:
         """Sum of squares of this shard's gradients (the global norm sums it over the fsdp and pp groups)."""

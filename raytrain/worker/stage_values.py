@@ -13,7 +13,7 @@ from torch import nn
 
 from raytrain.config import Config
 from raytrain.models.layers import build_model
-from raytrain.models.tensor_plan import layer_plan, local_boxes, split_of
+from raytrain.models.tensor_plan import grad_summed, layer_plan, local_boxes, split_of
 
 
 def tp_parts(meta_layers: list[nn.Module], tp: int, index: int) -> list[tuple[list, bool]]:
@@ -24,6 +24,12 @@ def tp_parts(meta_layers: list[nn.Module], tp: int, index: int) -> list[tuple[li
     return [(local_boxes(layer_plan(layer), name, tuple(p.shape), tp, index),
              split_of(layer_plan(layer), name) is not None)
             for layer in meta_layers for name, p in layer.named_parameters()]
+
+
+def tp_grad_summed(meta_layers: list[nn.Module]) -> list[bool]:
+    """Of every parameter of the stage, in order: whether its gradient is summed over the tp group
+    (whole on every rank, it sees only the rank's heads: raytrain.models.tensor_plan)."""
+    return [grad_summed(layer_plan(layer), name) for layer in meta_layers for name, _ in layer.named_parameters()]
 
 
 def meta_stage(cfg: Config, layer_ids: list[int]):

@@ -15,8 +15,9 @@ the values and AdamW's state are plain tensors that survive a re-forming.
 Gradients: a split parameter's gradient is its DTensor gradient's local part (redistributed to the
 parameter's own placement first, should autograd leave it partial); a replicated parameter (norms,
 embedding, head, rowwise biases) sees the same full activations and output gradients on every tp rank
-(ColwiseParallel all-reduces its input's gradient), so its gradient is whole and identical there. With
-dp > 1 they are summed over the dp group (``TensorParallelGrads``). The global norm counts the split
+(ColwiseParallel all-reduces its input's gradient), so its gradient is whole and identical there, but
+for a per-head norm's (``replicated_grad_sum``: each rank's covers its heads), summed over the tp
+group. With dp > 1 they are summed over the dp group (``TensorParallelGrads``). The global norm counts the split
 parameters' squares summed over the tp group and the replicated ones once (raytrain.worker.gradsync).
 
 This class serves parallel.tp alone (with dp and pp); with parallel.fsdp > 1 the stage is 2-D and
@@ -42,8 +43,8 @@ from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed
 from raytrain.models.tensor_plan import Box, layer_plan
 from raytrain.worker.groups import Groups
-from raytrain.worker.gradsync import squared_norms_by_split
-from raytrain.worker.stage_values import meta_stage, tp_parts
+from raytrain.worker.gradsync import all_reduce_flat, squared_norms_by_split, sum_over_tp
+from raytrain.worker.stage_values import meta_stage, tp_grad_summed, tp_parts
 from raytrain.worker.wrapping import adopt
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -57,7 +58,7 @@ def local_part(value: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
 def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh) -> list[nn.Module]:
     """Apply each layer's plan (raytrain.models.tensor_plan) over ``tp_mesh``, in place; the layers."""
     for layer in layers:
-        plan = {name: STYLES[style]() for name, (style, _) in layer_plan(layer).items()}
+        plan = {name: STYLES[style]() for name, (style, _) in layer_plan(layer).items() if style in STYLES}
         if plan:  # every rank holds the same (meta) values: no scatter from a source rank
             parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
     return layers
@@ -77,6 +78,8 @@ class TensorParallelLayers:
         self.params: list[torch.Tensor] = []
         self.split: list[bool] = []
         """Whether each parameter is split over the tp group (else every tp rank holds it whole)."""
+        self.summed = tp_grad_summed(self.meta_layers)
+        """Whether each whole parameter's gradient is summed over the tp group (a per-head norm's)."""
         for value, (boxes, split) in zip(full_values(), tp_parts(self.meta_layers, tp, index)):
             self.slices.append(slices_entry(boxes, tuple(value.shape)))
             self.split.append(split)
@@ -96,7 +99,8 @@ class TensorParallelLayers:
         module = nn.Sequential(*layers)
         dparams = adopt(module, self.device, self.buffers, self.params, optimizer)
         self.module = module
-        return TensorParallelGrads(dparams, self.params, self.split, groups.dp_group)
+        return TensorParallelGrads(dparams, self.params, self.split, groups.dp_group,
+                                   (self.summed, groups.tp_group))
 
     def release(self) -> None:
         """Drop the wrapping (its groups are going); ``params`` keep the values and the prepared gradients.
@@ -108,11 +112,14 @@ class TensorParallelLayers:
 class TensorParallelGrads:
     """GradientBuckets' contract for a tensor-parallel stage: ``zero`` before a step, ``arm`` before its
     last backward (nothing to do: gradients accumulate locally), ``finish`` after it (local gradients
-    onto ``params``, summed over the dp group), then the norm and scaling act on them."""
+    onto ``params``, a per-head norm's summed over the tp group, all summed over the dp group), then the
+    norm and scaling act on them."""
 
     def __init__(self, dparams: list[nn.Parameter], params: list[torch.Tensor], split: list[bool],
-                 dp_group: Optional[dist.ProcessGroup]):
+                 dp_group: Optional[dist.ProcessGroup],
+                 summed_over_tp: tuple[list[bool], Optional[dist.ProcessGroup]] = ((), None)):
         self.dparams, self.params, self.split, self.group = dparams, params, split, dp_group
+        self.summed_over_tp = summed_over_tp
 
     def zero(self) -> None:
         for p in self.dparams + self.params:
@@ -125,14 +132,8 @@ class TensorParallelGrads:
         with torch.no_grad():
             for dp, p in zip(self.dparams, self.params):
                 p.grad = _local_grad(dp, p)
-            if self.group is not None:
-                grads = [p.grad for p in self.params]
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-                offset = 0
-                for g in grads:
-                    g.copy_(flat[offset: offset + g.numel()].view_as(g))
-                    offset += g.numel()
+            sum_over_tp(self.params, *self.summed_over_tp)
+            all_reduce_flat([p.grad for p in self.params], self.group)
 
     def squared_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Sums of squares of this rank's split and of its replicated gradients (the global norm sums the
