@@ -6,7 +6,7 @@ import pytest
 from raytrain import checkpoint, train
 from raytrain.config import load_config
 from raytrain.driver.memory import layout_memory
-from raytrain.tune.autolayout import candidate_layouts, layout_of, too_big
+from raytrain.tune.autolayout import candidate_layouts, layout_of, splits_by_tp, too_big
 from tests.factories import Scale
 from tests.helpers import assert_same_params, reference_state
 def _layouts(workers, layers, *overrides):
@@ -27,6 +27,26 @@ def test_candidates_use_every_worker_and_fit_batch_and_layers():
         (1, 1, 3, 2, "1f1b"), (1, 1, 3, 4, "1f1b"), (1, 1, 3, 8, "1f1b")]  # 8 samples do not divide over 3
 
 
+def test_tp_candidates_stay_on_one_node_and_need_a_plan_that_splits_the_model():
+    # tp is the innermost axis; a tp group needs STRICT_PACK, else no candidate has tp > 1
+    assert all(l.get("parallel.tp", 1) == 1 for l in
+               candidate_layouts(load_config(None, ["parallel.auto=true"]), 4, 4))
+    cfg = load_config(None, ["parallel.auto=true", "resources.placement_strategy=STRICT_PACK", "train.global_batch=8"])
+    grids = {(l["parallel.dp"], l.get("parallel.fsdp", 1), l.get("parallel.tp", 1), l["parallel.pp"])
+             for l in candidate_layouts(cfg, 4, 4)}
+    assert {(2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1), (1, 1, 2, 2)} <= grids
+    assert (1, 1, 4, 1) in grids and all(dp * fsdp * tp * pp == 4 for dp, fsdp, tp, pp in grids)
+    # the built-in GPT's 4 heads do not split 3 ways: the config's own check drops tp=3
+    assert all(l.get("parallel.tp", 1) != 3 for l in candidate_layouts(cfg, 3, 4))
+    # a factory's plan decides which tp it can take (GatedMLP's hidden 2 x d_model=256, in two parts)
+    from tests.factories import one_row_head, planned_mlp
+
+    factory = load_config(None, ["model.factory=tests.factories:planned_mlp"])
+    layers = planned_mlp(factory.model)
+    assert splits_by_tp(factory, layers, 2) and splits_by_tp(factory, layers, 4) and not splits_by_tp(factory, layers, 3)
+    assert not splits_by_tp(factory, one_row_head(factory.model), 2) and splits_by_tp(factory, [], 1)
+
+
 def test_layouts_whose_state_does_not_fit_a_worker_are_not_probed():
     """parallel.auto ranks by the estimate every run is checked against (raytrain.models.memory)."""
     cfg = load_config(None, ["model.factory=tests.factories:unused"])  # a factory's activations are not estimated
@@ -45,6 +65,8 @@ def test_layouts_whose_state_does_not_fit_a_worker_are_not_probed():
     (["parallel.auto=true", "parallel.pp=2", "parallel.split_points=[2]"], ["parallel.split_points"]),
     (["parallel.auto=true", "elastic.min_dp=1"], ["parallel.auto", "elastic.min_dp"]),
     (["parallel.auto=true", "parallel.auto_schedules=[zigzag]"], ["parallel.auto_schedules"]),
+    (["parallel.auto=true", "parallel.tp=2", "resources.placement_strategy=STRICT_PACK"],
+     ["parallel.auto", "chooses parallel.tp itself", "leave parallel.tp=1"]),
 ])
 def test_auto_bad_input_names_the_key(overrides, must_mention):
     with pytest.raises(ValueError) as err:
@@ -54,10 +76,11 @@ def test_auto_bad_input_names_the_key(overrides, must_mention):
 
 def test_auto_probes_then_trains_with_the_fastest_layout(ray_session, make_config):
     cfg = make_config("parallel.auto=true", "parallel.auto_max_workers=2", "parallel.auto_microbatches=[2]",
-                      "parallel.auto_steps=3", "train.steps=3")
+                      "parallel.auto_steps=3", "train.steps=3", "resources.placement_strategy=STRICT_PACK")
     result = train(cfg)
     probes = result.auto_layout["probes"]
-    assert sorted(p["layout"] for p in probes) == ["dp=1 fsdp=2 pp=1 m=1", "dp=1 pp=2 m=2 1f1b", "dp=2 pp=1 m=1"]
+    assert sorted(p["layout"] for p in probes) == ["dp=1 fsdp=2 pp=1 m=1", "dp=1 pp=2 m=2 1f1b", "dp=1 tp=2 pp=1 m=1",
+                                                   "dp=2 pp=1 m=1"]
     assert all(p["status"] == "finished" and p["samples_per_s"] > 0 for p in probes), probes
     fastest = max(probes, key=lambda p: p["samples_per_s"])["layout"]
     assert result.auto_layout["chosen"] == fastest == result.layout

@@ -177,7 +177,8 @@ class ParallelConfig:
         require(self.tp == 1 or not self.split_backward, "parallel.split_backward", True,
                 "tensor-parallel stages (parallel.tp > 1) run DTensor's own backward: turn it off")
         require(self.tp == 1 or not self.auto, "parallel.auto", True,
-                "does not probe tensor parallelism yet; set parallel.tp=1 or the layout by hand")
+                "chooses parallel.tp itself among its candidates (with resources.placement_strategy=STRICT_PACK): "
+                "leave parallel.tp=1")
         require(not (self.auto and self.split_points is not None), "parallel.auto", True,
                 "it chooses pp, so parallel.split_points cannot be set; drop one of them")
         self._check_auto()

@@ -1,6 +1,8 @@
 """``parallel.auto``: probe the feasible layouts with short Tune trials and train with the fastest.
 
-The candidates are every dp x fsdp x pp layout of the cluster's workers that the config can run.
+The candidates are every dp x fsdp x tp x pp layout of the cluster's workers that the config can run
+(tp > 1 only where its workers stay on one node, resources.placement_strategy=STRICT_PACK, and the
+model's plan splits its layers so).
 One whose estimated memory per worker (raytrain.models.memory: the fullest worker's training state,
 gathered layer and activations) exceeds a worker's memory is not probed, and the probe table says so; a layout that fails its probe (out of device memory, for one) is never chosen. The probes are a
 normal raytrain sweep (``raytrain.tune``), kept under ``<run.dir>/auto-layout`` for inspection;
@@ -28,26 +30,54 @@ def candidate_layouts(cfg: Config, workers: int, layers: int) -> list[dict]:
     """Every layout that uses all ``workers`` workers and that the config can run.
 
     dp x fsdp data-parallel workers need to divide the global batch (a model.factory's or model.hf's
-    limit on fsdp is applied by ``choose_layout``); pipelines need pp <= ``layers`` and take each of
+    limit on fsdp and plan for tp are applied by ``choose_layout``); tp > 1 needs the config's checks
+    (one node, the built-in GPT's heads) to pass; pipelines need pp <= ``layers`` and take each of
     parallel.auto_microbatches that divides each worker's share, with each of parallel.auto_schedules.
     """
     p, batch = cfg.parallel, cfg.train.global_batch
     layouts = []
-    for pp in range(1, min(workers, layers) + 1):
-        for fsdp in (f for f in range(1, workers // pp + 1) if workers % (pp * f) == 0):
-            mesh = Mesh(dp=workers // (pp * fsdp), fsdp=fsdp, pp=pp)
-            if batch % mesh.columns:
-                continue
-            grid = {"parallel.dp": mesh.dp, "parallel.pp": pp, **({"parallel.fsdp": fsdp} if fsdp > 1 else {})}
-            if not _runnable(cfg, grid):
-                continue
-            if pp == 1:
-                layouts.append({**grid, "parallel.microbatches": 1})
-                continue
-            for m in sorted(set(p.auto_microbatches)):
-                if (batch // mesh.columns) % m == 0:
-                    layouts += [{**grid, "parallel.microbatches": m, "parallel.schedule": s} for s in p.auto_schedules]
+    for pp, tp, fsdp in _grids(workers, layers):
+        mesh = Mesh(dp=workers // (pp * tp * fsdp), fsdp=fsdp, tp=tp, pp=pp)
+        if batch % mesh.columns:
+            continue
+        grid = {"parallel.dp": mesh.dp, "parallel.pp": pp, **({"parallel.fsdp": fsdp} if fsdp > 1 else {}),
+                **({"parallel.tp": tp} if tp > 1 else {})}
+        if not _runnable(cfg, grid):
+            continue
+        if pp == 1:
+            layouts.append({**grid, "parallel.microbatches": 1})
+            continue
+        for m in sorted(set(p.auto_microbatches)):
+            if (batch // mesh.columns) % m == 0:
+                layouts += [{**grid, "parallel.microbatches": m, "parallel.schedule": s} for s in p.auto_schedules]
     return layouts
+
+
+def _grids(workers: int, layers: int):
+    """(pp, tp, fsdp) of every grid whose pp x tp x fsdp divides ``workers`` (dp takes the rest)."""
+    for pp in range(1, min(workers, layers) + 1):
+        for tp in (t for t in range(1, workers // pp + 1) if workers % (pp * t) == 0):
+            for fsdp in (f for f in range(1, workers // (pp * tp) + 1) if workers % (pp * tp * f) == 0):
+                yield pp, tp, fsdp
+
+
+def splits_by_tp(cfg: Config, model: list, tp: int) -> bool:
+    """Whether the model's plan splits its layers over ``tp`` ranks (the built-in GPT's heads are the
+    config's own check; a model.factory's or model.hf's plan is checked here, as a run would)."""
+    if tp == 1 or (cfg.model.factory is None and cfg.model.hf is None):
+        return True
+    if cfg.model.factory is not None:
+        from raytrain.models.tensor_plan import plan_problem
+
+        return plan_problem(model, tp) is None
+    from raytrain.models.hf_plan import check_tensor_parallel, resolve_cut, with_hf_architecture
+
+    try:
+        check_tensor_parallel(resolve_cut(with_hf_architecture(
+            dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, auto=False, tp=tp)))))
+    except ValueError:
+        return False
+    return True
 
 
 def _runnable(cfg: Config, grid: dict) -> bool:
@@ -95,7 +125,9 @@ def choose_layout(cfg: Config, layers: int, stream: TextIO) -> tuple[Config, dic
 
     workers, model = cluster_workers(cfg), model_layers(cfg)
     max_fsdp = shardable_rows(model)
-    layouts = [c for c in candidate_layouts(cfg, workers, layers) if c.get("parallel.fsdp", 1) <= max_fsdp]
+    tps = {tp: splits_by_tp(cfg, model, tp) for tp in range(1, workers + 1) if workers % tp == 0}
+    layouts = [c for c in candidate_layouts(cfg, workers, layers)
+               if c.get("parallel.fsdp", 1) <= max_fsdp and tps[c.get("parallel.tp", 1)]]
     if not layouts:
         raise ValueError(f"parallel.auto=true: no layout of {workers} worker(s) fits train.global_batch="
                          f"{cfg.train.global_batch} and {layers} layers; set the layout by hand")
