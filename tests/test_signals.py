@@ -82,10 +82,14 @@ def test_a_killed_driver_takes_its_workers_along(ray_cluster, tmp_path, data_cac
 
 def test_sigterm_to_the_whole_process_group_of_an_embedded_ray_exits_143_in_seconds(tmp_path, data_cache):
     """``timeout``, systemd and Slurm signal every process of the job: the embedded Ray's own servers
-    end with the driver's signal, and the driver must still report and exit at once, not wait on them."""
-    proc = _start_cli(None, tmp_path, data_cache, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    end with the driver's signal, and the driver must still report and exit at once, not wait on them.
+    The signal may end the coordinator before it saves, so the run reports the last published
+    checkpoint: the test signals once one is published (it failed once, signalled before step 10's)."""
+    proc = _start_cli(None, tmp_path, data_cache, "--set", "checkpoint.every=2",
+                      env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
     try:
         workers = _wait_for_training(tmp_path, proc)
+        _wait_for_a_checkpoint(tmp_path, proc)
         sent = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=90)
@@ -102,6 +106,17 @@ def test_sigterm_to_the_whole_process_group_of_an_embedded_ray_exits_143_in_seco
     while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(pid_alive(p) for p in workers), "a worker outlived the stopped run"
+
+
+def _wait_for_a_checkpoint(tmp_path, proc) -> None:
+    """Block until the run has published a checkpoint."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(checkpoint.latest(str(d)) for d in (tmp_path / "runs").glob("*/checkpoints")):
+            return
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"the run published no checkpoint: {proc.communicate()[1][-3000:]}")
 
 
 def _driver_core_log(pid: int) -> str:
