@@ -178,6 +178,23 @@ def test_a_hugging_face_tp_that_cannot_split_its_layers_is_refused_before_any_ac
     assert words in str(e.value) and "use parallel.fsdp" in str(e.value)
 
 
+def test_a_family_with_partial_rotary_embeddings_is_refused_under_tp(tmp_path):
+    # Phi's plan is plain colwise/rowwise, but with a rotary over half of each head it does not match
+    # one process at tp=2 (4.8e-4 after one step; the same model with full rotary matches): refused
+    import transformers as T
+
+    from raytrain.config import load_config
+    from raytrain.driver.plan import prepare
+
+    config = T.PhiConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    T.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "phi")
+    cfg = load_config(None, [f"model.hf={tmp_path / 'phi'}", TP, "parallel.tp=2", "train.global_batch=8",
+                             f"run.dir={tmp_path}/runs"])
+    with pytest.raises(ValueError, match=r"parallel.tp=2: model.hf=.*partial_rotary_factor=0.5.*use parallel.fsdp"):
+        prepare(cfg)
+
+
 def test_a_family_without_a_tensor_parallel_plan_is_refused(tmp_path):
     from raytrain.config import load_config
     from raytrain.driver.plan import prepare
