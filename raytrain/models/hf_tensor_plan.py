@@ -54,7 +54,8 @@ def tp_problem(config, decoder_layer: nn.Module, tp: int) -> Optional[str]:
             return f"its plan names {name}, which is not a linear layer in this model"
     text = config.get_text_config()
     partial = (getattr(text, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
-    if partial != 1.0:  # Phi at tp=2 ends 4.8e-4 from one process after one step; full rotary matches
+    if partial != 1.0:  # Phi ends 4.8e-4 from one process after one step at tp=2 (2.5e-5 at fsdp=2), and
+        # matches with full rotary: unexplained yet (a tp fault, or AdamW amplifying noise on tiny gradients)
         return (f"its rotary embedding covers part of each head (partial_rotary_factor={partial}), which "
                 "raytrain's tensor parallelism does not yet match one process on")
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
