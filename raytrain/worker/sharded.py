@@ -94,8 +94,8 @@ class ShardedLayers:
 
     def __init__(self, cfg: Config, layer_ids: list[int], shard: int, fsdp: int, device: torch.device,
                  tp: int = 1, tp_index: int = 0):
-        """With ``tp`` > 1 (the built-in GPT) this worker is tp rank ``tp_index`` of its shard: it owns
-        rows of its tp part of each parameter (``slices``: boxes of the whole), not rows of the whole."""
+        """With ``tp`` > 1 (layers that declare a plan) this worker is tp rank ``tp_index`` of its shard:
+        it owns rows of its tp part of each parameter (``slices``: boxes of the whole), not rows of the whole."""
         self.cfg, self.shard, self.fsdp, self.device, self.tp = cfg, shard, fsdp, device, tp
         self.meta_layers, self.names, self.loss_fn, full_values, buffers = meta_stage(cfg, layer_ids)
         self.rows: Optional[list[tuple[int, int, int]]] = [] if tp == 1 else None
