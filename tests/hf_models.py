@@ -1,4 +1,5 @@
-"""Tiny Hugging Face causal LMs (FAMILIES, and Qwen3), written to a directory as ``save_pretrained`` does."""
+"""Tiny Hugging Face causal LMs (FAMILIES, and the families tensor parallelism and the conversion mapping
+add: Qwen3, Gemma 3, Mixtral, GPT-NeoX), written to a directory as ``save_pretrained`` does."""
 
 import logging
 
@@ -23,6 +24,15 @@ def hf_config(family: str, tied: bool = False, layers: int = 2):
         return T.MistralConfig(**common, sliding_window=8)  # shorter than model.seq_len: the window mask matters
     if family == "qwen3":  # per-head q/k norms; its head_dim defaults to 128
         return T.Qwen3Config(**common, head_dim=8)
+    if family == "gemma3":  # a rotary per layer type (local for sliding layers), per-head q/k norms
+        return T.Gemma3TextConfig(**common, head_dim=8, sliding_window=8,
+                                  layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)])
+    if family == "mixtral":  # experts whose files hold w1/w2/w3 each, fused into gate_up_proj/down_proj in the model
+        return T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if family == "gpt_neox":  # files call its head embed_out; fused per-head q/k/v; a partial rotary by default
+        return T.GPTNeoXConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                               num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=tied,
+                               hidden_dropout=0.0, attention_dropout=0.0)
     return {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config}[family](**common)
 
 

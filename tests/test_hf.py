@@ -11,6 +11,8 @@ from torch import nn
 from raytrain import checkpoint, train
 from raytrain.config import load_config
 from raytrain.driver.plan import prepare
+from raytrain.models.hf_conversion import to_file_names
+from raytrain.models.hf_model import meta_model
 from raytrain.models.hf_weights import build_hf_stage
 from tests.hf_models import FAMILIES, assert_same_hf_params, write_hf_model
 from tests.helpers import LONG_RUN_LR, assert_same_params, reference_state
@@ -205,24 +207,46 @@ def test_a_pretrained_gemma_keeps_its_computed_embedding_scale(tmp_path):
         assert torch.equal(nn.Sequential(*layers)(ids), model(input_ids=ids).logits)
 
 
-def test_weights_named_unlike_the_modules_train_whole_and_refuse_a_pipeline(tmp_path):
-    """GPT-NeoX's files say embed_out.weight for its lm_head module: only transformers converts that."""
+@pytest.mark.parametrize("family", ["gpt_neox", "mixtral", "gemma3"])
+def test_families_whose_files_name_parameters_unlike_their_modules_cut_through_the_conversion_mapping(tmp_path,
+                                                                                                    family):
+    # GPT-NeoX's files say embed_out for its lm_head, Mixtral's hold each expert's w1/w2/w3 where its
+    # modules hold one fused tensor; Gemma 3 gives each layer type its own rotary. Each stage reads
+    # only its own layers' tensors, converted as from_pretrained converts them, and a plain process
+    # loads the export named as the source directory was.
+    import safetensors.torch
     import transformers
 
-    config = transformers.GPTNeoXConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, max_position_embeddings=64)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "neox")
-    path = str(tmp_path / "neox")
-    with pytest.raises(ValueError, match="name parameters unlike its modules.*parallel.pp=1"):
+    path = write_hf_model(tmp_path / "model", family)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    plan = prepare(load_config(None, [f"model.hf={path}", "parallel.pp=2", f"run.dir={tmp_path}/runs"]))
+    assert plan.cfg.model.hf_cut == "layers"
+    first, _ = build_hf_stage(path, "layers", 0, [0, 1])
+    last, _ = build_hf_stage(path, "layers", 0, [2, 3])
+    ids = torch.randint(0, 256, (2, 24))  # longer than Gemma 3's sliding window
+    with torch.no_grad():
+        assert torch.equal(nn.Sequential(*last)(nn.Sequential(*first)(ids)), model(input_ids=ids).logits)
+    assert sum(p.numel() for m in first for p in m.parameters()) < sum(p.numel() for p in model.parameters())
+    files = safetensors.torch.load_file(f"{path}/model.safetensors")
+    exported = to_file_names(meta_model(model.config), dict(model.named_parameters()))
+    assert set(exported) == set(files) and all(torch.equal(exported[k], files[k]) for k in files)
+
+
+def test_weights_missing_a_parameter_train_whole_and_refuse_a_pipeline(tmp_path):
+    """A file tensor no conversion makes (here renamed by hand): transformers' own loading decides."""
+    import safetensors.torch
+    import transformers
+
+    path = write_hf_model(tmp_path / "model", "llama")
+    tensors = safetensors.torch.load_file(f"{path}/model.safetensors")
+    tensors["model.layers.0.mlp.gate.weight"] = tensors.pop("model.layers.0.mlp.gate_proj.weight")
+    safetensors.torch.save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lack 'model.layers.0.mlp.gate_proj.weight'.*parallel.pp=1"):
         prepare(load_config(None, [f"model.hf={path}", "parallel.pp=2", f"run.dir={tmp_path}/runs"]))
     plan = prepare(load_config(None, [f"model.hf={path}", f"run.dir={tmp_path}/runs", "model.seq_len=16"]))
     assert plan.cfg.model.hf_cut == "whole"
     layers, _ = build_hf_stage(path, "whole", 0, None)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    ids = torch.randint(0, 256, (2, 16))
-    with torch.no_grad():
-        assert torch.equal(layers[0].eval()(ids), model(input_ids=ids).logits)
+    assert isinstance(layers[0].model, transformers.LlamaForCausalLM)
 
 
 def test_weights_raytrain_cannot_read_are_refused_not_ignored(tmp_path):

@@ -1,7 +1,7 @@
 """``python -m raytrain export --checkpoint CKPT --out DIR``: a checkpoint of a ``model.hf`` run as a
 Hugging Face model directory (config.json + model.safetensors) that ``from_pretrained`` loads.
 
-The tensors are the checkpoint's parameters under the model's own names, cast to the model's dtype
+The tensors are the checkpoint's parameters under the names ``save_pretrained`` gives them, cast to the model's dtype
 (that of the directory's safetensors, else config.json's ``dtype``, else float32; ``--dtype``
 overrides it and config.json says which): a model imported and trained at lr 0 comes back bit for
 bit. The export reads the run's model.hf directory for its config. The directory appears whole or
@@ -19,6 +19,7 @@ import torch
 
 from raytrain import checkpoint
 from raytrain.config import config_from_dict
+from raytrain.models.hf_conversion import to_file_names
 from raytrain.models.hf_model import load_hf_config
 from raytrain.models.hf_weights import SAFETENSORS_FILE, hf_layers, hf_names, stored_dtype, weight_files
 
@@ -49,6 +50,7 @@ def export_hf(ckpt: str, out_dir: str, dtype: Optional[str] = None, trust_remote
     model, layers = hf_layers(cfg.model.hf, cfg.model.hf_cut, trust)
     config.dtype = _dtype(config, dtype, stored_dtype(weight_files(cfg.model.hf)))
     tensors = _hf_tensors(checkpoint.load_state_dict(step_dir), hf_names(model, layers), config.dtype)
+    tensors = to_file_names(model, tensors)  # named as save_pretrained names them (Mixtral's experts apart)
     _write_atomically(out_dir, config, tensors, cfg.model.hf)
     return step_dir
 

@@ -1,9 +1,10 @@
 """Hugging Face decoder-only causal LMs cut into pipeline layers: ``[embedding, decoder layer x n, norm + head]``.
 
-The cut is read from the model's structure, not from a table of families: the causal LM holds a
-base model and an output head; the base model holds the input embedding, one ``ModuleList`` of
-decoder layers, a final norm, and optionally a rotary embedding, a learned position embedding and a
-dropout. Each decoder-layer wrapper recomputes what the base model's forward would hand its layers
+The cut is read from the family's ``base_model_pp_plan`` (transformers' list of the children a
+pipeline runs) where its config declares one, else from the model's structure, never from a table of
+families: the causal LM holds a base model and an output head; the base model holds the input
+embedding, one ``ModuleList`` of decoder layers, a final norm, and optionally a rotary embedding, a
+learned position embedding and a dropout. Each decoder-layer wrapper recomputes what the base model's forward would hand its layers
 (position ids, rotary cos/sin, the causal or sliding-window mask), so a stage needs nothing from
 another stage but the hidden states. A family with anything else in those places cannot be cut:
 ``UncuttableModel`` names it, and ``pp=1`` still trains it whole (``WholeModel``). A directory that is
@@ -15,6 +16,7 @@ own Python code (``auto_map``, unless model.trust_remote_code), is refused: a mo
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -152,24 +154,57 @@ class DecoderParts:
 
 
 def find_parts(model: nn.Module) -> DecoderParts:
-    """The model's pieces by structure; UncuttableModel naming the family and the piece otherwise."""
+    """The model's pieces, by the family's ``base_model_pp_plan`` where its config declares one, else by
+    structure; UncuttableModel naming the family and the piece otherwise."""
     family = type(model).__name__
     base, head = model.base_model, model.get_output_embeddings()
     if base is model or head is None:
         raise UncuttableModel(f"{family}: no base model and output head to cut between")
     extra = [n for n, c in model.named_children() if c is not base and c is not head and _has_state(c)]
     embed = base.get_input_embeddings()
-    found: dict[str, list] = {"layers": [], "rotary": [], "position": [], "dropout": [], "norm": [], "other": []}
-    for name, child in base.named_children():
-        if child is not embed:
-            found[_role(child, model.config)].append(name)
+    plan = list(getattr(base.config, "base_model_pp_plan", None) or {})
+    found = _roles_by_plan(base, embed, plan) if plan else _roles_by_structure(base, embed)
     if extra or found["other"] or len(found["layers"]) != 1 or len(found["norm"]) != 1 or \
-            len(found["rotary"]) > 1 or len(found["position"]) > 1:
+            len(found["rotary"]) > 1 or len(found["position"]) > 1 or len(found["dropout"]) > 1:
+        how = f"base_model_pp_plan {plan}" if plan else "structure"
         raise UncuttableModel(f"{family}: expected an input embedding, one list of decoder layers and one final "
-                              f"norm, found {dict(found, head_extras=extra)}")
+                              f"norm, found by its {how} {dict(found, head_extras=extra)}")
     get = lambda role: getattr(base, found[role][0]) if found[role] else None  # noqa: E731
     return DecoderParts(embed=embed, position=get("position"), dropout=get("dropout"), layers=get("layers"),
                         rotary=get("rotary"), norm=get("norm"), head=head)
+
+
+def _roles_by_structure(base: nn.Module, embed: nn.Module) -> dict[str, list[str]]:
+    """The base model's children by what they are: a ModuleList of layers, a rotary, a norm ..."""
+    found: dict[str, list] = {"layers": [], "rotary": [], "position": [], "dropout": [], "norm": [], "other": []}
+    for name, child in base.named_children():
+        if child is not embed:
+            found[_role(child, base.config)].append(name)
+    return found
+
+
+def _roles_by_plan(base: nn.Module, embed: nn.Module, plan: list[str]) -> dict[str, list[str]]:
+    """The base model's children by the family's pipeline plan (transformers' ``base_model_pp_plan``:
+    the children a pipeline runs, in order): the embedding first, the decoder layers, a dropout between
+    them where the plan has one, the final norm after them. The rotary embedding, which the plan leaves
+    out because every stage recomputes it, is found by structure; any other child with state is not cut."""
+    found: dict[str, list] = {"layers": [], "rotary": [], "position": [], "dropout": [], "norm": [], "other": []}
+    layers_at = next((i for i, name in enumerate(plan) if isinstance(getattr(base, name, None), nn.ModuleList)), None)
+    if layers_at is None or getattr(base, plan[0], None) is not embed:
+        found["other"].append(f"plan {plan} (no input embedding first, or no list of layers)")
+        return found
+    found["layers"].append(plan[layers_at])
+    for name in plan[1:layers_at]:
+        found["dropout" if isinstance(getattr(base, name, None), nn.Dropout) else "other"].append(name)
+    found["norm"].extend(plan[layers_at + 1:])
+    for name, child in base.named_children():
+        if name in plan or child is embed:
+            continue
+        if _role(child, base.config) == "rotary":
+            found["rotary"].append(name)
+        elif _has_state(child):  # a stateless child the plan does not run (a helper) needs no stage
+            found["other"].append(name)
+    return found
 
 
 def _has_state(module: nn.Module) -> bool:
@@ -218,7 +253,10 @@ class HFDecoderLayer(nn.Module):
         self.layer, self.rotary, self.config = layer, rotary, config
         self.tp_plan = decoder_layer_plan(config)
         """The family's colwise / rowwise projections (raytrain.models.hf_tensor_plan): parallel.tp's split."""
-        self.sliding = _attention_type(layer, config, index) == "sliding_attention"
+        self.attention_type = _attention_type(layer, config, index)
+        self.sliding = self.attention_type == "sliding_attention"
+        self.rotary_by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+        """Gemma 3's rotary holds one frequency table per layer type, and is told which one a layer uses."""
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
         from transformers import masking_utils
@@ -227,7 +265,10 @@ class HFDecoderLayer(nn.Module):
         make_mask = masking_utils.create_sliding_window_causal_mask if self.sliding else masking_utils.create_causal_mask
         mask = make_mask(config=self.config, inputs_embeds=h_BTD, attention_mask=None, past_key_values=None,
                          position_ids=pos)
-        extras = {"position_embeddings": self.rotary(h_BTD, pos)} if self.rotary is not None else {}
+        extras = {}
+        if self.rotary is not None:
+            by_type = {"layer_type": self.attention_type} if self.rotary_by_type else {}
+            extras["position_embeddings"] = self.rotary(h_BTD, pos, **by_type)
         out = self.layer(h_BTD, attention_mask=mask, position_ids=pos, use_cache=False, **extras)
         return out[0] if isinstance(out, tuple) else out
 

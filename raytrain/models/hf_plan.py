@@ -66,8 +66,8 @@ def check_ties(cfg: Config, layers: list[nn.Module], layout: Layout) -> None:
 def resolve_cut(cfg: Config) -> Config:
     """``cfg`` with model.hf_cut=auto resolved, so every worker cuts the same way: ``layers`` when the
     cut reproduces the model's own forward on a two-layer copy of its config and the directory's
-    weights name every parameter as the modules do; else ``whole``, loaded by transformers itself
-    (pp=1 only: a ValueError naming the family for pp > 1, or with model.hf_cut=layers). The same
+    weights make every parameter (through the family's conversion mapping); else ``whole``, loaded
+    by transformers itself (pp=1 only: a ValueError naming the family for pp > 1, or with model.hf_cut=layers). The same
     copy must attend causally, whatever the cut: a ValueError naming what the directory is otherwise."""
     m = cfg.model
     weights = weight_files(m.hf)  # refuses weights it cannot read, whatever the cut
@@ -84,8 +84,7 @@ def resolve_cut(cfg: Config) -> Config:
         model, layers = hf_layers(m.hf, "layers", m.trust_remote_code)
         missing = missing_weights(model, layers, weights)
         if missing:
-            problem = (f"its safetensors name parameters unlike its modules (no {missing[0]!r}), which only "
-                       "transformers' own loading converts")
+            problem = f"its safetensors lack {missing[0]!r} (not even its family's conversion mapping makes it)"
     if problem is None:
         return dataclasses.replace(cfg, model=dataclasses.replace(m, hf_cut="layers"))
     if cfg.parallel.pp > 1 or m.hf_cut == "layers":

@@ -2,7 +2,8 @@
 materialised, and filled from the directory's safetensors or initialised under ``(seed, layer index)``.
 
 Global parameter names stay raytrain's (``"3.layer.self_attn.q_proj.weight"``); ``hf_names`` maps
-them to the model's own names (``"model.layers.2.self_attn.q_proj.weight"``) for loading and export.
+them to the model's own names (``"model.layers.2.self_attn.q_proj.weight"``) for loading and export;
+the files' names may differ again, as transformers' conversion mapping says (raytrain.models.hf_conversion).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from raytrain.models.hf_conversion import FileSource, file_sources, read_sources
 from raytrain.models.hf_model import WholeModel, first_line, layers_of, load_hf_config, meta_model, transformers_module
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -69,9 +71,9 @@ def build_hf_stage(path: str, cut: str, seed: int, layer_ids: Optional[Sequence[
         torch.manual_seed(seed * 100_003 + index)
         layer.apply(model._init_weights)  # HF's per-module initialiser: the one each family defines
     if weights:
-        names = hf_names(model, layers)
+        names, sources = hf_names(model, layers), file_sources(model, weights)
         for index, layer in zip(ids, owned):
-            load_layer(layer, index, names, weights, path, model.base_model_prefix)
+            load_layer(layer, index, names, sources, weights, model, path)
     return owned, len(layers)
 
 
@@ -140,47 +142,37 @@ def _safetensors_names(file: str, why: str = "") -> set[str]:
                          f"({first_line(e)}): it is truncated, corrupt or missing; restore or re-download it") from e
 
 
-def file_key(hf_name: str, weights: dict[str, str], prefix: str) -> Optional[str]:
-    """The name ``hf_name`` has in the files: as is, or without / with the base model's prefix
-    (``transformer.h.0...`` is ``h.0...`` in some checkpoints); None when it is not there."""
-    stripped = hf_name[len(prefix) + 1:] if hf_name.startswith(f"{prefix}.") else None
-    for key in (hf_name, stripped, f"{prefix}.{hf_name}"):
-        if key is not None and key in weights:
-            return key
-    return None
-
-
 def missing_weights(model: nn.Module, layers: Sequence[nn.Module], weights: dict[str, str]) -> list[str]:
-    """The model's parameter names the files do not hold (tied ones count once)."""
-    prefix = model.base_model_prefix
-    return [hf for hf in hf_names(model, layers).values() if file_key(hf, weights, prefix) is None]
+    """The model's parameter names the files do not make, even through the family's conversion mapping
+    (tied ones count once)."""
+    sources = file_sources(model, weights)
+    return [hf for hf in hf_names(model, layers).values() if hf not in sources]
 
 
 @torch.no_grad()
-def load_layer(layer: nn.Module, index: int, names: dict[str, str], weights: dict[str, str], path: str,
-               prefix: str) -> None:
-    """Copy this layer's parameters, and only them, from the model's safetensors (each file opened once)."""
-    from safetensors import safe_open
-
-    wanted: dict[str, list[tuple[str, nn.Parameter]]] = {}
+def load_layer(layer: nn.Module, index: int, names: dict[str, str], sources: dict[str, FileSource],
+               weights: dict[str, str], model: nn.Module, path: str) -> None:
+    """Copy this layer's parameters, and only them, from the model's safetensors, converted by the
+    family's mapping (raytrain.models.hf_conversion)."""
+    wanted: dict[str, nn.Parameter] = {}
     for child_name, child in layer.named_children():
         for local, param in child.named_parameters():
             hf_name = names.get(f"{index}.{child_name}.{local}")
-            if hf_name is None:
-                continue  # a tied parameter, loaded under its first name
-            key = file_key(hf_name, weights, prefix)
-            if key is None:
-                raise ValueError(f"model.hf={path!r}: the weights have no tensor {hf_name!r}; the directory's "
-                                 "safetensors do not match its config.json")
-            wanted.setdefault(weights[key], []).append((key, param))
-    for file, params in wanted.items():
-        with safe_open(file, framework="pt") as f:
-            for key, param in params:
-                tensor = f.get_tensor(key)
-                if tensor.shape != param.shape:
-                    raise ValueError(f"model.hf={path!r}: {key!r} has shape {tuple(tensor.shape)}, the config "
-                                     f"says {tuple(param.shape)}")
-                param.copy_(tensor.to(param.dtype))
+            if hf_name is not None:  # None: a tied parameter, loaded under its first name
+                wanted[hf_name] = param
+    absent = [name for name in wanted if name not in sources]
+    if absent:
+        raise ValueError(f"model.hf={path!r}: the weights have no tensor for {absent[0]!r}; the directory's "
+                         "safetensors do not match its config.json")
+    groups = {id(sources[name]): sources[name] for name in wanted}.values()
+    for name, tensor in read_sources(model, groups, weights).items():
+        param = wanted.get(name)
+        if param is None:
+            continue  # a group fills another layer's parameter too (never in the families seen so far)
+        if tensor.shape != param.shape:
+            raise ValueError(f"model.hf={path!r}: {name!r} has shape {tuple(tensor.shape)} in the weights, the "
+                             f"config says {tuple(param.shape)}")
+        param.copy_(tensor.to(param.dtype))
 
 
 def stored_dtype(weights: dict[str, str]) -> Optional[torch.dtype]:
