@@ -29,6 +29,12 @@ def hf_config(family: str, tied: bool = False, layers: int = 2):
                                   layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)])
     if family == "mixtral":  # experts whose files hold w1/w2/w3 each, fused into gate_up_proj/down_proj in the model
         return T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if family == "olmo2":  # q/k norms over all heads at once: its plan gathers q/k/v (colwise_gather_output)
+        return T.Olmo2Config(**common, pad_token_id=0)
+    if family == "phi3":  # fused q/k/v and gate/up, gathered, then split again into o/down (rowwise_split_input)
+        return T.Phi3Config(**common, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+    if family == "phi":  # a partial rotary (half of each head), biased q/k/v
+        return T.PhiConfig(**common, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
     if family == "gpt_neox":  # files call its head embed_out; fused per-head q/k/v; a partial rotary by default
         return T.GPTNeoXConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=tied,
@@ -49,9 +55,9 @@ def write_hf_model(path, family: str, weights: bool = True, tied: bool = False, 
     return str(path)
 
 
-def key_bias_apart(state: dict) -> tuple[dict, dict]:
+def key_bias_apart(state: dict, heads: int = 4) -> tuple[dict, dict]:
     """``state`` without its attention key biases, and those biases (Qwen2's k_proj.bias, the middle
-    third of GPT-2's fused c_attn.bias)."""
+    third of GPT-2's fused c_attn.bias, the middle of each head's q/k/v in GPT-NeoX's query_key_value)."""
     rest, key_bias = {}, {}
     for name, tensor in state.items():
         if name.endswith("k_proj.bias"):
@@ -60,13 +66,18 @@ def key_bias_apart(state: dict) -> tuple[dict, dict]:
             q, k, v = tensor.chunk(3)
             rest[name] = torch.cat([q, v])
             key_bias[name] = k
+        elif name.endswith("query_key_value.bias"):
+            per_head = tensor.view(heads, 3, -1)
+            rest[name] = per_head[:, ::2].reshape(-1)
+            key_bias[name] = per_head[:, 1].reshape(-1)
         else:
             rest[name] = tensor
     return rest, key_bias
 
 
 def assert_same_hf_params(got: dict, want: dict) -> None:
-    """Equal to 1e-5 relative, but for key biases: softmax ignores a key bias, so its exact gradient
-    is 0 and the computed one float noise, which AdamW scales to full-size steps of random sign (why
-    the built-in GPT has none). Nothing downstream depends on them, so they are left out."""
+    """Equal to 1e-5 relative, but for key biases: softmax ignores a key bias (where no rotary turns it:
+    all of GPT-2's, the dimensions a partial rotary leaves alone in GPT-NeoX's and Phi's), so its exact
+    gradient is 0 and the computed one float noise, which AdamW scales to full-size steps of random sign
+    (why the built-in GPT has none). Nothing downstream depends on them, so they are left out."""
     assert_same_params(key_bias_apart(got)[0], key_bias_apart(want)[0])

@@ -14,6 +14,7 @@ from raytrain.driver.plan import prepare
 from raytrain.models.hf_conversion import to_file_names
 from raytrain.models.hf_model import meta_model
 from raytrain.models.hf_weights import build_hf_stage
+from tests.forked_stages import run_stages
 from tests.hf_models import FAMILIES, assert_same_hf_params, write_hf_model
 from tests.helpers import LONG_RUN_LR, assert_same_params, reference_state
 
@@ -230,6 +231,15 @@ def test_families_whose_files_name_parameters_unlike_their_modules_cut_through_t
     files = safetensors.torch.load_file(f"{path}/model.safetensors")
     exported = to_file_names(meta_model(model.config), dict(model.named_parameters()))
     assert set(exported) == set(files) and all(torch.equal(exported[k], files[k]) for k in files)
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "mixtral"])
+def test_converted_families_train_under_pp2_to_the_single_process_parameters(make_config, tmp_path, family):
+    # Gemma 3 at tp=2 x pp=2 in tests/test_tp.py; the stages run in forked processes (tests/forked_stages.py)
+    path = write_hf_model(tmp_path / "model", family)
+    cfg = hf_config(make_config, path, *PP2)
+    model, _ = run_stages(cfg, str(tmp_path / "run"))
+    assert_same_hf_params(model, reference_state(cfg))
 
 
 def test_weights_missing_a_parameter_train_whole_and_refuse_a_pipeline(tmp_path):

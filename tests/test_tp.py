@@ -12,7 +12,9 @@ from raytrain import checkpoint, train
 from raytrain.testing.reference import reference_eval_loss, train_reference
 from tests.forked_stages import run_stages
 from tests.helpers import LONG_RUN_LR, assert_same_params, reference_state, relative_error
-from tests.hf_models import assert_same_hf_params, write_hf_model
+from raytrain.models.hf_tensor_plan import decoder_layer_plan
+from raytrain.models.tensor_plan import GRAD_SUM
+from tests.hf_models import assert_same_hf_params, hf_config, write_hf_model
 
 TP = "resources.placement_strategy=STRICT_PACK"
 """A tp group stays on one node: parallel.tp > 1 needs it."""
@@ -148,8 +150,15 @@ def test_a_factory_model_splits_by_the_plan_its_layers_declare(make_config, tmp_
     # per-head q/k norms, whole on each rank, their gradients summed over the tp group
     ("qwen3", ("parallel.tp=2", "train.grad_clip=0.05")),
     ("qwen3", ("parallel.fsdp=2", "parallel.tp=2")),
+    ("gemma3", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),  # a rotary per layer type
+    ("mixtral", ("parallel.tp=2",)),  # experts whole on each rank, attention split
+    ("gpt_neox", ("parallel.tp=2",)),  # fused per-head q/k/v, split by heads; a quarter-head rotary
+    ("phi", ("parallel.fsdp=2", "parallel.tp=2")),  # a half-head rotary
+    ("olmo2", ("parallel.tp=2", "train.grad_clip=0.05")),  # gathered q/k/v around its whole-width q/k norms
+    ("phi3", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),  # gathered fused projections
 ], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-fsdp2-tp2", "llama-dp2-tp2", "qwen2-tp2", "qwen3-tp2-clipped",
-        "qwen3-fsdp2-tp2"])
+        "qwen3-fsdp2-tp2", "gemma3-tp2-pp2", "mixtral-tp2", "gpt_neox-tp2", "phi-fsdp2-tp2", "olmo2-tp2-clipped",
+        "phi3-tp2-pp2"])
 def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_process(make_config, tmp_path, family,
                                                                                   layout):
     # the family's base_model_tp_plan (q/k/v, gate/up colwise; o/down rowwise) on each decoder layer
@@ -159,8 +168,9 @@ def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_proce
     assert_same_hf_params(model, reference_state(cfg))
     files = [torch.load(tmp_path / "run" / f"stage0-0-{t}.pt", weights_only=True) for t in (0, 1)]
     split = set(files[1]["model"])
-    assert split and all(n.rsplit(".", 2)[1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                 "down_proj") for n in split), split
+    planned = {name.rsplit(".", 1)[1] for name, (style, _) in decoder_layer_plan(hf_config(family)).items()
+               if style != GRAD_SUM}  # whole on each rank: rank 0 writes them
+    assert split and {n.rsplit(".", 2)[1] for n in split} == planned, split
 
 
 @pytest.mark.parametrize("overrides, words", [
@@ -178,20 +188,22 @@ def test_a_hugging_face_tp_that_cannot_split_its_layers_is_refused_before_any_ac
     assert words in str(e.value) and "use parallel.fsdp" in str(e.value)
 
 
-def test_a_family_with_partial_rotary_embeddings_is_refused_under_tp(tmp_path):
-    # Phi's plan is plain colwise/rowwise, but with a rotary over half of each head it does not match
-    # one process at tp=2 (4.8e-4 after one step; the same model with full rotary matches): refused
+def test_a_family_whose_plan_needs_a_style_raytrain_does_not_apply_is_refused_naming_it(tmp_path):
+    # DeepSeek-V2's latent attention splits kv_a_proj_with_mqa by its own style (mla_kv_a_proj)
     import transformers as T
 
     from raytrain.config import load_config
     from raytrain.driver.plan import prepare
 
-    config = T.PhiConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    T.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "phi")
-    cfg = load_config(None, [f"model.hf={tmp_path / 'phi'}", TP, "parallel.tp=2", "train.global_batch=8",
+    config = T.DeepseekV2Config(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                                num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
+                                qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=64)
+    T.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "deepseek")
+    cfg = load_config(None, [f"model.hf={tmp_path / 'deepseek'}", TP, "parallel.tp=2", "train.global_batch=8",
                              f"run.dir={tmp_path}/runs"])
-    with pytest.raises(ValueError, match=r"parallel.tp=2: model.hf=.*partial_rotary_factor=0.5.*use parallel.fsdp"):
+    with pytest.raises(ValueError, match=r"parallel.tp=2: model.hf=.*self_attn.kv_a_proj_with_mqa as 'mla_kv_a_proj'"
+                                         r".*use parallel.fsdp"):
         prepare(cfg)
 
 

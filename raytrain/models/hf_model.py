@@ -251,7 +251,7 @@ class HFDecoderLayer(nn.Module):
     def __init__(self, layer: nn.Module, rotary: Optional[nn.Module], config, index: int):
         super().__init__()
         self.layer, self.rotary, self.config = layer, rotary, config
-        self.tp_plan = decoder_layer_plan(config)
+        self.tp_plan = decoder_layer_plan(config, layer)
         """The family's colwise / rowwise projections (raytrain.models.hf_tensor_plan): parallel.tp's split."""
         self.attention_type = _attention_type(layer, config, index)
         self.sliding = self.attention_type == "sliding_attention"

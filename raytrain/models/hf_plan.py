@@ -105,8 +105,8 @@ def check_tensor_parallel(cfg: Config) -> None:
                          "parallelism splits the decoder layers of a cut model; use parallel.fsdp")
     config = load_hf_config(m.hf, m.trust_remote_code)
     _, layers = hf_layers(m.hf, "layers", m.trust_remote_code)
-    problem = tp_problem(config, layers[1].layer, tp)
-    if problem is not None:
+    problem = next(filter(None, (tp_problem(config, decoder.layer, tp) for decoder in layers[1:-1])), None)
+    if problem is not None:  # every decoder layer: a mixture of experts may follow dense ones (DeepSeek-V2)
         raise ValueError(f"parallel.tp={tp}: model.hf={m.hf!r} ({describe(config)}): {problem}; use parallel.fsdp, "
                          "or a tp that fits")
 

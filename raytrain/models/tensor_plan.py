@@ -8,6 +8,10 @@ fuses ``parts`` projections (q, k and v in one weight) is split per part, so ran
 each part: several boxes, stacked along dim 0 in the rank's local tensor in that order.
 ``replicated_grad_sum`` keeps a module whole on every rank but sums its gradient over the tp group: a
 norm applied to each head (Qwen3's q_norm) sees only the rank's heads, so each rank's gradient is a part.
+``colwise_gather_output`` and ``rowwise_split_input`` split a linear as ``colwise`` and ``rowwise`` do,
+but the first gathers its output whole on every rank and the second takes a whole input and splits it
+(transformers' styles of the same names): for a layer whose code between them needs whole activations
+(OLMo 2's q/k norms over all heads at once, Phi-3's fused q/k/v cut apart by width).
 
 A model.factory layer declares the same form (README: "Any model"); ``plan_problem`` checks it on the
 driver before any actor starts. Its ``forward`` must read its local widths from what its colwise
@@ -26,9 +30,13 @@ from torch import nn
 Box = tuple[tuple[int, int], ...]
 """[start, stop) per dim of the whole tensor."""
 Plan = dict[str, tuple[str, int]]
-"""Submodule name -> ("colwise" | "rowwise" | "replicated_grad_sum", fused parts)."""
-SPLIT_STYLES = ("colwise", "rowwise")
+"""Submodule name -> (one of STYLES, fused parts)."""
+COLWISE_STYLES = ("colwise", "colwise_gather_output")
+"""Split by output features (a weight's dim 0, with its bias)."""
+ROWWISE_STYLES = ("rowwise", "rowwise_split_input")
+"""Split by input features (a weight's dim 1; the bias whole)."""
 GRAD_SUM = "replicated_grad_sum"
+STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, GRAD_SUM)
 
 
 def layer_plan(layer) -> Plan:
@@ -46,9 +54,9 @@ def plan_problem(layers: list[nn.Module], tp: int) -> Optional[str]:
     for i, plan in planned:
         for name, entry in plan.items():
             where = f"layer {i}'s tp_plan[{name!r}]"
-            if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0] in (*SPLIT_STYLES, GRAD_SUM)
+            if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0] in STYLES
                     and isinstance(entry[1], int) and entry[1] >= 1):
-                return f"{where} is {entry!r}; give (\"colwise\" | \"rowwise\" | \"{GRAD_SUM}\", fused parts >= 1)"
+                return f"{where} is {entry!r}; give (one of {' | '.join(map(repr, STYLES))}, fused parts >= 1)"
             try:
                 module = layers[i].get_submodule(name)
             except AttributeError:
@@ -60,7 +68,7 @@ def plan_problem(layers: list[nn.Module], tp: int) -> Optional[str]:
             if not isinstance(module, nn.Linear):
                 return f"{where} names no nn.Linear of that layer"
             style, parts = entry
-            width, what = ((module.out_features, "out_features") if style == "colwise"
+            width, what = ((module.out_features, "out_features") if style in COLWISE_STYLES
                            else (module.in_features, "in_features"))
             if width % (parts * tp):
                 return f"{where}: {name}.{what}={width} does not split into {parts} part(s) of tp={tp} slices"
@@ -74,9 +82,9 @@ def split_of(plan: Plan, param_name: str) -> Optional[tuple[str, int, int]]:
     if module not in plan:
         return None
     style, parts = plan[module]
-    if style == "colwise":
+    if style in COLWISE_STYLES:
         return style, parts, 0
-    if style == "rowwise":
+    if style in ROWWISE_STYLES:
         return (style, parts, 1) if leaf == "weight" else None
     if style == GRAD_SUM:
         return None

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from raytrain.checkpoint.assemble import slices_entry
@@ -47,7 +47,13 @@ from raytrain.worker.gradsync import all_reduce_flat, squared_norms_by_split, su
 from raytrain.worker.stage_values import meta_stage, tp_grad_summed, tp_parts
 from raytrain.worker.wrapping import adopt
 
-STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+STYLES = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+"""raytrain.models.tensor_plan's split styles as torch's; the whole-module one needs no parallelising."""
 
 
 def local_part(value: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
