@@ -57,7 +57,6 @@ def _rejected(overrides, tmp_path) -> ValueError:
          ["parallel.tp=2", "layer 1's tp_plan['norm'] names no nn.Linear"]),
         (["parallel.tp=3", "model.factory=tests.factories:planned_mlp", "resources.placement_strategy=STRICT_PACK"],
          ["parallel.tp=3", "layer 1's tp_plan['up']: up.out_features=512 does not split into 2 part(s) of tp=3"]),
-        (["parallel.tp=2", "parallel.split_backward=true"], ["parallel.split_backward", "parallel.tp > 1"]),
         (["parallel.fsdp=2", "parallel.dp=1", "elastic.max_dp=5"], ["elastic.max_dp=5", "parallel.fsdp=2"]),
         (["model.vocab_size=128"], ["model.vocab_size=128", "built-in corpus", "bytes", ">= 256", "data.path"]),
         (["data.max_bytes=100", "model.seq_len=64", "train.global_batch=8"],

@@ -104,3 +104,33 @@ def test_seeded_by_the_next_stages_gradient():
     torch.testing.assert_close(grad, inp.grad, rtol=0, atol=0)
     for p, q in zip(body.parameters(), twin.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+
+
+def test_a_tensor_parallel_stage_splits_too(tmp_path):
+    # parallelize_module's DTensor parameters (a tp mesh of one rank: the graph of tp=2, in one process)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from raytrain.worker.tensor_parallel import parallelize_layers
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        stage, loss_fn, x, y = _stage_and_batch()
+        twin = copy.deepcopy(stage)
+        stage, twin = (nn.Sequential(*parallelize_layers(list(s), mesh)) for s in (stage, twin))
+        inp = x.clone().requires_grad_()
+        _loss(stage, loss_fn, inp, y, False).backward()
+        inp2 = x.clone().requires_grad_()
+        weights = list(twin.parameters())
+        grad, weight_half = backward_input(_loss(twin, loss_fn, inp2, y, False), None, inp2, weights)
+        assert len(weight_half._calls) > 0 and all(w.grad is None for w in weights), "it fell back to one backward"
+        weight_half.run()
+        torch.testing.assert_close(grad, inp.grad, rtol=0, atol=0)
+        assert any(isinstance(w, DTensor) for w in weights)
+        whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731 - norms stay plain
+        for (name, p), q in zip(stage.named_parameters(), weights):
+            torch.testing.assert_close(whole(q.grad), whole(p.grad), rtol=0, atol=0, msg=name)
+    finally:
+        dist.destroy_process_group()

@@ -29,8 +29,10 @@ TP = "resources.placement_strategy=STRICT_PACK"
     ("parallel.fsdp=2", "parallel.tp=2", "train.grad_clip=0.05"),  # 2-D: FSDP2 over the tp parts
     ("parallel.dp=2", "parallel.fsdp=2", "parallel.tp=2"),  # HSDP over the tp parts: a (replicate, shard, tp) mesh
     ("parallel.fsdp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"),  # each stage 2-D
+    # the B/W split over DTensor's graph (tests/test_split_backward.py checks that it splits)
+    ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=4", "parallel.split_backward=true"),
 ], ids=["tp2", "tp2-clipped", "tp2-pp2", "dp2-tp2-clipped", "tp2-recompute", "fsdp2-tp2-clipped", "dp2-fsdp2-tp2",
-        "fsdp2-tp2-pp2"])
+        "fsdp2-tp2-pp2", "tp2-pp2-split-backward"])
 def test_tensor_parallel_layouts_match_single_process(make_config, tmp_path, layout):
     cfg = make_config(*layout, TP, "train.steps=3")
     model, _ = run_stages(cfg, str(tmp_path))
@@ -146,6 +148,7 @@ def test_a_factory_model_splits_by_the_plan_its_layers_declare(make_config, tmp_
     ("llama", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),
     ("llama", ("parallel.fsdp=2", "parallel.tp=2")),
     ("llama", ("parallel.dp=2", "parallel.tp=2")),
+    ("llama", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.split_backward=true")),
     ("qwen2", ("parallel.tp=2",)),  # biased q/k/v projections, split with their columns
     # per-head q/k norms, whole on each rank, their gradients summed over the tp group
     ("qwen3", ("parallel.tp=2", "train.grad_clip=0.05")),
@@ -156,7 +159,7 @@ def test_a_factory_model_splits_by_the_plan_its_layers_declare(make_config, tmp_
     ("phi", ("parallel.fsdp=2", "parallel.tp=2")),  # a half-head rotary
     ("olmo2", ("parallel.tp=2", "train.grad_clip=0.05")),  # gathered q/k/v around its whole-width q/k norms
     ("phi3", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),  # gathered fused projections
-], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-fsdp2-tp2", "llama-dp2-tp2", "qwen2-tp2", "qwen3-tp2-clipped",
+], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-fsdp2-tp2", "llama-dp2-tp2", "llama-tp2-pp2-split", "qwen2-tp2", "qwen3-tp2-clipped",
         "qwen3-fsdp2-tp2", "gemma3-tp2-pp2", "mixtral-tp2", "gpt_neox-tp2", "phi-fsdp2-tp2", "olmo2-tp2-clipped",
         "phi3-tp2-pp2"])
 def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_process(make_config, tmp_path, family,

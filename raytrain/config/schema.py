@@ -174,8 +174,6 @@ class ParallelConfig:
             self._check_split_points()
         require(self.fsdp == 1 or not self.split_backward, "parallel.split_backward", True,
                 "sharded stages (parallel.fsdp > 1) reduce-scatter in the whole backward: turn it off")
-        require(self.tp == 1 or not self.split_backward, "parallel.split_backward", True,
-                "tensor-parallel stages (parallel.tp > 1) run DTensor's own backward: turn it off")
         require(self.tp == 1 or not self.auto, "parallel.auto", True,
                 "chooses parallel.tp itself among its candidates (with resources.placement_strategy=STRICT_PACK): "
                 "leave parallel.tp=1")
