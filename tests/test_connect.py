@@ -107,6 +107,8 @@ def test_unset_ray_address_starts_an_embedded_ray_despite_a_stale_current_cluste
     assert rc == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["layout"] == "dp=1 pp=1 m=1"
+    assert 0 < summary["goodput"] < 1 and summary["badput_s"]["start_up"] > 0
+    assert "[raytrain] goodput " in err
     # The embedded Ray stops with the CLI: nothing that used this RAY_TMPDIR outlives it.
     deadline = time.monotonic() + 10
     while pids_using(ray_tmpdir) and time.monotonic() < deadline:

@@ -1,5 +1,6 @@
 """Elastic training: workers SIGKILLed mid-step; survivors repair in place; same math, nothing twice."""
 
+import json
 import os
 import signal
 import time
@@ -155,6 +156,16 @@ def test_kill_from_outside_by_pid(ray_session, make_config, fast_driver_poll):
     assert result.worker_pids[0] in result.final_pids and result.worker_pids[1] not in result.final_pids
     _assert_exactly_once(result, 8, 8)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+    # goodput: the accounts sum to the wall time from the launch; the kill shows as detection and
+    # re-forming, the workers' start as start-up; the summary and metrics.jsonl carry them
+    goodput = result.goodput
+    assert goodput["good_s"] + sum(goodput["badput_s"].values()) == pytest.approx(goodput["wall_s"], rel=0.02)
+    assert 0 < goodput["goodput"] < 1 and goodput["badput_s"]["start_up"] > 1.0
+    assert goodput["badput_s"]["detection"] + goodput["badput_s"]["work_redone"] > 0
+    assert goodput["badput_s"]["re_forming"] > 0
+    assert result.summary()["goodput"] == goodput["goodput"]
+    with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
+        assert [json.loads(line) for line in f][-1] == {"event": "goodput", **goodput}
 
 
 def test_dp2_tp2_a_tp_worker_killed_from_outside_takes_its_replica_which_is_replaced(ray_session, make_config,

@@ -126,12 +126,16 @@ class Coordinator:
         """Train to ``train.steps`` (or, after ``request_stop``, to the next step boundary), forming
         groups at ``store``; returns the summary. Raises on an unrecoverable failure."""
         self.crew.store = store
+        self.ledger.time.start()
         try:
             while not isinstance(self.state, Finished):
+                state, t0 = self.state, time.perf_counter()
                 try:
-                    self.state = self._handle(self.state)
+                    self.state = self._handle(state)
                 except GiveUp as given_up:
                     self.give_up(given_up.decision, given_up.lost)
+                finally:
+                    self.ledger.time.handled(state.kind.value, time.perf_counter() - t0)
         except BaseException:
             self.state = Failed()
             raise
@@ -140,7 +144,8 @@ class Coordinator:
                           digests=self.crew.digests() if self.cfg.run.record_samples else {},
                           worker_pids=self.original_pids, final_pids=self.team.pids(),
                           committed_steps=ledger.committed_steps, failures=ledger.failures,
-                          recovery_s=ledger.recovery_s, skipped_steps=ledger.skipped_steps)
+                          recovery_s=ledger.recovery_s, skipped_steps=ledger.skipped_steps,
+                          time_book=ledger.time.record())
 
     def _handle(self, state: State) -> State:
         if isinstance(state, Starting):
@@ -202,10 +207,12 @@ class Coordinator:
                                     settle_s=self.cfg.elastic.detect_timeout_s + SETTLE_MARGIN_S)
         except StepLost as lost:
             self.in_flight = None
+            ledger.time.lost_step(time.perf_counter() - call.started)
             dead = lost.dead + [m for m in self._drain(ahead) if m not in lost.dead]
             return Repairing(tuple(dead), Interrupted.STEP, tuple(lost.reports))
         except NonFiniteStep as bad:
             self.in_flight = None
+            ledger.time.charge("work_redone", time.perf_counter() - call.started)  # computed, not applied
             self._drain(ahead)
             return self._skip_nonfinite(bad)
         row = steps.aggregate_step(ledger.step, reports, time.perf_counter() - call.started, self.cfg,

@@ -1,5 +1,5 @@
 """What a run has done, as the coordinator's states record it: the next step, the steps committed and
-skipped, the repairs and their times, the last checkpoint, and the metric rows on their way to the
+skipped, the repairs and their times, where the time went, the last checkpoint, and the metric rows on their way to the
 driver. Every state writes it through these verbs, so that a reload that rewinds the run rewinds all
 of it at once.
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
+
+from raytrain.control.goodput import TimeBook
 
 
 @dataclass
@@ -23,6 +25,8 @@ class Ledger:
     failures: int = 0
     """Repairs after lost workers (against elastic.max_failures)."""
     recovery_s: list[float] = field(default_factory=list)
+    time: TimeBook = field(default_factory=TimeBook)
+    """Where the run's time went (goodput, badput by cause): a reload's rewind moves undone steps' time."""
     held_row: Optional[dict] = None
     """A committed step's metrics row, held until its held-out loss (if due) and its checkpoint's path are known."""
     _rows: list[dict] = field(default_factory=list)
@@ -31,6 +35,8 @@ class Ledger:
     def commit(self, step: int, row: dict, skipped: bool = False) -> None:
         """``step`` is done everywhere (applied, rolled forward, or ``skipped`` as not finite); its row is held."""
         self.committed_steps.append(step)
+        if "step_s" in row:  # a step the workers ran to its commit (not rolled forward, not skipped)
+            self.time.committed(step, row["step_s"], row.get("data_s", 0.0))
         if skipped:
             self.skipped_steps.append(step)
         self.step, self.held_row = step + 1, row
@@ -40,6 +46,7 @@ class Ledger:
         self.step = step
         self.committed_steps = [s for s in self.committed_steps if s < step]
         self.skipped_steps = [s for s in self.skipped_steps if s < step]
+        self.time.rewind(step)
 
     def count_failure(self) -> int:
         self.failures += 1

@@ -138,6 +138,7 @@ class Repairs:
     def _roll_forward(self, step: int, reports: list, lost: list[Member]) -> list[Member]:
         """Commit ``step`` on the survivors that prepared it; returns any that died meanwhile."""
         died = self.crew.roll_forward(step, reports, lost)
+        self.ledger.time.rolled_forward(step)
         # Held like any committed step's row: its held-out loss and checkpoint path may follow.
         row = steps.rolled_forward_row(step, reports, self.cfg, self.crew.team.mesh(), self.num_samples,
                                        self.crew.label())
@@ -166,6 +167,13 @@ class Repairs:
                 dead = more.dead
 
     def _await_capacity(self, lost: list[Member]) -> Decision:
+        t0 = time.perf_counter()
+        try:
+            return self._wait_for_replicas(lost)
+        finally:
+            self.ledger.time.charge("waiting_for_capacity", time.perf_counter() - t0)
+
+    def _wait_for_replicas(self, lost: list[Member]) -> Decision:
         crew, t0 = self.crew, time.monotonic()
         crew.admit_started(0, self.policy.target_dp)
         while True:
@@ -190,7 +198,9 @@ class Repairs:
         if decision.action is Action.GIVE_UP:
             raise GiveUp(decision, tuple(lost))
         reloaded = checkpoint.read_manifest(ledger.last_checkpoint)["step"]
+        t0 = time.perf_counter()
         crew.load(ledger.last_checkpoint, reloaded)
+        ledger.time.charge("state_transfer", time.perf_counter() - t0)
         ledger.emit({"event": "reload", "from": ledger.last_checkpoint, "step": reloaded,
                      "steps_lost": ledger.step - reloaded, **decision.record()})
         ledger.rewind(reloaded)

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Optional, TextIO
 
+from raytrain.control.goodput import Goodput
 from raytrain.pipeline.schedule import COMPUTE
 
 if TYPE_CHECKING:
@@ -51,14 +52,17 @@ class RunReporter:
             self._metrics.write(json.dumps(row) + "\n")
             if "event" in row:
                 self.events.append(row)
-                if row["event"] not in ("started", "failed"):  # a failure is reported once, by the caller
+                if row["event"] == "goodput":
+                    self._print(f"[raytrain] {Goodput(row['wall_s'], row['good_s'], row['badput_s']).text()}")
+                elif row["event"] not in ("started", "failed"):  # a failure is reported once, by the caller
                     self._print(f"[raytrain] {row['event']}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k != "event"))
             else:
                 self.steps.append(row)
                 if "eval_loss" in row:
                     self.last_eval = (row["step"], row["eval_loss"])
         self._metrics.flush()
-        if self.steps and rows and self.steps[-1].get("loss") is not None and "samples_per_s" in self.steps[-1]:
+        stepped = any("event" not in row for row in rows)  # a batch of events alone repeats no progress line
+        if stepped and self.steps[-1].get("loss") is not None and "samples_per_s" in self.steps[-1]:
             self._progress(self.steps[-1])
 
     def _current_layout(self, row: dict) -> Layout:

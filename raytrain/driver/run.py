@@ -9,6 +9,7 @@ a lost coordinator from the last checkpoint, and writes what a person sees (rayt
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -19,6 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain import checkpoint
 from raytrain.control.coordinator import Coordinator, OutOfMemoryLost
+from raytrain.control.goodput import Goodput
 from raytrain.control.protocol import WorkersLost
 from raytrain.control.workergroup import killed_by_ray_monitor
 from raytrain.driver.connect import cluster_reachable, embedded, ensure_ray
@@ -70,6 +72,9 @@ class Result:
     eval_loss: Optional[float] = None
     """With eval.every: the last held-out loss (computed after the last step, so of the final
     parameters, unless the run stopped early); None without evaluation."""
+    goodput: Optional[dict] = None
+    """The share of the wall time from the launch spent in committed steps, and badput by cause
+    (raytrain.control.goodput.Goodput.record); None when the coordinator ended with a signal."""
 
     def summary(self) -> dict:
         """The JSON object printed as the last line of ``python -m raytrain train``."""
@@ -78,6 +83,7 @@ class Result:
                 "failures": self.failures, "recovery_s": self.recovery_s,
                 "coordinator_restarts": self.coordinator_restarts, "stopped": self.stopped,
                 "skipped_steps": self.skipped_steps, "eval_loss": self.eval_loss,
+                **({"goodput": self.goodput["goodput"], "badput_s": self.goodput["badput_s"]} if self.goodput else {}),
                 **({"auto_layout": self.auto_layout["chosen"]} if self.auto_layout else {})}
 
 
@@ -92,6 +98,7 @@ def run(plan: RunPlan, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     Result's ``stopped`` names the signal. A second signal aborts at once.
     """
     assert not plan.cfg.parallel.auto, "parallel.auto chooses the layout before a run (raytrain.train)"
+    launched = time.perf_counter()  # goodput's wall time counts from here
     cfg, stages = plan.cfg, plan.layout.stage_ranges
     ensure_ray()
     try:
@@ -108,7 +115,7 @@ def run(plan: RunPlan, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
                      + f"; run dir {plan.run_dir}\n")
         with StopOnSignal(stream) as stop:
             try:
-                summary, restarts = _run_coordinators(plan, placement, reporter, on_rows, stop)
+                summary, restarts = _run_coordinators(plan, placement, reporter, on_rows, stop, launched)
             except KeyboardInterrupt:
                 raise Aborted(stop.aborted or "SIGINT") from None
     finally:
@@ -122,6 +129,7 @@ def _result(plan: RunPlan, summary: RunSummary, restarts: int, reporter: RunRepo
     batch = plan.cfg.train.global_batch
     samples_per_s = len(timed) * batch / sum(r["step_s"] for r in timed) if timed else 0.0
     evaluated = [r["eval_loss"] for r in steps if "eval_loss" in r]
+    goodput = [e for e in reporter.events if e["event"] == "goodput"]
     return Result(
         steps=summary.steps, final_loss=steps[-1]["loss"] if steps else float("nan"),
         samples_per_s=samples_per_s, checkpoint=summary.checkpoint, run_dir=plan.run_dir,
@@ -130,13 +138,16 @@ def _result(plan: RunPlan, summary: RunSummary, restarts: int, reporter: RunRepo
         recovery_s=summary.recovery_s, coordinator_restarts=restarts, stopped=summary.stopped,
         skipped_steps=[s + 1 for s in summary.skipped_steps], state_digests=summary.digests,
         eval_loss=evaluated[-1] if evaluated else None,
+        goodput={k: v for k, v in goodput[-1].items() if k != "event"} if goodput else None,
     )
 
 
-def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, stop) -> tuple[RunSummary, int]:
+def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, stop,
+                      launched: float) -> tuple[RunSummary, int]:
     """Start a coordinator and drive it to the end, restarting it from the last checkpoint when it
-    is lost; returns its summary and the number of restarts. Placement groups it reserved are
-    removed, and every row received is written, however it ends."""
+    is lost; returns its summary and the number of restarts, after a ``goodput`` event (its wall time
+    counted from ``launched``). Placement groups it reserved are removed, and every row received is
+    written, however it ends."""
     cfg, resume = plan.cfg, plan.resume
     rendezvous, groups = RendezvousStore(), []
     try:
@@ -149,7 +160,10 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
         corpus = [ray.put(Path(plan.source.train.paths[0]).read_bytes())] if cfg.data.path is None else None
         here = ray.get_runtime_context().get_node_id()
         host = ray.util.get_node_ip_address()
+        first_created = None
         for restarts in range(cfg.elastic.coordinator_restarts + 1):
+            created = time.perf_counter()
+            first_created = first_created or created
             # On the driver's node: losing a worker node never takes the coordinator (or its store) with it.
             coordinator = ray.remote(Coordinator).options(
                 num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
@@ -158,7 +172,11 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
                 worker_cls=StageWorker, extra_placements=tuple(growth), corpus=corpus)
             try:
                 store = rendezvous.address(host, namespace=f"coordinator{restarts}")
-                return _drive(coordinator, store, reporter, on_rows, stop), restarts
+                summary = _drive(coordinator, store, reporter, on_rows, stop)
+                if summary.time_book:
+                    goodput = Goodput.of(summary.time_book, time.perf_counter() - launched, created - first_created)
+                    reporter.add([{"event": "goodput", **goodput.record()}])
+                return summary, restarts
             except ray.exceptions.RayError as e:
                 if stop.reason is not None and (_coordinator_lost(e) or (embedded() and not cluster_reachable())):
                     # The signal reached the coordinator's process too (a whole process group or cgroup was

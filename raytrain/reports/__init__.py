@@ -40,6 +40,8 @@ class StepReport:
     """The world-wide vote found a non-finite loss or gradient: nothing of the step was applied."""
     busy_s: float = 0.0
     wall_s: float = 0.0
+    data_s: float = 0.0
+    """Of ``wall_s``, the time reading this worker's batch (first and last stages read it)."""
     pipeline_s: float = 0.0
     """Time from the step's start to the end of this worker's pipeline work (its span in the bubble)."""
     peak_live: int = 0
@@ -104,3 +106,6 @@ class RunSummary:
     failures: int = 0
     recovery_s: list = field(default_factory=list)
     skipped_steps: list = field(default_factory=list)
+    time_book: dict = field(default_factory=dict)
+    """The coordinator's accounts of its time (raytrain.control.goodput.TimeBook.record); empty when
+    the run ended without one (a signal that also ended the coordinator)."""

@@ -231,6 +231,7 @@ class Stage:
         x = y = None
         if self.dataset is not None:
             x, y = (t.to(self.device, non_blocking=True) for t in self.dataset.batch(ids))
+        report.data_s = time.perf_counter() - t_start
         self.grads.zero()
         if self.sharded is not None:  # FSDP2's all-gathers and reduce-scatters go into the trace too
             self.sharded.comm_log = [] if trace else None
