@@ -220,6 +220,7 @@ BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give 
     ("run.dir=''", "a directory"),
     ("run.name=exp/1", "without '/'"),
     ("run.trace_steps=-1", ">= 0"),
+    ("run.loggers=['wandb']", "tensorboard, mlflow"),
     ("run.record_samples=maybe", "true or false"),
 ]
 

@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from raytrain import checkpoint, train
 from raytrain.control.coordinator import may_send_ahead
 from tests.helpers import (TEST_RAY_CPUS, WhenPaused, assert_replicas_identical, assert_same_params,
                            hold_until_a_new_worker_starts, pid_alive, reference_state)
+from tests.test_loggers import tensorboard_scalars
 
 
 PHASE_FAULTS = {
@@ -142,7 +144,7 @@ def test_kill_from_outside_by_pid(ray_session, make_config, fast_driver_poll):
     # Both workers stop themselves at step 3 (pause faults); the test SIGKILLs replica 1 from outside
     # and resumes replica 0, which finds its peer gone, repairs and finishes alone then with a replacement.
     cfg = make_config("parallel.dp=2", "train.steps=8", "elastic.min_dp=1", "run.record_samples=true",
-                      "elastic.faults=['0:0@3:pause', '1:0@3:pause']")
+                      "elastic.faults=['0:0@3:pause', '1:0@3:pause']", "run.loggers=['tensorboard']")
 
     def kill_replica_1(paused, started):
         survivor, victim = started["pids"]
@@ -166,6 +168,9 @@ def test_kill_from_outside_by_pid(ray_session, make_config, fast_driver_poll):
     assert result.summary()["goodput"] == goodput["goodput"]
     with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
         assert [json.loads(line) for line in f][-1] == {"event": "goodput", **goodput}
+    scalars = tensorboard_scalars(Path(result.run_dir))  # run.loggers: the same rows in TensorBoard
+    assert [s for s, _ in scalars["loss"]] == list(range(1, 9)) and scalars["events/repair"] == [(3, 1.0)]
+    assert scalars["goodput"] == [(8, pytest.approx(goodput["goodput"]))]
 
 
 def test_dp2_tp2_a_tp_worker_killed_from_outside_takes_its_replica_which_is_replaced(ray_session, make_config,

@@ -378,6 +378,10 @@ class EvalConfig:
         require(self.batches >= 1, "eval.batches", self.batches, "an evaluation needs >= 1 batch")
 
 
+LOGGER_NAMES = ("tensorboard", "mlflow")
+"""run.loggers: each the name of the package it writes with."""
+
+
 @dataclass
 class RunConfig:
     dir: str = "runs"
@@ -386,6 +390,8 @@ class RunConfig:
     """Run directory name; default a timestamp."""
     trace_steps: int = 3
     """Steps whose per-action timeline goes into trace.json (Chrome trace)."""
+    loggers: list = field(default_factory=list)
+    """Where else the metrics go, beside metrics.jsonl: any of LOGGER_NAMES (raytrain.driver.loggers)."""
     record_samples: bool = False
     """A test knob, for chaos runs and tests: every metrics row lists the sample ids its step consumed
     (to check exactly-once), and the Result has a digest of every worker's state at the end (to check
@@ -397,6 +403,8 @@ class RunConfig:
                                        and "/" not in self.name and os.sep not in self.name),
                 "run.name", self.name, "a run directory name without '/' (it goes under run.dir); or unset it")
         require(self.trace_steps >= 0, "run.trace_steps", self.trace_steps, "use a count of steps >= 0 (0: no trace)")
+        require(isinstance(self.loggers, list) and all(name in LOGGER_NAMES for name in self.loggers),
+                "run.loggers", self.loggers, f"use a list of {', '.join(LOGGER_NAMES)} (or [] for metrics.jsonl alone)")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from raytrain.data import shards
 from raytrain.data import text as text_data
 from raytrain.data.shards import DataSource, Files
 from raytrain.driver.connect import run_root
+from raytrain.driver.loggers import check_loggers
 from raytrain.models.user_code import import_user_module
 
 
@@ -189,6 +190,7 @@ def check_inputs(cfg: Config) -> None:
     if cfg.data.eval_path is not None:
         shards.resolve(cfg.data.eval_path, "data.eval_path")
     data.check_cache_dir(cfg.data.cache_dir)
+    check_loggers(cfg.run.loggers)
     if cfg.model.factory is None:
         return
     module_name, _, fn_name = cfg.model.factory.partition(":")

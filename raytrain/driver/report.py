@@ -12,9 +12,10 @@ import json
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Optional, TextIO
+from typing import TYPE_CHECKING, Optional, Sequence, TextIO
 
 from raytrain.control.goodput import Goodput
+from raytrain.driver.loggers import MetricLoggers
 from raytrain.pipeline.schedule import COMPUTE
 
 if TYPE_CHECKING:
@@ -31,7 +32,8 @@ class RunReporter:
     repair or a grow) says which variant of it the step ran on.
     """
 
-    def __init__(self, run_dir: str, total_steps: int, layout: Layout, stream: TextIO = sys.stderr):
+    def __init__(self, run_dir: str, total_steps: int, layout: Layout, stream: TextIO = sys.stderr,
+                 loggers: Sequence[str] = ()):
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
         self.total_steps = total_steps
@@ -42,6 +44,7 @@ class RunReporter:
         self.traces: dict[int, dict] = {}  # step -> rank -> events
         self.last_eval: Optional[tuple[int, float]] = None  # (step, eval_loss) of the latest held-out loss
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self._loggers = MetricLoggers(list(loggers), run_dir)  # run.loggers: TensorBoard, MLflow
         self._last_print = 0.0
         self._tty = stream.isatty()
 
@@ -61,6 +64,7 @@ class RunReporter:
                 if "eval_loss" in row:
                     self.last_eval = (row["step"], row["eval_loss"])
         self._metrics.flush()
+        self._loggers.add(rows)
         stepped = any("event" not in row for row in rows)  # a batch of events alone repeats no progress line
         if stepped and self.steps[-1].get("loss") is not None and "samples_per_s" in self.steps[-1]:
             self._progress(self.steps[-1])
@@ -99,6 +103,7 @@ class RunReporter:
 
     def finish(self) -> None:
         self._metrics.close()
+        self._loggers.close()
         if self.steps:
             plot_loss(self.steps, os.path.join(self.run_dir, "loss.png"), self.layout.label)
         if self.traces:

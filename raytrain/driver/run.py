@@ -108,7 +108,7 @@ def run(plan: RunPlan, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
         raise
     held = Lease(cfg.checkpoint.dir, plan.run_dir).acquire()  # a busy directory is a ValueError: exit 2
     try:
-        reporter = RunReporter(plan.run_dir, cfg.train.steps, plan.layout, stream)
+        reporter = RunReporter(plan.run_dir, cfg.train.steps, plan.layout, stream, cfg.run.loggers)
         stream.write(f"[raytrain] {plan.layout.label}, {len(stages)} stage(s) "
                      f"{[f'{s[0]}-{s[-1]}' for s in stages]}, global batch {cfg.train.global_batch}, "
                      f"{plan.num_samples} samples" + (f" (+{plan.held_out} held out)" if plan.held_out else "")
