@@ -23,7 +23,7 @@ import torch
 from raytrain import checkpoint
 from raytrain.control.membership import Member
 from raytrain.control.protocol import Outcome, StepFailed, WorkerGroup, WorkersLost, lost_members
-from raytrain.reports import BackgroundSave, EvalReport, JoinReport, ShardReport, StepReport
+from raytrain.reports import BackgroundSave, DrainNotice, EvalReport, JoinReport, ShardReport, StepReport
 from raytrain.testing.faults import Fault
 
 # Logical CPU slots for the session's Ray: dp=4 and dp=2 x pp=2 need 4 workers of 1 slot each.
@@ -62,6 +62,7 @@ class FakeWorker:
     share: int = 0  # rows of each global batch its replica takes (set by join)
     writing: Optional[tuple] = None  # a background save: (ckpt_dir, value, committed) it is writing
     saved: Optional[BackgroundSave] = None
+    draining: Optional[DrainNotice] = None  # a ``sigterm`` fault's notice: the worker finishes its step
 
     def fault(self, step: int, phase: str) -> bool:
         return any((f.replica, f.stage, f.step, f.phase) == (self.replica, self.stage, step, phase)
@@ -291,6 +292,9 @@ class FakeWorkerGroup(WorkerGroup):
                     pass
         live = [m for m in members if m.handle.alive]
         runnable = [m for m in live if m.handle.joined and m.handle.committed == step]
+        for m in runnable:
+            if m.handle.fault(step, "sigterm") and m.handle.draining is None:
+                m.handle.draining = DrainNotice("SIGTERM", time.time(), time.time() + 30.0)
         dying = {id(m): phase for m in runnable for phase in ("forward", "backward", "allreduce", "optimizer", "oom")
                  if m.handle.fault(step, phase)}
         broken = len(runnable) < len(members)  # a peer was already gone: the collective fails
@@ -318,7 +322,7 @@ class FakeWorkerGroup(WorkerGroup):
         report = StepReport(rank=w.rank, step=step, ok=ok, committed=w.committed, prepared=w.prepared,
                             error="" if ok else "a peer was lost", nonfinite=nonfinite, busy_s=0.001, wall_s=0.001,
                             pipeline_s=0.001, peak_live=1, grad_norm=float("nan") if nonfinite else 1.0,
-                            peak_mem_mb=1.0, saved=w.saved)
+                            peak_mem_mb=1.0, saved=w.saved, draining=w.draining)
         if w.stage == self.pp - 1:
             report.loss_sum = float("nan") if nonfinite else 1.0
         return report

@@ -241,3 +241,35 @@ def test_a_stop_request_waits_for_the_background_save_before_it_finishes(tmp_pat
     assert [(e["step"], e["async"]) for e in events(rows, "checkpoint")] == [(2, True)]
     assert events(rows, "stopped")[0]["checkpoint"] == summary.checkpoint
     assert checkpoint.read_manifest(summary.checkpoint)["step"] == 2
+
+
+def test_a_worker_told_to_leave_goes_at_the_step_boundary_with_no_step_redone(tmp_path):
+    # replica 1 gets a SIGTERM in step 3 (the fourth): it commits, and so does the step sent ahead of
+    # its reply; the run re-forms without it at that boundary
+    coordinator, group, summary, rows = run(tmp_path, "elastic.min_dp=1", "elastic.faults=['1:0@3:sigterm']",
+                                            group=FakeWorkerGroup(1, initial=2, capacity=0))
+    drain = events(rows, "drain")[0]
+    assert drain["step"] == 5 and drain["workers"] == ["replica 1 stage 0"] and drain["why"] == ["SIGTERM"]
+    assert drain["new_layout"] == "dp=1 pp=1" and drain["deadline_s"] == 30.0 and drain["notice_to_step_s"] >= 0
+    assert events(rows, "repair") == [] and summary.failures == 0  # nothing lost, nothing retried
+    assert summary.committed_steps == list(range(6))
+    assert [r["dp"] for r in rows if "loss" in r and "event" not in r] == [2, 2, 2, 2, 2, 1]
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+def test_a_drain_with_replacements_waits_for_one_and_a_last_copy_saves_first(tmp_path):
+    # dp=1 x pp=2: stage 1's only copy leaves: it saves at the boundary, its replacement reloads that
+    coordinator, group, summary, rows = run(tmp_path, "elastic.faults=['0:1@2:sigterm']", dp=1, pp=2)
+    drain = events(rows, "drain")[0]
+    assert drain["workers"] == ["replica 0 stage 1"] and drain["new_layout"] == "dp=1 pp=2"
+    assert [e["step"] for e in events(rows, "checkpoint")][:1] == [4]  # after the step sent ahead of its reply
+    assert [(e["step"], e["steps_lost"]) for e in events(rows, "reload")] == [(4, 0)]
+    assert summary.committed_steps == list(range(6)) and summary.failures == 0 and group.spawned == 3
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+def test_when_every_worker_is_told_to_leave_the_run_saves_and_stops(tmp_path):
+    coordinator, _, summary, rows = run(tmp_path, "elastic.faults=['0:0@2:sigterm', '1:0@2:sigterm']")
+    assert summary.stopped == "SIGTERM" and summary.steps == 4  # the step sent ahead of their replies too
+    assert checkpoint.read_manifest(summary.checkpoint)["step"] == 4
+    assert "checkpoint and stop" in events(rows, "drain")[0]["reason"]

@@ -173,6 +173,26 @@ def test_kill_from_outside_by_pid(ray_session, make_config, fast_driver_poll):
     assert scalars["goodput"] == [(8, pytest.approx(goodput["goodput"]))]
 
 
+@pytest.mark.parametrize("layout", [("parallel.dp=2",), ("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2")],
+                         ids=["dp2", "dp2-pp2"])
+def test_a_sigtermed_worker_drains_at_a_step_boundary_with_no_step_redone(ray_session, make_config, layout):
+    # replica 1's stage-0 worker gets a SIGTERM in step 3: a notice, not a crash. It finishes its steps,
+    # the run shrinks without it at the boundary (its replica's other workers wait as spares), and
+    # nothing is retried, counted as a failure or waited for.
+    cfg = make_config(*layout, "train.steps=8", "elastic.min_dp=1", "run.record_samples=true",
+                      "elastic.faults=['1:0@3:sigterm']")
+    result = train(cfg)
+    pp = cfg.parallel.pp
+    (drain,) = [e for e in result.events if e["event"] == "drain"]
+    assert drain["workers"] == ["replica 1 stage 0"] and drain["why"] == ["SIGTERM"] and drain["step"] == 5
+    assert drain["new_layout"].startswith("dp=1") and drain["notice_to_step_s"] < 30
+    assert not [e for e in result.events if e["event"] in ("repair", "reload")] and result.failures == 0
+    assert result.worker_pids[:pp] == result.final_pids  # replica 0's workers were never restarted
+    _assert_exactly_once(result, 8, 8, pp=pp)
+    assert [r["dp"] for r in result.metrics] == [2] * 5 + [1] * 3
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
 def test_dp2_tp2_a_tp_worker_killed_from_outside_takes_its_replica_which_is_replaced(ray_session, make_config,
                                                                                        fast_driver_poll):
     # All four workers stop themselves at step 3 (a pause fault names a replica's stage: both its tp

@@ -119,3 +119,11 @@ class StoreAddress(NamedTuple):
     port: int
     namespace: str
     """Key prefix of one coordinator incarnation; generations go under it."""
+
+
+def place_of(label: str) -> str:
+    """``replica 1 stage 0`` (``replica 1 shard 1 stage 0``, ``... stage 0 tp 1``) from a worker's label
+    (raytrain.config.mesh.Mesh.label)."""
+    parts = label.split(":")
+    names = {2: ("replica", "stage"), 3: ("replica", "shard", "stage")}.get(len(parts), ("replica", "shard", "stage", "tp"))
+    return " ".join(f"{n} {v}" for n, v in zip(names, parts))

@@ -306,6 +306,9 @@ class ElasticConfig:
     capacity_wait_s: float = 60.0
     """Below min_dp, how long to wait for capacity (replacement workers) before failing (the last checkpoint
     stays intact). Formerly elastic.wait_s, still read with a DeprecationWarning."""
+    drain_grace_s: float = 30.0
+    """How long a worker told to leave (SIGTERM) waits for the coordinator to let it go before it exits
+    on its own (GKE's grace period; AWS spot gives 120 s)."""
     max_failures: int = 20
     """Give up after this many repairs in one run."""
     coordinator_restarts: int = 3
@@ -319,7 +322,7 @@ class ElasticConfig:
 
         for text in self.faults:
             Fault.parse(str(text))
-        for name in ("detect_timeout_s", "capacity_wait_s", "grow_poll_s"):
+        for name in ("detect_timeout_s", "capacity_wait_s", "grow_poll_s", "drain_grace_s"):
             value = getattr(self, name)
             require(value > 0, f"elastic.{name}", value, "a duration must be > 0 seconds")
         for name in ("min_dp", "max_dp"):

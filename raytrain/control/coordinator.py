@@ -1,5 +1,5 @@
 """The actor that owns a run, as a small state machine: starting, running, evaluating,
-checkpointing, repairing, growing, stopping, finished (a failure raises out of ``run``).
+checkpointing, repairing, draining, growing, stopping, finished (a failure raises out of ``run``).
 
 It sends one small message per worker per step (``run_step(step)``) and gets metrics back; no tensor
 passes through it. The next step's message is sent before the current step's replies arrive (when
@@ -11,7 +11,8 @@ each handler takes its state and returns the next. Who is in the run, and every 
 the ``Crew``; what the run committed is the ``Ledger``; what to do after a loss, while short of
 workers, when a stage has no up-to-date copy or a step is not finite is an ``ElasticPolicy``
 decision, recorded in the event it causes. Every membership change (a loss during a step, a save or a re-forming, a
-replica that joins) goes through REPAIRING or GROWING, so each is counted and reported one way.
+replica that joins, a worker told to leave) goes through REPAIRING, GROWING or DRAINING, so each is
+counted and reported one way.
 
 Repair (ARCHITECTURE.md, invariants: resizes do not change the math; every step exactly once):
 survivors are not restarted. They agree on the last committed step (rolling forward a step that
@@ -35,15 +36,16 @@ from raytrain.config.layout import Layout
 from raytrain.config.mesh import StoreAddress
 from raytrain.control import steps
 from raytrain.control.crew import Crew
+from raytrain.control.drain import Drains
 from raytrain.control.evaluation import evaluate
 from raytrain.control.ledger import Ledger
 from raytrain.control.membership import Member
 from raytrain.control.policy import Action, Decision, ElasticPolicy
 from raytrain.control.protocol import StepFailed, WorkerGroup, WorkersLost
 from raytrain.control.repair import GiveUp, Repairs
-from raytrain.control.runstate import (Checkpointing, Evaluating, Failed, Finished, Growing, Interrupted,
-                                       Repairing, Running, Starting, State, Stopping)
-from raytrain.control.saving import Checkpoints, save_survivors
+from raytrain.control.runstate import (Checkpointing, Draining, Evaluating, Failed, Finished, Growing,
+                                       Interrupted, Repairing, Running, Starting, State, Stopping)
+from raytrain.control.saving import Checkpoints
 from raytrain.control.steps import NonFiniteStep, StepCall, StepLost, may_send_ahead
 from raytrain.control.workergroup import RayWorkerGroup
 from raytrain.reports import RunSummary
@@ -92,7 +94,10 @@ class Coordinator:
                                     skip_nonfinite=config.train.skip_nonfinite)
         self.crew = Crew(group, Layout.of(config.parallel), config.train.global_batch, e.faults, extra_placements)
         self.ledger = Ledger(last_checkpoint=resume_from)
-        self.repairs = Repairs(self.crew, self.ledger, self.policy, config, num_samples, lambda: self.stopping)
+        self.drains = Drains()
+        """Workers told to leave (a SIGTERM): they go at the next step boundary."""
+        self.repairs = Repairs(self.crew, self.ledger, self.policy, config, num_samples, lambda: self.stopping,
+                               self.drains, self.request_stop)
         self.state: State = Starting()
         self.in_flight: Optional[StepCall] = None  # the step sent to the workers and not yet collected
         self.checkpoints = Checkpoints(group, self.ledger, config, stage_layers)
@@ -159,6 +164,8 @@ class Coordinator:
         if isinstance(state, Repairing):
             self.checkpoints.settle(state.lost)
             return self.repairs.repairing(state)
+        if isinstance(state, Draining):
+            return self.repairs.draining(state)
         if isinstance(state, Growing):
             return self.repairs.growing(state)
         assert isinstance(state, Stopping), state
@@ -196,6 +203,8 @@ class Coordinator:
         if self.in_flight is None:
             if self.stopping:
                 return Stopping()
+            if self.drains:
+                return self.drains.state()
             growth = self.repairs.growth()
             if growth.action is Action.GROW:
                 return Growing(growth)
@@ -218,6 +227,10 @@ class Coordinator:
         row = steps.aggregate_step(ledger.step, reports, time.perf_counter() - call.started, self.cfg,
                                    self.team.mesh(), self.layout())
         ledger.commit(ledger.step, row)
+        self.drains.note(reports, self.team.ranked())
+        drained = self.drains.first_step_without_them()
+        if drained is not None:
+            ledger.emit(drained)
         self.checkpoints.publish_if_written()
         if ahead is not None:
             ahead.started = time.perf_counter()
@@ -230,7 +243,7 @@ class Coordinator:
 
     def _may_send_ahead(self, step: int) -> bool:
         return may_send_ahead(step, self.cfg.train.steps, self.cfg.checkpoint.every,
-                              self.crew.changing or self.stopping, self.cfg.eval.every)
+                              self.crew.changing or self.stopping or bool(self.drains), self.cfg.eval.every)
 
     def _drain(self, call: Optional[StepCall]) -> list[Member]:
         return steps.drain(self.crew.group, call, self.cfg.elastic.detect_timeout_s + SETTLE_MARGIN_S)
@@ -284,17 +297,13 @@ class Coordinator:
         self.ledger.flush_row(ckpt_dir)
         return Running()
 
-    def _checkpointed(self, step: int) -> bool:
-        last = self.ledger.last_checkpoint
-        return last is not None and checkpoint.read_manifest(last)["step"] == step
-
     def _stopping(self) -> State:
         """At a step boundary after a stop request: checkpoint this step (if not yet), then finish."""
         try:
             self.checkpoints.wait()
         except WorkersLost as lost:
             return Repairing(tuple(lost.dead), Interrupted.CHECKPOINT)
-        if not self._checkpointed(self.ledger.step):
+        if not self.ledger.checkpointed(self.ledger.step):
             return Checkpointing()
         self.ledger.emit({"event": "stopped", "step": self.ledger.step, "reason": self._stop_reason,
                           "checkpoint": self.ledger.last_checkpoint})
@@ -304,19 +313,10 @@ class Coordinator:
                 error: Optional[Callable[[Optional[str]], Exception]] = None) -> None:
         """End the run with CapacityLost (or ``error(last checkpoint)``), after saving the survivors'
         state (not ``lost`` workers') when no checkpoint has it."""
-        ledger = self.ledger
-        ledger.flush_row(None)  # a committed step's held row is kept however the run ends
-        try:
-            self.checkpoints.wait()
-        except WorkersLost as also_lost:
-            self.checkpoints.settle(tuple(also_lost.dead))
-        saved, event = save_survivors(self.crew.group, self.team, ledger.step, lost, ledger.last_checkpoint,
-                                      self.cfg, self.stage_layers)
-        if event is not None:
-            ledger.emit(event)
-        ledger.last_checkpoint = saved or ledger.last_checkpoint
-        raise error(ledger.last_checkpoint) if error else capacity_lost(decision, ledger.last_checkpoint,
-                                                                         saved is not None, self.repairs.out_of_memory(lost))
+        saved = self.checkpoints.save_before_giving_up(self.team, lost)
+        last = self.ledger.last_checkpoint
+        raise error(last) if error else capacity_lost(decision, last, saved is not None,
+                                                      self.repairs.out_of_memory(lost))
 
 
 def capacity_lost(decision: Decision, last_checkpoint: Optional[str], saved: bool = False,

@@ -27,7 +27,7 @@ CAUSES = ("start_up", "data", "checkpoint", "evaluation", "detection", "re_formi
 """Badput by cause; ``other`` is the coordinator's own dispatch between steps."""
 CAUSE_OF_STATE = {"starting": "start_up", "running": "other", "evaluating": "evaluation",
                   "checkpointing": "checkpoint", "stopping": "checkpoint", "repairing": "re_forming",
-                  "growing": "re_forming"}
+                  "draining": "re_forming", "growing": "re_forming"}
 """The account a state's handler time goes to, less what the handler charged itself."""
 
 

@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
+from raytrain import checkpoint
 from raytrain.control.goodput import TimeBook
 
 
@@ -47,6 +48,11 @@ class Ledger:
         self.committed_steps = [s for s in self.committed_steps if s < step]
         self.skipped_steps = [s for s in self.skipped_steps if s < step]
         self.time.rewind(step)
+
+    def checkpointed(self, step: int) -> bool:
+        """Whether the last checkpoint is of ``step``."""
+        last = self.last_checkpoint
+        return last is not None and checkpoint.read_manifest(last)["step"] == step
 
     def count_failure(self) -> int:
         self.failures += 1

@@ -1,7 +1,8 @@
 """The coordinator's states that change who is in the run: REPAIRING (workers were lost during a
-step, a save, an evaluation or a re-forming) and GROWING (started workers form more replicas).
+step, a save, an evaluation or a re-forming), DRAINING (workers told to leave go at a step boundary:
+raytrain.control.drain) and GROWING (started workers form more replicas).
 
-Both end by re-forming the process groups under a new generation. Every loss counts once against
+All end by re-forming the process groups under a new generation. Every loss counts once against
 elastic.max_failures, however it happened, and is reported as a ``repair`` event carrying the
 policy's decisions (``repair_failed`` for a loss while re-forming, ``reload`` when a stage had to
 come back from the checkpoint). When the policy gives up, ``GiveUp`` carries its decision to the
@@ -15,13 +16,16 @@ from typing import Callable, Optional
 
 from raytrain import checkpoint
 from raytrain.config import Config
+from raytrain.config.mesh import place_of
 from raytrain.control import steps
 from raytrain.control.crew import Crew
+from raytrain.control.drain import DrainMove, Drains, drain_event, next_move
 from raytrain.control.ledger import Ledger
 from raytrain.control.membership import Member
 from raytrain.control.policy import NO_DECISION, Action, Decision, ElasticPolicy
 from raytrain.control.protocol import WorkersLost
-from raytrain.control.runstate import Checkpointing, Evaluating, Growing, Interrupted, Repairing, Running, State
+from raytrain.control.runstate import (Checkpointing, Draining, Evaluating, Growing, Interrupted, Repairing,
+                                       Running, State)
 from raytrain.testing.faults import FaultPlan
 
 CAPACITY_POLL_S = 1.0
@@ -41,13 +45,15 @@ class Repairs:
     stop was requested (a signal reached the driver): a repair then does not wait for replacements."""
 
     def __init__(self, crew: Crew, ledger: Ledger, policy: ElasticPolicy, cfg: Config, num_samples: int,
-                 stopping: Callable[[], bool]):
+                 stopping: Callable[[], bool], drains: Drains, request_stop: Callable[[str], None]):
         self.crew = crew
         self.ledger = ledger
         self.policy = policy
         self.cfg = cfg
         self.num_samples = num_samples
         self.stopping = stopping
+        self.drains = drains
+        self.request_stop = request_stop
         self._next_grow_poll = 0.0
         self.oom_events: dict[int, dict] = {}
         """The ``oom`` event of each worker lost to memory, by id of its member."""
@@ -76,7 +82,7 @@ class Repairs:
         seconds = time.perf_counter() - t0
         ledger.recovery_s.append(round(seconds, 3))
         ledger.emit({"event": "repair", "during": state.interrupted.value, "step": failed_step,
-                     "detected_at": detected_at, "lost": [_place(label) for label in slots],
+                     "detected_at": detected_at, "lost": [place_of(label) for label in slots],
                      "rolled_forward": settle.action is Action.ROLL_FORWARD,
                      "retrying_step": failed_step if settle.action is Action.RETRY else None,
                      "new_layout": crew.label(), "generation": crew.generation, "repair_s": round(seconds, 3),
@@ -104,7 +110,7 @@ class Repairs:
             rank = ranks.get(id(m))
             replica = mesh.coords(rank)[0] if rank is not None else None
             event = {"event": "oom", "step": self.ledger.step, "during": during,
-                     "worker": _place(mesh.label(rank)) if rank is not None else f"shard {m.shard} stage {m.stage}",
+                     "worker": place_of(mesh.label(rank)) if rank is not None else f"shard {m.shard} stage {m.stage}",
                      "replica": replica, "shard": m.shard, "stage": m.stage, "pid": m.pid, **m.oom.record(),
                      "reason": "out of memory: the worker leaves the run like a lost worker (repaired, or reloaded)"}
             self.oom_events[id(m)] = event
@@ -205,6 +211,38 @@ class Repairs:
                      "steps_lost": ledger.step - reloaded, **decision.record()})
         ledger.rewind(reloaded)
 
+    # --- DRAINING -------------------------------------------------------------------------------
+
+    def draining(self, state: Draining) -> State:
+        """Workers told to leave go at this boundary. When they are every worker, the run stops as a
+        SIGTERM'd one does (a checkpoint, exit 143). If some slot has no other live copy, they save one
+        first (CHECKPOINTING, then back here). Their step
+        is committed and the survivors (or that checkpoint) hold their state, so no step is retried and
+        nothing is counted against elastic.max_failures. They are stopped, replacements start on their
+        bundles, and the run re-forms as after a loss (shrinking if elastic.min_dp allows, else waiting
+        for replacements); the ``drain`` event goes out with the first step without them."""
+        move = next_move(state, self.crew.team, self.ledger.checkpointed(self.ledger.step))
+        if move is DrainMove.STOP:
+            self.ledger.emit(drain_event(state, self.crew.team, self.ledger.step, "every worker was told to "
+                                         "leave: checkpoint and stop (exit 143); resume from the checkpoint"))
+            self.drains.gone(None)
+            self.request_stop("SIGTERM")
+            return Running()  # which stops at once: STOPPING saves, then FINISHED
+        if move is DrainMove.SAVE_FIRST:
+            return Checkpointing()  # then back here, through RUNNING
+        t0 = time.perf_counter()
+        event = drain_event(state, self.crew.team, self.ledger.step,
+                            "told to leave (SIGTERM); left at a step boundary, no step redone")
+        for m in state.leaving:
+            self.crew.group.kill(m)
+        capacity = self._reform(list(state.leaving))
+        event.update(new_layout=self.crew.label(), generation=self.crew.generation,
+                     reform_s=round(time.perf_counter() - t0, 3),
+                     decisions=[capacity.record()] if capacity is not NO_DECISION else [])
+        self.drains.gone(event)
+        self.ledger.flush_row(None)
+        return Running()
+
     # --- GROWING --------------------------------------------------------------------------------
 
     def growth(self) -> Decision:
@@ -234,11 +272,3 @@ class Repairs:
                           "generation": self.crew.generation, "grow_s": round(time.perf_counter() - t0, 3),
                           **state.decision.record()})
         return Running()
-
-
-def _place(label: str) -> str:
-    """``replica 1 stage 0`` (``replica 1 shard 1 stage 0``, ``... stage 0 tp 1``) from a worker's label
-    (raytrain.config.mesh.Mesh.label)."""
-    parts = label.split(":")
-    names = {2: ("replica", "stage"), 3: ("replica", "shard", "stage")}.get(len(parts), ("replica", "shard", "stage", "tp"))
-    return " ".join(f"{n} {v}" for n, v in zip(names, parts))

@@ -1,7 +1,8 @@
 """The coordinator's states, each a value carrying what its handler needs (raytrain.control.coordinator).
 
 A handler receives its state and returns the next one: REPAIRING gets the workers that were lost,
-what they were doing and the survivors' replies; GROWING gets the decision to grow. Nothing else
+what they were doing and the survivors' replies; DRAINING the workers told to leave and their
+notices; GROWING gets the decision to grow. Nothing else
 passes between states except what the run has committed (raytrain.control.ledger.Ledger).
 """
 
@@ -13,7 +14,7 @@ from typing import ClassVar
 
 from raytrain.control.membership import Member
 from raytrain.control.policy import Decision
-from raytrain.reports import StepReport
+from raytrain.reports import DrainNotice, StepReport
 
 
 class RunState(str, Enum):
@@ -22,6 +23,7 @@ class RunState(str, Enum):
     CHECKPOINTING = "checkpointing"
     EVALUATING = "evaluating"
     REPAIRING = "repairing"
+    DRAINING = "draining"
     GROWING = "growing"
     STOPPING = "stopping"
     FINISHED = "finished"
@@ -69,6 +71,15 @@ class Repairing(State):
     interrupted: Interrupted
     reports: tuple[StepReport, ...] = field(default=())
     """The survivors' replies of the failed step (empty unless a step was interrupted)."""
+
+
+@dataclass(frozen=True)
+class Draining(State):
+    """At a step boundary: workers told to leave (raytrain.worker.drain) go, and the run re-forms without them."""
+
+    kind = RunState.DRAINING
+    leaving: tuple[Member, ...]
+    notices: tuple[DrainNotice, ...]
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,23 @@ class Checkpoints:
         self.wait()
         self.pending = start_background_save(self.group, savers, step, self.cfg, mesh)
 
+    def save_before_giving_up(self, team: Membership, lost: tuple[Member, ...]) -> Optional[str]:
+        """For a run that gives up: keep the held step row, finish (or settle) the background save, and
+        save what the survivors (not ``lost``) committed when no checkpoint has it; the directory saved,
+        else None. The ledger's ``last_checkpoint`` is the latest either way."""
+        ledger = self.ledger
+        ledger.flush_row(None)  # a committed step's held row is kept however the run ends
+        try:
+            self.wait()
+        except WorkersLost as also_lost:
+            self.settle(tuple(also_lost.dead))
+        saved, event = save_survivors(self.group, team, ledger.step, lost, ledger.last_checkpoint, self.cfg,
+                                      self.stage_layers)
+        if event is not None:
+            ledger.emit(event)
+        ledger.last_checkpoint = saved or ledger.last_checkpoint
+        return saved
+
     def publish_if_written(self) -> None:
         """Publish the background save once every saver's step report says its file is durable."""
         pending = self.pending

@@ -11,6 +11,18 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+@dataclass(frozen=True)
+class DrainNotice:
+    """A worker was told to leave (a SIGTERM: a preemption notice, ``ray stop``); it finishes its step
+    and leaves the run at the next step boundary (raytrain.worker.drain)."""
+
+    why: str
+    noticed_at: float
+    """time.time() when the notice arrived."""
+    deadline: Optional[float] = None
+    """time.time() by which the worker exits on its own (elastic.drain_grace_s after the notice)."""
+
+
 @dataclass
 class JoinReport:
     """A worker joined a generation's groups."""
@@ -58,6 +70,8 @@ class StepReport:
     """Rows this worker read (run.record_samples, first stages only)."""
     saved: Optional["BackgroundSave"] = None
     """This worker's last background save (checkpoint.async_save) once it has finished, until the next starts."""
+    draining: Optional[DrainNotice] = None
+    """Set once the worker was told to leave: the coordinator re-forms without it at the next boundary."""
 
 
 @dataclass

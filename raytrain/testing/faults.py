@@ -17,6 +17,8 @@ sends it SIGCONT; tests use it to hold a run at a known step while they act from
 ``oom`` does not kill either: at the start of the step the worker's next allocation really fails
 (its address space is capped just above what it maps, RLIMIT_AS, for one torch allocation; nothing is
 touched), as a worker out of memory fails; the coordinator must take it out of the run.
+``sigterm`` does not kill: at the start of the step the worker sends itself SIGTERM, a preemption
+notice (raytrain.worker.drain): it finishes the step, and the run must drain it at a boundary.
 
 A worker calls its ``PhaseHook`` at each of these points (raytrain.worker.stage); the hook does nothing
 unless ``phase_hook`` gave it faults for that worker's slot. The executor holds no fault logic.
@@ -32,7 +34,7 @@ from typing import Optional
 
 from raytrain.config.errors import config_error
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "eval", "join", "pause", "oom")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "eval", "join", "pause", "oom", "sigterm")
 STEP_PHASES = ("pause", "forward", "backward", "allreduce", "optimizer")
 """The phases inside ``run_step``: a step the coordinator may have sent ahead of the previous reply."""
 
@@ -157,6 +159,9 @@ class FaultHook(PhaseHook):
         if phase == "forward" and (step, "pause") in self._due:
             self._wait_for_reply(step)
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until someone sends SIGCONT
+        if phase == "forward" and (step, "sigterm") in self._due:
+            self._due.discard((step, "sigterm"))
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice: the worker drains (raytrain.worker.drain)
         if phase == "forward" and (step, "oom") in self._due:
             self._due.discard((step, "oom"))
             fail_allocation()

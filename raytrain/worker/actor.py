@@ -50,8 +50,10 @@ def leaves_when_out_of_memory(method):
 class StageWorker:
     def __init__(self, cfg: Config, source: DataSource, num_samples: int, stage: int, layer_ids: list[int],
                  corpus: Optional[list] = None, shard: int = 0, tp: int = 0):
+        from raytrain.worker.drain import DrainWatch
         from raytrain.worker.stage import Stage
 
+        self.drain = DrainWatch(cfg.elastic.drain_grace_s)  # a SIGTERM: leave at the next step boundary
         source = dataset_here(source, corpus, cfg.data.cache_dir)
         self.stage = Stage(cfg, source, num_samples, stage, layer_ids, shard=shard, tp=tp)
 
@@ -81,7 +83,9 @@ class StageWorker:
     @leaves_when_out_of_memory
     def run_step(self, step: int, trace: bool = False) -> StepReport:
         # The hook sees the reply: a fault due in the next step waits until the caller has read it.
-        return self.stage.hook.reply(step, self.stage.run_step(step, trace))
+        report = self.stage.run_step(step, trace)
+        report.draining = self.drain.notice
+        return self.stage.hook.reply(step, report)
 
     @leaves_when_out_of_memory
     def evaluate(self) -> EvalReport:
