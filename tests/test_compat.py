@@ -42,3 +42,10 @@ def test_ray_init_still_logs_through_the_filtered_logger():
     from raytrain.compat import RAY_WORKER_LOGGER
 
     assert getattr(ray_worker, "logger", logging.getLogger(RAY_WORKER_LOGGER)).name == RAY_WORKER_LOGGER
+
+
+def test_rays_draining_nodes_can_be_read(ray_session):
+    # on the session's cluster, whose head is not draining (tests/test_nodes.py drains a node)
+    from raytrain.compat import draining_nodes
+
+    assert ray_session.get_runtime_context().get_node_id() not in draining_nodes()

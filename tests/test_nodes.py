@@ -158,3 +158,43 @@ def test_a_machine_without_the_builtin_corpus_gets_the_drivers_copy(ray_session,
     here = DataSource(one_file(str(drivers), 100))
     assert dataset_here(here, corpus, str(node_cache)) == here  # present here: used as is
     assert dataset_here(elsewhere, None, str(node_cache)) == elsewhere  # the user's data.path: never replaced
+
+
+def drain(node, deadline_s: float = 30.0) -> None:
+    """Drain ``node`` as Ray does on a cloud's preemption notice (the GCS call behind ``ray drain-node``:
+    Ray 2.60 has no public API for it)."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    accepted, why = gcs.drain_node(node.node_id, reason, "a test's preemption", int((time.time() + deadline_s) * 1000))
+    assert accepted, why
+
+
+def test_the_workers_on_a_draining_node_leave_at_a_step_boundary(ray_cluster, worker_node, make_config,
+                                                                fast_driver_poll):
+    # replica 1 runs on the added node; Ray is told to drain it (a preemption with a 60 s deadline): the
+    # worker sees it after a step, the run drops that replica at the boundary, and nothing is redone
+    from raytrain.compat import draining_nodes
+
+    steps = 300  # seconds of steps: a worker asks Ray about its node every second
+    cfg = make_config("parallel.dp=2", "elastic.min_dp=1", f"train.steps={steps}", LONG_RUN_LR, "run.trace_steps=0",
+                      "resources.placement_strategy=STRICT_SPREAD", "run.record_samples=true")
+    drained = []
+
+    def on_rows(rows):
+        if not drained and any(r.get("step", 0) >= 3 and "loss" in r for r in rows):
+            drain(worker_node, deadline_s=60)
+            drained.append(draining_nodes())
+
+    result = train(cfg, on_rows=on_rows)
+    assert drained and worker_node.node_id in drained[0]  # raytrain.compat reads Ray's draining nodes
+    (event,) = [e for e in result.events if e["event"] == "drain"]
+    assert event["why"] == ["node drain"] and event["workers"] == ["replica 1 stage 0"], event
+    assert 50 < event["deadline_s"] <= 60 and event["new_layout"] == "dp=1 pp=1"
+    assert not [e for e in result.events if e["event"] in ("repair", "reload")] and result.failures == 0
+    assert result.worker_pids[0] in result.final_pids and result.committed_steps == list(range(steps))
+    ids = [i for r in result.metrics for i in r["sample_ids"]]
+    assert ids == data.sample_ids(cfg.train.seed, prepare(cfg).num_samples, 0, steps * cfg.train.global_batch)
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))

@@ -38,3 +38,13 @@ def resolve_auto_ray_address() -> Optional[str]:
     from ray._private.services import canonicalize_bootstrap_address
 
     return canonicalize_bootstrap_address("auto")
+
+
+def draining_nodes() -> dict[str, int]:
+    """The nodes Ray is draining (a preemption notice, ``ray drain-node``, an autoscaler scale-down):
+    node id (hex) -> deadline in ms since the epoch (0: none given). Ray 2.60 has no public API for it
+    (``ray drain-node`` is a hidden developer command); Ray Train V2's preemption watcher reads this
+    same state."""
+    import ray._private.state
+
+    return dict(ray._private.state.state.get_draining_nodes())

@@ -231,8 +231,9 @@ class Repairs:
         if move is DrainMove.SAVE_FIRST:
             return Checkpointing()  # then back here, through RUNNING
         t0 = time.perf_counter()
+        why = ", ".join(sorted({n.why for n in state.notices}))
         event = drain_event(state, self.crew.team, self.ledger.step,
-                            "told to leave (SIGTERM); left at a step boundary, no step redone")
+                            f"told to leave ({why}); left at a step boundary, no step redone")
         for m in state.leaving:
             self.crew.group.kill(m)
         capacity = self._reform(list(state.leaving))

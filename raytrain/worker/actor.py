@@ -53,7 +53,8 @@ class StageWorker:
         from raytrain.worker.drain import DrainWatch
         from raytrain.worker.stage import Stage
 
-        self.drain = DrainWatch(cfg.elastic.drain_grace_s)  # a SIGTERM: leave at the next step boundary
+        # a SIGTERM, or this node draining: leave at the next step boundary
+        self.drain = DrainWatch(cfg.elastic.drain_grace_s, ray.get_runtime_context().get_node_id())
         source = dataset_here(source, corpus, cfg.data.cache_dir)
         self.stage = Stage(cfg, source, num_samples, stage, layer_ids, shard=shard, tp=tp)
 
@@ -84,6 +85,7 @@ class StageWorker:
     def run_step(self, step: int, trace: bool = False) -> StepReport:
         # The hook sees the reply: a fault due in the next step waits until the caller has read it.
         report = self.stage.run_step(step, trace)
+        self.drain.check_node()
         report.draining = self.drain.notice
         return self.stage.hook.reply(step, report)
 
