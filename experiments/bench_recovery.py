@@ -1,12 +1,15 @@
 """Recovery from a lost worker: raytrain repair in place vs Ray Train V2 elastic restart.
 
-One worker process is SIGKILLed from outside once the run passes a fixed step. For raytrain (the
-dp=2 GPT of bench_dp, and a dp=2 x pp=2 run) this reports detection time, repair time, seconds
-from the kill to the next committed step, and committed steps lost. Ray Train V2 runs the same dp=2
-model with ScalingConfig(num_workers=(1, 2)) and a checkpoint every 10 steps; on a failure it
-restarts its worker group from the last checkpoint.
+One worker process is SIGKILLed from outside once the run passes a fixed step, or sent SIGTERM (a
+preemption notice: raytrain drains it at a step boundary). For raytrain (the dp=2 GPT of bench_dp,
+and a dp=2 x pp=2 run) this reports detection time, repair time, seconds from the fault to the next
+committed step, committed steps lost or redone, and the run's goodput (the share of its wall time in
+committed steps, raytrain.control.goodput). Ray Train V2 runs the same dp=2 model with
+ScalingConfig(num_workers=(1, 2)) and a checkpoint every 10 steps; on a failure it restarts its
+worker group from the last checkpoint; its goodput is derived from its workers' step times (the
+steps it kept) over the trainer process's wall time.
 
-    python experiments/bench_recovery.py            # about 3 minutes on 2 cores
+    python experiments/bench_recovery.py            # about 5 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -33,27 +36,34 @@ def config(extra):
                                       "run.trace_steps=0", "elastic.min_dp=1", *extra])
 
 
-def raytrain_recovery(name: str, extra: list[str], workdir: str) -> dict:
+def raytrain_recovery(name: str, extra: list[str], workdir: str, sig: int = signal.SIGKILL) -> dict:
     from raytrain import train
 
     state: dict = {}
 
-    def kill_after_step(rows):
+    def fault_after_step(rows):
         for row in rows:
             if row.get("event") == "started":
                 state["pids"] = row["pids"]
             if row.get("step", 0) >= KILL_STEP and "killed_at" not in state:
-                os.kill(state["pids"][-1], signal.SIGKILL)  # the last rank: replica dp-1, last stage
+                os.kill(state["pids"][-1], sig)  # the last rank: replica dp-1, last stage
                 state["killed_at"], state["kill_step"] = time.time(), row["step"]
 
-    result = train(config(extra + [f"run.dir={workdir}"]), stream=open(os.devnull, "w"), on_rows=kill_after_step)
+    result = train(config(extra + [f"run.dir={workdir}"]), stream=open(os.devnull, "w"), on_rows=fault_after_step)
+    steps, goodput = result.committed_steps, result.goodput["goodput"]
+    common = {"system": name, "kill_step": state["kill_step"], "steps_lost": len(steps) - len(set(steps)),
+              "grew_back": any(e["event"] == "grow" for e in result.events), "goodput": goodput}
+    if sig == signal.SIGCONT:  # a signal that changes nothing: the fault-free baseline
+        return {**common, "detect_s": float("nan"), "repair_s": float("nan"), "kill_to_commit_s": float("nan"),
+                "layout_after": "no fault"}
+    if sig == signal.SIGTERM:  # drained: no failure to detect
+        drain = next(e for e in result.events if e["event"] == "drain")
+        return {**common, "detect_s": 0.0, "repair_s": drain["reform_s"],
+                "kill_to_commit_s": drain["notice_to_step_s"], "layout_after": drain["new_layout"]}
     repair = next(e for e in result.events if e["event"] == "repair")
     next_commit = min(r["time"] for r in result.metrics if r.get("time", 0) > repair["detected_at"])
-    steps = result.committed_steps
-    return {"system": name, "kill_step": state["kill_step"], "detect_s": repair["detected_at"] - state["killed_at"],
-            "repair_s": repair["repair_s"], "kill_to_commit_s": next_commit - state["killed_at"],
-            "steps_lost": len(steps) - len(set(steps)), "layout_after": repair["new_layout"],
-            "grew_back": any(e["event"] == "grow" for e in result.events)}
+    return {**common, "detect_s": repair["detected_at"] - state["killed_at"], "repair_s": repair["repair_s"],
+            "kill_to_commit_s": next_commit - state["killed_at"], "layout_after": repair["new_layout"]}
 
 
 # --- Ray Train V2 --------------------------------------------------------------------------------
@@ -121,8 +131,9 @@ def run_ray_train(workdir: str) -> None:
     ray.shutdown()
 
 
-def ray_train_recovery(workdir: str) -> dict:
-    progress = os.path.join(workdir, "progress.jsonl")
+def ray_train_recovery(workdir: str, sig: int = signal.SIGKILL) -> dict:
+    progress = os.path.join(workdir, f"progress-{sig}.jsonl")
+    launched = time.time()
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--ray-train", workdir],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     killed_at = kill_step = None
@@ -133,16 +144,32 @@ def ray_train_recovery(workdir: str) -> dict:
             lines = [json.loads(l) for l in open(progress).read().splitlines() if l.strip()]
             steps = [l for l in lines if l["event"] == "step" and l["rank"] == 1]
             if steps and steps[-1]["step"] >= KILL_STEP:
-                os.kill(steps[-1]["pid"], signal.SIGKILL)
+                os.kill(steps[-1]["pid"], sig)
                 killed_at, kill_step = time.time(), steps[-1]["step"]
     proc.wait(timeout=60)
+    ended = time.time()
     lines = [json.loads(l) for l in open(progress).read().splitlines() if l.strip()]
     restart = min(l["time"] for l in lines if l["event"] == "start" and l["time"] > killed_at)
     resumed_at = next(l["step"] for l in lines if l["event"] == "start" and l["time"] > killed_at)
     next_commit = min(l["time"] for l in lines if l["event"] == "step" and l["time"] > killed_at)
-    return {"system": "Ray Train V2 (1..2 workers)", "kill_step": kill_step, "detect_s": float("nan"),
+    name = "Ray Train V2 (1..2 workers)" + (" SIGTERM" if sig == signal.SIGTERM else "")
+    return {"system": name, "kill_step": kill_step, "detect_s": float("nan"),
             "repair_s": restart - killed_at, "kill_to_commit_s": next_commit - killed_at,
-            "steps_lost": kill_step - resumed_at, "layout_after": "restart from checkpoint", "grew_back": None}
+            "steps_lost": kill_step - resumed_at, "layout_after": "restart from checkpoint", "grew_back": None,
+            "goodput": ray_train_goodput(lines, ended - launched)}
+
+
+def ray_train_goodput(lines: list[dict], wall_s: float) -> float:
+    """Rank 0's time in the steps the run kept (each step's last run, timed from the step before it in
+    the same worker group) over the trainer process's wall time."""
+    kept, last = {}, None
+    for line in sorted((l for l in lines if l["rank"] == 0), key=lambda l: l["time"]):
+        if line["event"] == "start":
+            last = line["time"]  # a (re)started group's first step starts here
+        elif last is not None:
+            kept[line["step"]] = line["time"] - last
+            last = line["time"]
+    return sum(kept.values()) / wall_s
 
 
 def main() -> None:
@@ -164,14 +191,18 @@ def main() -> None:
         rows.append(raytrain_recovery("raytrain dp=2 (replace)", ["parallel.dp=2", "elastic.min_dp=2"], workdir))
         rows.append(raytrain_recovery("raytrain dp=2 x pp=2", ["parallel.dp=2", "parallel.pp=2",
                                                               "parallel.microbatches=2"], workdir))
+        rows.append(raytrain_recovery("raytrain dp=2 SIGTERM (drain)", ["parallel.dp=2"], workdir, signal.SIGTERM))
+        rows.append(raytrain_recovery("raytrain dp=2 fault-free", ["parallel.dp=2"], workdir, signal.SIGCONT))
         ray.shutdown()
         rows.append(ray_train_recovery(workdir))
-    print(f"\nSIGKILL of one worker after step {KILL_STEP} of {STEPS} (GPT 4x256, global batch {GLOBAL_BATCH})")
-    print(f"{'system':<28} {'killed at':>9} {'detect s':>8} {'repair s':>8} {'kill->commit s':>14} "
-          f"{'steps lost':>10}  after")
+        rows.append(ray_train_recovery(workdir, signal.SIGTERM))
+    print(f"\nSIGKILL (or SIGTERM) of one worker after step {KILL_STEP} of {STEPS} (GPT 4x256, global batch "
+          f"{GLOBAL_BATCH}); goodput: committed-step time over wall time from the launch")
+    print(f"{'system':<32} {'fault at':>8} {'detect s':>8} {'repair s':>8} {'fault->commit s':>15} "
+          f"{'steps redone':>12} {'goodput':>7}  after")
     for r in rows:
-        print(f"{r['system']:<28} {r['kill_step']:>9} {r['detect_s']:>8.2f} {r['repair_s']:>8.2f} "
-              f"{r['kill_to_commit_s']:>14.2f} {r['steps_lost']:>10}  {r['layout_after']}"
+        print(f"{r['system']:<32} {r['kill_step']:>8} {r['detect_s']:>8.2f} {r['repair_s']:>8.2f} "
+              f"{r['kill_to_commit_s']:>15.2f} {r['steps_lost']:>12} {r['goodput']:>7.3f}  {r['layout_after']}"
               + ("" if r["grew_back"] is None else f" (grew back: {r['grew_back']})"))
 
 

@@ -160,7 +160,7 @@ def test_a_machine_without_the_builtin_corpus_gets_the_drivers_copy(ray_session,
     assert dataset_here(elsewhere, None, str(node_cache)) == elsewhere  # the user's data.path: never replaced
 
 
-def drain(node, deadline_s: float = 30.0) -> None:
+def drain_node(node, deadline_s: float = 30.0) -> None:
     """Drain ``node`` as Ray does on a cloud's preemption notice (the GCS call behind ``ray drain-node``:
     Ray 2.60 has no public API for it)."""
     import ray
@@ -185,7 +185,7 @@ def test_the_workers_on_a_draining_node_leave_at_a_step_boundary(ray_cluster, wo
 
     def on_rows(rows):
         if not drained and any(r.get("step", 0) >= 3 and "loss" in r for r in rows):
-            drain(worker_node, deadline_s=60)
+            drain_node(worker_node, deadline_s=60)
             drained.append(draining_nodes())
 
     result = train(cfg, on_rows=on_rows)

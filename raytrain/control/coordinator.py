@@ -217,12 +217,12 @@ class Coordinator:
         except StepLost as lost:
             self.in_flight = None
             ledger.time.lost_step(time.perf_counter() - call.started)
-            dead = lost.dead + [m for m in self._drain(ahead) if m not in lost.dead]
+            dead = lost.dead + [m for m in self._wait_out(ahead) if m not in lost.dead]
             return Repairing(tuple(dead), Interrupted.STEP, tuple(lost.reports))
         except NonFiniteStep as bad:
             self.in_flight = None
             ledger.time.charge("work_redone", time.perf_counter() - call.started)  # computed, not applied
-            self._drain(ahead)
+            self._wait_out(ahead)
             return self._skip_nonfinite(bad)
         row = steps.aggregate_step(ledger.step, reports, time.perf_counter() - call.started, self.cfg,
                                    self.team.mesh(), self.layout())
@@ -245,8 +245,8 @@ class Coordinator:
         return may_send_ahead(step, self.cfg.train.steps, self.cfg.checkpoint.every,
                               self.crew.changing or self.stopping or bool(self.drains), self.cfg.eval.every)
 
-    def _drain(self, call: Optional[StepCall]) -> list[Member]:
-        return steps.drain(self.crew.group, call, self.cfg.elastic.detect_timeout_s + SETTLE_MARGIN_S)
+    def _wait_out(self, call: Optional[StepCall]) -> list[Member]:
+        return steps.wait_out(self.crew.group, call, self.cfg.elastic.detect_timeout_s + SETTLE_MARGIN_S)
 
     def _skip_nonfinite(self, bad: NonFiniteStep) -> State:
         """Skip a step whose vote found a non-finite value (nothing of it was applied anywhere), or

@@ -33,7 +33,7 @@ CAUSE_OF_STATE = {"starting": "start_up", "running": "other", "evaluating": "eva
 
 @dataclass
 class TimeBook:
-    """The coordinator's accounts, in seconds, from its construction on."""
+    """The coordinator's accounts, in seconds, from the start of its run (``start``) on."""
 
     clock: Callable[[], float] = time.perf_counter
     started: float = field(default=0.0)

@@ -80,7 +80,7 @@ def collect(group: WorkerGroup, call: StepCall, timeout_s: float, layout: str,
     return reports
 
 
-def drain(group: WorkerGroup, call: Optional[StepCall], timeout_s: float) -> list[Member]:
+def wait_out(group: WorkerGroup, call: Optional[StepCall], timeout_s: float) -> list[Member]:
     """Wait out a step sent ahead of one that failed; returns the members that died meanwhile.
 
     Workers whose own step failed skip it; the others fail it against their lost peers, so it ends
