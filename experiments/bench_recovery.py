@@ -117,16 +117,17 @@ def ray_train_worker_loop(loop_config):
         log.flush()
 
 
-def run_ray_train(workdir: str) -> None:
+def run_ray_train(workdir: str, progress: str) -> None:
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     TorchTrainer(
-        ray_train_worker_loop, train_loop_config={"progress": os.path.join(workdir, "progress.jsonl")},
+        ray_train_worker_loop, train_loop_config={"progress": progress},
         scaling_config=ScalingConfig(num_workers=(1, 2), use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(storage_path=workdir, name="recovery", failure_config=FailureConfig(max_failures=3)),
+        run_config=RunConfig(storage_path=workdir, name=os.path.splitext(os.path.basename(progress))[0],
+                             failure_config=FailureConfig(max_failures=3)),
     ).fit()
     ray.shutdown()
 
@@ -134,7 +135,7 @@ def run_ray_train(workdir: str) -> None:
 def ray_train_recovery(workdir: str, sig: int = signal.SIGKILL) -> dict:
     progress = os.path.join(workdir, f"progress-{sig}.jsonl")
     launched = time.time()
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--ray-train", workdir],
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--ray-train", workdir, "--progress", progress],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     killed_at = kill_step = None
     deadline = time.monotonic() + 900
@@ -175,36 +176,37 @@ def ray_train_goodput(lines: list[dict], wall_s: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ray-train", metavar="WORKDIR", help=argparse.SUPPRESS)
+    parser.add_argument("--progress", metavar="FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ray_train:
-        run_ray_train(args.ray_train)
+        run_ray_train(args.ray_train, args.progress)
         return
     import ray
 
     from raytrain import data
 
     data.resolve_data_path(config([]))
-    rows = []
-    with tempfile.TemporaryDirectory() as workdir:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-        rows.append(raytrain_recovery("raytrain dp=2", ["parallel.dp=2"], workdir))
-        rows.append(raytrain_recovery("raytrain dp=2 (replace)", ["parallel.dp=2", "elastic.min_dp=2"], workdir))
-        rows.append(raytrain_recovery("raytrain dp=2 x pp=2", ["parallel.dp=2", "parallel.pp=2",
-                                                              "parallel.microbatches=2"], workdir))
-        rows.append(raytrain_recovery("raytrain dp=2 SIGTERM (drain)", ["parallel.dp=2"], workdir, signal.SIGTERM))
-        rows.append(raytrain_recovery("raytrain dp=2 fault-free", ["parallel.dp=2"], workdir, signal.SIGCONT))
-        ray.shutdown()
-        rows.append(ray_train_recovery(workdir))
-        rows.append(ray_train_recovery(workdir, signal.SIGTERM))
-    print(f"\nSIGKILL (or SIGTERM) of one worker after step {KILL_STEP} of {STEPS} (GPT 4x256, global batch "
+    print(f"SIGKILL (or SIGTERM) of one worker after step {KILL_STEP} of {STEPS} (GPT 4x256, global batch "
           f"{GLOBAL_BATCH}); goodput: committed-step time over wall time from the launch")
     print(f"{'system':<32} {'fault at':>8} {'detect s':>8} {'repair s':>8} {'fault->commit s':>15} "
-          f"{'steps redone':>12} {'goodput':>7}  after")
-    for r in rows:
-        print(f"{r['system']:<32} {r['kill_step']:>8} {r['detect_s']:>8.2f} {r['repair_s']:>8.2f} "
-              f"{r['kill_to_commit_s']:>15.2f} {r['steps_lost']:>12} {r['goodput']:>7.3f}  {r['layout_after']}"
-              + ("" if r["grew_back"] is None else f" (grew back: {r['grew_back']})"))
+          f"{'steps redone':>12} {'goodput':>7}  after", flush=True)
+    with tempfile.TemporaryDirectory() as workdir:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        show(raytrain_recovery("raytrain dp=2", ["parallel.dp=2"], workdir))
+        show(raytrain_recovery("raytrain dp=2 (replace)", ["parallel.dp=2", "elastic.min_dp=2"], workdir))
+        show(raytrain_recovery("raytrain dp=2 x pp=2", ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"],
+                               workdir))
+        show(raytrain_recovery("raytrain dp=2 SIGTERM (drain)", ["parallel.dp=2"], workdir, signal.SIGTERM))
+        show(raytrain_recovery("raytrain dp=2 fault-free", ["parallel.dp=2"], workdir, signal.SIGCONT))
+        ray.shutdown()
+        show(ray_train_recovery(workdir))
+        show(ray_train_recovery(workdir, signal.SIGTERM))
 
+
+def show(r: dict) -> None:
+    print(f"{r['system']:<32} {r['kill_step']:>8} {r['detect_s']:>8.2f} {r['repair_s']:>8.2f} "
+          f"{r['kill_to_commit_s']:>15.2f} {r['steps_lost']:>12} {r['goodput']:>7.3f}  {r['layout_after']}"
+          + ("" if r["grew_back"] is None else f" (grew back: {r['grew_back']})"), flush=True)
 
 if __name__ == "__main__":
     main()
