@@ -1,7 +1,8 @@
 """Recovery from a lost worker: raytrain repair in place vs Ray Train V2 elastic restart.
 
 One worker process is SIGKILLed from outside once the run passes a fixed step, or sent SIGTERM (a
-preemption notice: raytrain drains it at a step boundary). For raytrain (the dp=2 GPT of bench_dp,
+preemption notice: raytrain drains it at a step boundary); one raytrain run has a standby worker
+(elastic.standby=1) to take the killed one's place. For raytrain (the dp=2 GPT of bench_dp,
 and a dp=2 x pp=2 run) this reports detection time, repair time, seconds from the fault to the next
 committed step, committed steps lost or redone, and the run's goodput (the share of its wall time in
 committed steps, raytrain.control.goodput). Ray Train V2 runs the same dp=2 model with
@@ -194,6 +195,8 @@ def main() -> None:
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         show(raytrain_recovery("raytrain dp=2", ["parallel.dp=2"], workdir))
         show(raytrain_recovery("raytrain dp=2 (replace)", ["parallel.dp=2", "elastic.min_dp=2"], workdir))
+        show(raytrain_recovery("raytrain dp=2 (standby)", ["parallel.dp=2", "elastic.min_dp=2", "elastic.standby=1"],
+                               workdir))
         show(raytrain_recovery("raytrain dp=2 x pp=2", ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"],
                                workdir))
         show(raytrain_recovery("raytrain dp=2 SIGTERM (drain)", ["parallel.dp=2"], workdir, signal.SIGTERM))

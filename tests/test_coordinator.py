@@ -273,3 +273,19 @@ def test_when_every_worker_is_told_to_leave_the_run_saves_and_stops(tmp_path):
     assert summary.stopped == "SIGTERM" and summary.steps == 4  # the step sent ahead of their replies too
     assert checkpoint.read_manifest(summary.checkpoint)["step"] == 4
     assert "checkpoint and stop" in events(rows, "drain")[0]["reason"]
+
+
+def test_a_standby_replica_takes_a_lost_workers_place_at_once(tmp_path):
+    # elastic.standby=1: a third replica's worker starts with the run and waits; when replica 1's worker
+    # dies the run is back at dp=2 in the same repair, with no replacement started yet (none can start)
+    group = FakeWorkerGroup(1, initial=3, capacity=0)
+    group.granted_tokens.add("standby")  # the driver asked for its placement with the run's
+    coordinator, group, summary, rows = run(tmp_path, "elastic.standby=1", "elastic.faults=['1:0@2:backward']",
+                                            group=group, extra=(FakePlacement("standby"),))
+    started = events(rows, "started")[0]
+    assert started["replicas"] == 2 and len(started["standby"]) == 1 and len(summary.worker_pids) == 2
+    repair = events(rows, "repair")[0]
+    assert repair["new_layout"] == "dp=2 pp=1" and repair["retrying_step"] == 2
+    assert started["standby"][0] in summary.final_pids and summary.failures == 1
+    assert [r["dp"] for r in rows if "loss" in r and "event" not in r] == [2] * 6
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)

@@ -193,6 +193,22 @@ def test_a_sigtermed_worker_drains_at_a_step_boundary_with_no_step_redone(ray_se
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 
+def test_a_standby_worker_takes_a_killed_workers_place_without_waiting_for_a_start(ray_session, make_config):
+    # elastic.standby=1 starts a third worker that waits; replica 1's worker is killed in step 3 and
+    # the standby takes its slot in the same repair (default policy: never below dp=2), its state
+    # broadcast from replica 0; the replacement started for the dead one becomes the next standby
+    cfg = make_config("parallel.dp=2", "train.steps=8", "elastic.standby=1", "run.record_samples=true",
+                      "elastic.faults=['1:0@3:backward']")
+    result = train(cfg)
+    started = next(e for e in result.events if e["event"] == "started")
+    (repair,) = [e for e in result.events if e["event"] == "repair"]
+    assert len(started["standby"]) == 1 and repair["new_layout"] == "dp=2 pp=1"
+    assert started["standby"][0] in result.final_pids and result.worker_pids[0] in result.final_pids
+    assert [r["dp"] for r in result.metrics] == [2] * 8
+    _assert_exactly_once(result, 8, 8)
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
 def test_dp2_tp2_a_tp_worker_killed_from_outside_takes_its_replica_which_is_replaced(ray_session, make_config,
                                                                                        fast_driver_poll):
     # All four workers stop themselves at step 3 (a pause fault names a replica's stage: both its tp

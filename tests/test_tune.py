@@ -67,6 +67,14 @@ def test_infeasible_layouts_are_rejected_before_launch(ray_session, base, tmp_pa
     assert not os.path.exists(tmp_path / "never")  # nothing was launched
 
 
+def test_a_sweep_with_standby_workers_is_refused_before_any_trial(base, tmp_path):
+    sweep = rt_tune.SweepConfig(base={**base, "elastic": {"standby": 1}}, storage_path=str(tmp_path),
+                                space={"layouts": [{"parallel.dp": 1}]})
+    with pytest.raises(ValueError, match="elastic.standby=1: a trial runs in the resources Tune reserved.*drop "
+                                         "elastic.standby from sweeps"):
+        rt_tune.check_layouts(sweep, {"CPU": 2.0})
+
+
 def test_each_infeasible_layout_is_named_by_its_label(base, tmp_path):
     sweep = rt_tune.SweepConfig(base=base, storage_path=str(tmp_path), space={"layouts": [
         {"parallel.dp": 1}, {"parallel.dp": 2, "parallel.fsdp": 2}, {"parallel.pp": 9}, {"parallel.dp": 0},

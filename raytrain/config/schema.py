@@ -306,6 +306,10 @@ class ElasticConfig:
     capacity_wait_s: float = 60.0
     """Below min_dp, how long to wait for capacity (replacement workers) before failing (the last checkpoint
     stays intact). Formerly elastic.wait_s, still read with a DeprecationWarning."""
+    standby: int = 0
+    """Replicas' worth of workers (fsdp x tp x pp each) started with the run, beyond elastic.max_dp, that
+    wait as spares: a lost or drained worker's slot is taken at once, without a worker's start-up;
+    the replacement started for it becomes the next standby."""
     drain_grace_s: float = 30.0
     """How long a worker told to leave (SIGTERM) waits for the coordinator to let it go before it exits
     on its own (GKE's grace period; AWS spot gives 120 s)."""
@@ -325,6 +329,8 @@ class ElasticConfig:
         for name in ("detect_timeout_s", "capacity_wait_s", "grow_poll_s", "drain_grace_s"):
             value = getattr(self, name)
             require(value > 0, f"elastic.{name}", value, "a duration must be > 0 seconds")
+        require(isinstance(self.standby, int) and self.standby >= 0, "elastic.standby", self.standby,
+                "a count of standby replicas >= 0 (0: a lost worker waits for a replacement's start)")
         for name in ("min_dp", "max_dp"):
             value = getattr(self, name)
             require(value is None or value >= 1, f"elastic.{name}", value,

@@ -181,7 +181,7 @@ class Coordinator:
     # --- starting ---------------------------------------------------------------------------------
 
     def _starting(self) -> State:
-        self.original_pids = self.crew.start()
+        self.original_pids = self.crew.start(self.policy.target_dp)
         step = 0
         if self.resume_from is not None:
             step = checkpoint.read_manifest(self.resume_from)["step"]
@@ -190,6 +190,7 @@ class Coordinator:
         self.ledger.step = self.ledger.first_step = step
         self.crew.form_generation(step)
         self.ledger.emit({"event": "started", "layout": self.cfg.layout().label, "replicas": self.team.dp,
+                          "standby": [m.pid for m in self.team.spares],
                           "generation": self.crew.generation, "pids": self.original_pids,
                           "coordinator_pid": os.getpid()})
         return Running()
@@ -243,7 +244,8 @@ class Coordinator:
 
     def _may_send_ahead(self, step: int) -> bool:
         return may_send_ahead(step, self.cfg.train.steps, self.cfg.checkpoint.every,
-                              self.crew.changing or self.stopping or bool(self.drains), self.cfg.eval.every)
+                              self.crew.changing(self.policy.target_dp) or self.stopping or bool(self.drains),
+                              self.cfg.eval.every)
 
     def _wait_out(self, call: Optional[StepCall]) -> list[Member]:
         return steps.wait_out(self.crew.group, call, self.cfg.elastic.detect_timeout_s + SETTLE_MARGIN_S)

@@ -48,16 +48,17 @@ class Crew:
         members += spawn_in_granted(self.group, self.unused_placements, slots, timeout=GRANT_AT_START_S)
         self.team.add_pending(members)
 
-    def start(self) -> list[int]:
-        """Wait for the first workers and form the first replicas; their pids. WorkersLost if one
-        died while starting (the driver restarts the coordinator)."""
+    def start(self, target_dp: int) -> list[int]:
+        """Wait for the first workers and form the first replicas (up to ``target_dp``: the rest are
+        standby spares); the replicas' pids. WorkersLost if one died while starting (the driver
+        restarts the coordinator)."""
         members = list(self.team.pending)
         for m in members:
             m.pid = self.group.pid(m, SETUP_TIMEOUT_S)
             if m.pid is None:
                 raise WorkersLost([m])
-        self.team.start(members)
-        return [m.pid for m in members]
+        self.team.start(members, target_dp)
+        return [m.pid for m in self.team.members()]
 
     # --- generations ----------------------------------------------------------------------------
 
@@ -106,11 +107,11 @@ class Crew:
         self.team.add_pending(granted)
         return len(granted)
 
-    @property
-    def changing(self) -> bool:
-        """Whether a replica may join at the next step boundary (a placement not yet granted, a
-        worker starting, a spare waiting)."""
-        return bool(self.unused_placements or self.team.pending or self.team.spares)
+    def changing(self, target_dp: int) -> bool:
+        """Whether a replica may join at the next step boundary: the run is below ``target_dp`` and a
+        placement is not yet granted, a worker is starting or a spare waits (at the target, they are
+        standby)."""
+        return self.team.dp < target_dp and bool(self.unused_placements or self.team.pending or self.team.spares)
 
     # --- state ------------------------------------------------------------------------------------
 

@@ -80,11 +80,14 @@ class Membership:
         """Workers that were just spawned: they wait in ``pending`` until they have started."""
         self.pending += starting
 
-    def start(self, started: list[Member]) -> None:
-        """The first workers, started, form the first replicas in slot order (``pending`` empties)."""
+    def start(self, started: list[Member], target_dp: int) -> None:
+        """The first workers, started, form the first replicas in slot order (``pending`` empties), up
+        to ``target_dp``; those beyond wait as spares (elastic.standby)."""
         size = len(self.slots)
         self.pending = [m for m in self.pending if m not in started]
-        self.replicas = [started[r * size:(r + 1) * size] for r in range(len(started) // size)]
+        replicas = [started[r * size:(r + 1) * size] for r in range(len(started) // size)]
+        self.replicas = replicas[:target_dp]
+        self.spares = [m for replica in replicas[target_dp:] for m in replica]
 
     def restart(self, dead: Member, replacement: Member) -> None:
         """A worker died while starting: its replacement takes its place in ``pending``."""

@@ -154,6 +154,7 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
         pg, first_bundle = placement if placement is not None else (reserve(cfg, fixed_cluster=embedded()), 0)
         groups += [pg] if placement is None else []
         extra = (cfg.elastic.max_dp or cfg.parallel.dp) - cfg.parallel.dp if placement is None else 0
+        extra += cfg.elastic.standby if placement is None else 0  # standby replicas beyond them
         growth = [request(cfg, 1) for _ in range(extra)]  # granted whenever capacity appears
         groups += growth
         # The driver built the built-in corpus in its own cache; workers on other machines get its bytes.

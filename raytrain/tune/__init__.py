@@ -199,11 +199,14 @@ def check_layouts(sweep: SweepConfig, cluster: dict[str, float]) -> None:
 
 
 def _fit_problems(cfg: Config, layout: Layout, cluster: dict[str, float]) -> list[str]:
-    """Why a valid trial cannot run on ``cluster``: more workers than it holds, or a growing run."""
+    """Why a valid trial cannot run on ``cluster``: more workers than it holds, a growing run, standby workers."""
     problems = []
     if (cfg.elastic.max_dp or layout.dp) > layout.dp:
         problems.append(f"elastic.max_dp={cfg.elastic.max_dp} > parallel.dp; a trial's resources are fixed by "
                         "Tune, so a trial cannot grow: drop elastic.max_dp from sweeps")
+    if cfg.elastic.standby:
+        problems.append(f"elastic.standby={cfg.elastic.standby}: a trial runs in the resources Tune reserved for "
+                        "it, with no room for standby workers: drop elastic.standby from sweeps")
     for resource, amount in worker_bundle(cfg).items():
         need = layout.world_size * amount
         if need > cluster.get(resource, 0):
