@@ -216,11 +216,11 @@ class Repairs:
     def draining(self, state: Draining) -> State:
         """Workers told to leave go at this boundary. When they are every worker, the run stops as a
         SIGTERM'd one does (a checkpoint, exit 143). If some slot has no other live copy, they save one
-        first (CHECKPOINTING, then back here). Their step
-        is committed and the survivors (or that checkpoint) hold their state, so no step is retried and
-        nothing is counted against elastic.max_failures. They are stopped, replacements start on their
-        bundles, and the run re-forms as after a loss (shrinking if elastic.min_dp allows, else waiting
-        for replacements); the ``drain`` event goes out with the first step without them."""
+        first (CHECKPOINTING, then back here). Their step is committed and the survivors (or that
+        checkpoint) hold their state, so no step is retried and nothing is counted against
+        elastic.max_failures. They are stopped, replacements start on their bundles, and the run
+        re-forms as after a loss (shrinking if elastic.min_dp allows, taking a standby, else waiting for
+        replacements); the ``drain`` event goes out with the first step without them."""
         move = next_move(state, self.crew.team, self.ledger.checkpointed(self.ledger.step))
         if move is DrainMove.STOP:
             self.ledger.emit(drain_event(state, self.crew.team, self.ledger.step, "every worker was told to "

@@ -1,10 +1,10 @@
 """``python -m raytrain export --checkpoint CKPT --out DIR``: a checkpoint of a ``model.hf`` run as a
 Hugging Face model directory (config.json + model.safetensors) that ``from_pretrained`` loads.
 
-The tensors are the checkpoint's parameters under the names ``save_pretrained`` gives them, cast to the model's dtype
-(that of the directory's safetensors, else config.json's ``dtype``, else float32; ``--dtype``
-overrides it and config.json says which): a model imported and trained at lr 0 comes back bit for
-bit. The export reads the run's model.hf directory for its config. The directory appears whole or
+The tensors are the checkpoint's parameters under the names ``save_pretrained`` gives them (the
+family's conversion mapping reversed), cast to the model's dtype (that of the directory's
+safetensors, else config.json's ``dtype``, else float32; ``--dtype`` overrides it and config.json
+says which): a model imported and trained at lr 0 comes back bit for bit. The export reads the run's model.hf directory for its config. The directory appears whole or
 not at all.
 """
 

@@ -4,9 +4,9 @@ The cut is read from the family's ``base_model_pp_plan`` (transformers' list of 
 pipeline runs) where its config declares one, else from the model's structure, never from a table of
 families: the causal LM holds a base model and an output head; the base model holds the input
 embedding, one ``ModuleList`` of decoder layers, a final norm, and optionally a rotary embedding, a
-learned position embedding and a dropout. Each decoder-layer wrapper recomputes what the base model's forward would hand its layers
-(position ids, rotary cos/sin, the causal or sliding-window mask), so a stage needs nothing from
-another stage but the hidden states. A family with anything else in those places cannot be cut:
+learned position embedding and a dropout. Each decoder-layer wrapper recomputes what the base
+model's forward would hand its layers (position ids, rotary cos/sin for the layer's type, the causal
+or sliding-window mask), so a stage needs nothing from another stage but the hidden states. A family with anything else in those places cannot be cut:
 ``UncuttableModel`` names it, and ``pp=1`` still trains it whole (``WholeModel``). A directory that is
 not a causal LM at all (an encoder, an encoder-decoder, a vision model), or whose config.json names its
 own Python code (``auto_map``, unless model.trust_remote_code), is refused: a model directory is data.
