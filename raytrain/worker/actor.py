@@ -85,7 +85,6 @@ class StageWorker:
     def run_step(self, step: int, trace: bool = False) -> StepReport:
         # The hook sees the reply: a fault due in the next step waits until the caller has read it.
         report = self.stage.run_step(step, trace)
-        self.drain.check_node()
         report.draining = self.drain.notice
         return self.stage.hook.reply(step, report)
 

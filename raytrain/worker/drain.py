@@ -2,12 +2,14 @@
 
 Clouds warn before they take a machine (a SIGTERM, then a grace period: about 30 s on GKE, up to
 120 s on AWS spot), and ``ray stop`` sends one too; Ray passes a cloud's preemption notice on as a
-node drain with a deadline (``ray drain-node``), which each worker checks for its own node at most
-every NODE_POLL_S, after a step. A worker told either way finishes the step it is in and reports
+node drain with a deadline (``ray drain-node``), which each worker's watcher thread checks for its
+own node every NODE_POLL_S (in a thread: a step never waits on Ray's control plane). A worker told either way finishes the step it is in and reports
 the notice with that step's reply (``StepReport.draining``); the coordinator then
 re-forms the run without it at the step boundary, with no step redone and no wait for a failure to
 be detected (raytrain.control.drain). Should the coordinator never let it go, the worker exits on
-its own when the grace period ends, and the run repairs the loss as any other.
+its own when the grace period ends, and the run repairs the loss as any other. Ray's own shutdown
+also SIGTERMs its workers (``ray stop``, an embedded Ray signalled as a process group): then the
+worker's raylet, its parent, goes too, and the worker exits as soon as it has (PARENT_POLL_S).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ EXIT_CODE = 128 + signal.SIGTERM
 """What a drained worker exits with when its grace period ends: a SIGTERM's."""
 NODE_POLL_S = 1.0
 """How often a worker asks Ray whether its node is draining (Ray Train V2 polls every 5 s)."""
+PARENT_POLL_S = 0.1
+"""After a SIGTERM, how often a worker checks that its raylet (the process that started it) lives on."""
 
 
 class DrainWatch:
@@ -32,27 +36,34 @@ class DrainWatch:
 
     def __init__(self, grace_s: float, node_id: Optional[str] = None):
         self.grace_s = grace_s
-        self.node_id = node_id
         self.notice: Optional[DrainNotice] = None
-        self._next_poll = 0.0
+        self._parent = os.getppid()
         signal.signal(signal.SIGTERM, self._on_sigterm)  # the actor's constructor runs on its main thread
+        if node_id is not None:
+            threading.Thread(target=self._watch_node, args=(node_id,), daemon=True).start()
 
-    def check_node(self) -> None:
-        """Note a drain of this worker's node, asking Ray at most every NODE_POLL_S."""
-        if self.notice is not None or self.node_id is None or time.monotonic() < self._next_poll:
-            return
+    def _watch_node(self, node_id: str) -> None:
+        """Note a drain of this worker's node, asking Ray every NODE_POLL_S until one is noted."""
         from raytrain.compat import draining_nodes
 
-        self._next_poll = time.monotonic() + NODE_POLL_S
-        deadline_ms = draining_nodes().get(self.node_id)
-        if deadline_ms is not None:
-            self.notice = DrainNotice("node drain", time.time(), deadline_ms / 1000 if deadline_ms else None)
+        while self.notice is None:
+            time.sleep(NODE_POLL_S)
+            try:
+                deadline_ms = draining_nodes().get(node_id)
+            except Exception:  # noqa: BLE001 - Ray's control plane unreachable now: ask again later
+                continue
+            if deadline_ms is not None and self.notice is None:
+                self.notice = DrainNotice("node drain", time.time(), deadline_ms / 1000 if deadline_ms else None)
 
     def _on_sigterm(self, signum, frame) -> None:
         if self.notice is not None:
             os._exit(EXIT_CODE)  # told twice: no more grace
         now = time.time()
         self.notice = DrainNotice("SIGTERM", now, now + self.grace_s)
-        timer = threading.Timer(self.grace_s, os._exit, args=(EXIT_CODE,))
-        timer.daemon = True
-        timer.start()
+        threading.Thread(target=self._exit_when_ray_goes, args=(now + self.grace_s,), daemon=True).start()
+
+    def _exit_when_ray_goes(self, deadline: float) -> None:
+        """Exit once the grace period is over, or at once should the raylet go (Ray is shutting down)."""
+        while time.time() < deadline and os.getppid() == self._parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(EXIT_CODE)
