@@ -228,7 +228,7 @@ class Coordinator:
         row = steps.aggregate_step(ledger.step, reports, time.perf_counter() - call.started, self.cfg,
                                    self.team.mesh(), self.layout())
         ledger.commit(ledger.step, row)
-        self.drains.note(reports, self.team.ranked())
+        self.drains.note(reports, self.team)
         drained = self.drains.first_step_without_them()
         if drained is not None:
             ledger.emit(drained)

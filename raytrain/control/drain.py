@@ -36,8 +36,11 @@ class Drains:
     def __bool__(self) -> bool:
         return bool(self._noted)
 
-    def note(self, reports: list[StepReport], ranked: list[tuple[int, Member]]) -> None:
-        by_rank = dict(ranked)
+    def note(self, reports: list[StepReport], team: Membership) -> None:
+        """Remember the members whose step reply carries a notice (per step: nothing to do without one)."""
+        if not any(r.draining is not None for r in reports):
+            return
+        by_rank = dict(team.ranked())
         for r in reports:
             if r.draining is not None and r.rank in by_rank:
                 self._noted.setdefault(id(by_rank[r.rank]), (by_rank[r.rank], r.draining))
