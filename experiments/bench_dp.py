@@ -168,7 +168,7 @@ def launch(system: str, steps: int, workdir: str) -> dict:
         from raytrain.driver.plan import plan_layout
 
         cfg = bench_config(steps)
-        res = {"step_end": executor_without_ray.launch(cfg, plan_layout(cfg).stage_ranges, workdir, system)}
+        res = {"step_end": executor_without_ray.launch(cfg, plan_layout(cfg).worker_layers, workdir, system)}
     else:
         out = os.path.join(workdir, f"{system}.json")
         script = [os.path.abspath(__file__), "--variant", system, "--steps", str(steps), "--out", out]

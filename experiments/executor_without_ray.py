@@ -7,7 +7,7 @@ messages, the actor runtime. Same config, data, stage cut and process groups as 
 the rendezvous store is rank 0's instead of the driver's.
 
     python -m torch.distributed.run --nproc_per_node 2 experiments/executor_without_ray.py RUN.json OUT.json
-    # RUN.json: {"config": Config.to_dict(), "stage_layers": [[layer ids of stage 0], ...]}
+    # RUN.json: {"config": Config.to_dict(), "stage_layers": [[[layer ids of stage 0's chunk 0], ...], ...]}
 """
 
 from __future__ import annotations
@@ -55,11 +55,11 @@ def main(run_file: str, out_file: str) -> None:
     worker.shutdown()
 
 
-def launch(cfg, stage_layers: list[list[int]], workdir: str, name: str) -> list[float]:
+def launch(cfg, stage_layers: list[list[list[int]]], workdir: str, name: str) -> list[float]:
     """Run ``cfg`` with this module under torchrun; returns the end time of every step."""
     run_file, out_file = os.path.join(workdir, f"{name}-run.json"), os.path.join(workdir, f"{name}-out.json")
     with open(run_file, "w") as f:
-        json.dump({"config": cfg.to_dict(), "stage_layers": [list(r) for r in stage_layers]}, f)
+        json.dump({"config": cfg.to_dict(), "stage_layers": stage_layers}, f)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.layout().world_size),
            "--master_port", "29547", os.path.abspath(__file__), run_file, out_file]
     proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=1800)

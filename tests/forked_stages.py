@@ -39,7 +39,7 @@ def _forkserver():
     return _context
 
 
-def _run_worker(cfg, source, num_samples: int, stage_layers: list[list[int]], rank: int,
+def _run_worker(cfg, source, num_samples: int, stage_layers: list[list[list[int]]], rank: int,
                 mesh: Mesh, store, out_dir: str, resume: Optional[str], rejoin_at: Optional[int] = None) -> None:
     from raytrain.worker.stage import Stage
 

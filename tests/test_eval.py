@@ -17,7 +17,8 @@ from raytrain.config.mesh import Mesh
 from raytrain.control.coordinator import Coordinator
 from raytrain.control.steps import eval_due, may_send_ahead
 from raytrain.driver.rendezvous import RendezvousStore
-from raytrain.pipeline import schedule
+from raytrain.pipeline import checker, schedule
+from raytrain.pipeline.actions import FORWARD, RECV_F, SEND_F, Placement
 from raytrain.testing.faults import PhaseHook
 from raytrain.testing.reference import reference_eval_loss, train_reference
 from raytrain.worker.stage import Stage
@@ -43,9 +44,21 @@ def evaluated(rows: list[dict]) -> dict[int, float]:
 @pytest.mark.parametrize("pp, m", [(1, 1), (2, 2), (4, 3)])
 def test_the_evaluation_plan_is_forwards_only_and_cannot_deadlock(pp, m):
     plan = schedule.forward_only(pp, m)
-    schedule.simulate(plan)  # raises PlanError on a deadlock or an unmatched message
-    assert {a.kind for acts in plan for a in acts} <= {schedule.FORWARD, schedule.SEND_F, schedule.RECV_F}
-    assert [[a.mb for a in acts if a.kind is schedule.FORWARD] for acts in plan] == [list(range(m))] * pp
+    checker.simulate(plan)  # raises PlanError on a deadlock or an unmatched message
+    assert {a.kind for acts in plan for a in acts} <= {FORWARD, SEND_F, RECV_F}
+    assert [[a.mb for a in acts if a.kind is FORWARD] for acts in plan] == [list(range(m))] * pp
+
+
+@pytest.mark.parametrize("placement", [Placement(2, 2), Placement(3, 3), Placement(2, 2, v_shape=True),
+                                       Placement(4, 2, v_shape=True)], ids=repr)
+def test_the_evaluation_plan_of_chunked_workers_runs_every_chunk_once_per_micro_batch(placement):
+    plan = schedule.forward_only(placement.workers, 3, placement)
+    checker.simulate(plan, placement=placement)
+    for worker, acts in enumerate(plan):
+        forwards = [(a.chunk, a.mb) for a in acts if a.kind is FORWARD]
+        assert sorted(forwards) == [(c, mb) for c in range(placement.chunks) for mb in range(3)]
+        local = [a for a in acts if a.kind in (SEND_F, RECV_F) and placement.is_local(worker, a.chunk, a.kind.peer)]
+        assert not local  # a hand-off between chunks of one worker is no message
 
 
 def test_evaluations_fall_every_eval_every_steps_and_at_the_end_and_no_step_is_sent_across_one():

@@ -7,6 +7,9 @@ import pytest
 
 from raytrain import checkpoint, train
 from raytrain.testing.reference import train_reference
+from raytrain.pipeline.actions import Placement
+from raytrain.pipeline.checker import peak_live_activations
+from raytrain.pipeline.schedule import build_plan
 from tests.forked_stages import run_stages
 from tests.helpers import assert_same_params, reference_state
 
@@ -33,6 +36,34 @@ def test_executor_grid_matches_single_process(make_config, tmp_path, pp, kind, m
     model, peak_live = run_stages(cfg, str(tmp_path))
     assert_same_params(model, reference_state(cfg))
     assert peak_live == expected_peak_live(pp, kind, m)
+
+
+# Virtual stages: two chunks per worker, looped (interleaved 1F1B) or in a V (zero-bubble V, whose last
+# worker hands its first chunk's output to its second without a message); at pp=4 on 8 layers.
+CHUNK_CELLS = [(2, "interleaved_1f1b", 2, "false"), (2, "interleaved_1f1b", 4, "true"), (4, "interleaved_1f1b", 4, "true"),
+               (2, "zbv", 1, "true"), (2, "zbv", 4, "true"), (4, "zbv", 8, "true")]
+
+
+@pytest.mark.parametrize("pp, kind, m, split", CHUNK_CELLS)
+def test_virtual_stages_match_single_process(make_config, tmp_path, pp, kind, m, split):
+    cfg = make_config(f"parallel.pp={pp}", f"parallel.schedule={kind}", f"parallel.microbatches={m}", "train.steps=4",
+                      "parallel.virtual_stages=2", f"parallel.split_backward={split}", f"model.n_layer={2 * pp - 2}")
+    model, peak_live = run_stages(cfg, str(tmp_path))
+    assert_same_params(model, reference_state(cfg))
+    placement = Placement.of_schedule(kind, pp, 2)
+    plan = build_plan(kind, pp, m, split == "true", 2)
+    assert peak_live == [peak_live_activations(acts) for acts in plan]  # the executor holds what the plan says
+    assert max(peak_live) <= (2 * pp if kind == "zbv" else 2 * pp + pp - 1)  # each schedule's bound, in chunks
+    assert placement.num_stages == 2 * pp
+
+
+def test_zero_bubble_v_on_actors_matches_single_process(ray_session, make_config):
+    cfg = make_config("parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.microbatches=4",
+                      "train.steps=4")
+    result = train(cfg)
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+    peaks = result.metrics[-1]["peak_live_activations"]
+    assert [peaks[str(s)] for s in range(2)] == [peak_live_activations(a) for a in build_plan("zbv", 2, 4, True, 2)]
 
 
 @pytest.mark.parametrize("pp, kind, m", RAY_CELLS)
@@ -75,3 +106,24 @@ def test_hybrid_dp2_pp2_matches_single_process_and_its_checkpoint_reshards_to_ot
     # and in a single plain-torch process
     model, _ = train_reference(make_config("train.steps=6"), resume_from=first.checkpoint)
     assert_same_params(dict(model.state_dict()), want)
+
+
+def test_dp2_pp2_interleaved_on_actors_matches_single_process_and_resumes_in_other_layouts(ray_session, make_config,
+                                                                                          tmp_path):
+    # Two chunks per worker on real actors, two replicas all-reducing every chunk's gradients, then the
+    # checkpoint (keyed by global names, one file per worker holding two chunks) resumed elsewhere.
+    ckpt_dir = str(tmp_path / "ckpts")
+    cfg = make_config("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=interleaved_1f1b",
+                      "parallel.virtual_stages=2", "parallel.split_backward=true", "train.steps=3",
+                      f"checkpoint.dir={ckpt_dir}", "run.trace_steps=1")
+    first = train(cfg)
+    assert_same_params(checkpoint.load_state_dict(first.checkpoint), reference_state(cfg))
+    with open(os.path.join(first.run_dir, "trace.json")) as f:
+        names = {e["name"] for e in json.load(f)["traceEvents"] if e["ph"] == "X"}
+    assert {"F0c1", "B0c1"} <= names  # the trace names each action's chunk
+    want = reference_state(make_config("train.steps=6"))
+    for layout in (["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.microbatches=2"],
+                   ["parallel.dp=2"]):
+        model, _ = run_stages(make_config(*layout, "train.steps=6", f"checkpoint.resume={first.checkpoint}"),
+                              str(tmp_path / layout[0]))
+        assert_same_params(model, want)

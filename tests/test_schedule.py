@@ -2,8 +2,10 @@
 
 import pytest
 
-from raytrain.pipeline import schedule
-from raytrain.pipeline.schedule import Action, PlanError, build_plan, check_plan
+from raytrain.pipeline import checker as schedule
+from raytrain.pipeline.actions import Action, Placement, PlanError, format_grid
+from raytrain.pipeline.checker import check_plan
+from raytrain.pipeline.schedule import build_plan
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole-backward", "split-backward"])
@@ -139,5 +141,93 @@ def test_checker_rejects_receives_out_of_order():
 
 
 def test_grid_is_readable():
-    grid = schedule.format_grid(build_plan("1f1b", 2, 2))
+    grid = format_grid(build_plan("1f1b", 2, 2))
     assert grid.splitlines()[0].startswith("stage 0:") and "F0" in grid and ">B1" in grid
+
+
+# --- virtual stages: interleaved 1F1B and zero-bubble V ------------------------------------------
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole-backward", "split-backward"])
+@pytest.mark.parametrize("p, v", [(2, 2), (2, 3), (3, 2), (4, 2), (4, 3)])
+@pytest.mark.parametrize("rounds", [1, 2, 4])
+def test_interleaved_1f1b_passes_the_checker_and_its_bubble_is_1f1bs_divided_by_the_chunks(p, v, rounds, split):
+    m = rounds * p
+    plan = build_plan("interleaved_1f1b", p, m, split, v)
+    placement = Placement(p, v)
+    check_plan(plan, m, placement)
+    # Narayanan et al. 2021: the bubble of (p-1)/m shrinks to (p-1)/(v m); as a share of the step's time
+    # (p-1)/v over m + (p-1)/v. A chunk costs 1/v of a stage, here 1 (forward) and 2 (backward).
+    for costs in ((1.0, 1.0), (1.0, 2.0)):
+        idle = schedule.idle_fraction(plan, *costs, placement=placement)
+        assert idle == pytest.approx(schedule.bubble_formula(p, m, v))
+        assert idle < schedule.bubble_formula(p, m)  # less than 1F1B's
+    # its price: worker s holds up to 2(p-s-1) + (v-1)p + 1 chunk activations, not 1F1B's p-s stages
+    warmups = [min(2 * (p - s - 1) + (v - 1) * p, m * v) for s in range(p)]
+    assert [schedule.peak_live_activations(acts) for acts in plan] == [min(w + 1, m * v) for w in warmups]
+
+
+def test_interleaved_1f1b_runs_micro_batches_in_rounds_of_the_stages_over_the_chunks():
+    plan = build_plan("interleaved_1f1b", 2, 4, False, 2)
+    forwards = [repr(a) for a in plan[0] if a.kind == "F"]
+    assert forwards == ["F0", "F1", "F0c1", "F1c1", "F2", "F3", "F2c1", "F3c1"]
+    backwards = [repr(a) for a in plan[0] if a.kind == "B"]
+    assert backwards == ["B0c1", "B1c1", "B0", "B1", "B2c1", "B3c1", "B2", "B3"]
+    # worker 1's chunk 0 (stage 1) sends to worker 0's chunk 1 (stage 2): the looped placement
+    assert Action(">F", 0, 0) in plan[1] and Action("<F", 0, 1) in plan[0]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+def test_zero_bubble_v_passes_the_checker_holds_2p_chunks_and_leaves_only_the_warm_up_idle(p, m):
+    plan = build_plan("zbv", p, m, True, 2)
+    placement = Placement(p, 2, v_shape=True)
+    check_plan(plan, m, placement)
+    # the last worker holds stages p-1 and p: their hand-off is no message
+    hand_off = {(">F", 0), ("<B", 0), ("<F", 1), (">B", 1)}
+    assert not [a for a in plan[p - 1] if (a.kind.value, a.chunk) in hand_off]
+    # the first worker holds the first and the last stage; the first stage's backward is never split
+    assert placement.stage(0, 0) == 0 and placement.stage(0, 1) == 2 * p - 1
+    assert not schedule.split_microbatches(plan[0], chunk=0)
+    assert all(schedule.split_microbatches(acts, chunk=1) == set(range(m)) for acts in plan)
+    # ZB-V's memory: about 2p chunk activations on each worker, as 1F1B's p whole stages
+    assert max(schedule.peak_live_activations(acts) for acts in plan) <= 2 * p
+    # Qi et al. 2024: with forward = input gradient = weight gradient time the V leaves no bubble but
+    # the warm-up's, a constant p-1 chunk forwards on each worker however many micro-batches
+    finish, busy, _ = schedule.simulate(plan, 1.0, 2.0, 1.0, placement=placement)
+    if m >= 2 * p - 1:
+        assert all(finish - b == pytest.approx(p - 1) for b in busy[1:])
+    one_f_one_b, _, _ = schedule.simulate(build_plan("1f1b", p, m, True), 2.0, 4.0, 2.0)  # stages twice a chunk
+    assert finish <= one_f_one_b
+
+
+def test_schedules_with_chunks_refuse_the_wrong_chunk_count():
+    with pytest.raises(AssertionError, match="two chunks"):
+        build_plan("zbv", 2, 4, True, 3)
+    with pytest.raises(AssertionError, match="one chunk"):
+        build_plan("1f1b", 2, 4, False, 2)
+    with pytest.raises(AssertionError, match="multiple of the stages"):
+        build_plan("interleaved_1f1b", 2, 3, False, 2)
+
+
+def test_checker_rejects_broken_chunked_plans():
+    placement = Placement(2, 2)
+    plan = build_plan("interleaved_1f1b", 2, 2, False, 2)
+    # a chunk's forward before its previous chunk's on the same worker (V: worker 1 holds stages 1, 2)
+    v_place = Placement(2, 2, v_shape=True)
+    v_plan = build_plan("zbv", 2, 2, True, 2)
+    w1 = list(v_plan[1])
+    i, j = w1.index(Action("F", 0, 0)), w1.index(Action("F", 0, 1))
+    with pytest.raises(PlanError, match=r"F0c1\) comes before F0"):
+        check_plan([v_plan[0], _swap(w1, i, j)], 2, v_place)
+    # a message to the same worker's chunk is no message: a send there is refused
+    with pytest.raises(PlanError, match="same worker"):
+        check_plan([v_plan[0], w1 + [Action(">F", 0, 0)]], 2, v_place)
+    # receives in another order than their sender's sends on the channel: one tensor for another
+    w0 = list(plan[0])
+    i, j = w0.index(Action("<B", 0, 1)), w0.index(Action("<F", 0, 1))
+    with pytest.raises(PlanError):
+        check_plan([_swap(w0, i, j), plan[1]], 2, placement)
+    # a chunk out of range
+    with pytest.raises(PlanError, match="chunk out of range"):
+        check_plan([plan[0] + [Action("F", 0, 2)], plan[1]], 2, placement)

@@ -24,7 +24,7 @@ def keep_torch_threads():
 
 
 def _stage(cfg, **kwargs) -> Stage:
-    return Stage(cfg, "unused: no join", 1, 0, list(range(cfg.model.gpt_layers)), **kwargs)
+    return Stage(cfg, "unused: no join", 1, 0, [list(range(cfg.model.gpt_layers))], **kwargs)
 
 
 def test_state_digest_is_equal_for_equal_state_and_changes_with_any_value(make_config, keep_torch_threads):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 from raytrain.config.errors import require
 from raytrain.config.mesh import Mesh
+from raytrain.pipeline.actions import Placement
 
 if TYPE_CHECKING:
     from raytrain.config import ParallelConfig
@@ -29,7 +30,7 @@ class Layout:
     schedule: str = "1f1b"
     """Pipeline schedule (named in the label only when pp > 1)."""
     virtual_stages: int = 1
-    """Model chunks per pipeline worker (room for interleaved schedules: 1 until they land)."""
+    """Model chunks per pipeline worker (interleaved_1f1b, zbv: raytrain.pipeline.schedule places them)."""
     cuts: Optional[tuple[int, ...]] = None
     """First layer of every model chunk after the first: parallel.split_points, or planned; None
     while not chosen."""
@@ -41,7 +42,8 @@ class Layout:
         """The layout a ``parallel`` config section sets (hand-set cuts included)."""
         cuts = None if parallel.split_points is None else tuple(parallel.split_points)
         return cls(mesh=Mesh(dp=parallel.dp, fsdp=parallel.fsdp, tp=parallel.tp, pp=parallel.pp),
-                   microbatches=parallel.microbatches, schedule=parallel.schedule, cuts=cuts)
+                   microbatches=parallel.microbatches, schedule=parallel.schedule,
+                   virtual_stages=parallel.virtual_stages, cuts=cuts)
 
     @property
     def dp(self) -> int:
@@ -95,8 +97,10 @@ class Layout:
         """This layout over a model of ``num_layers`` cuttable layers; a ValueError naming
         parallel.pp or parallel.split_points when it cannot be cut so. ``model`` names the layers'
         source in that error ("model.factory")."""
+        chunked = f"x parallel.virtual_stages={self.virtual_stages} chunks " if self.virtual_stages > 1 else ""
         require(self.num_chunks <= num_layers, "parallel.pp", self.pp,
-                f"exceeds the {num_layers} layers of {model}; lower parallel.pp")
+                f"{chunked}exceeds the {num_layers} layers of {model}; lower parallel.pp"
+                + (" or parallel.virtual_stages" if chunked else ""))
         require(not self.cuts or (0 < self.cuts[0] and self.cuts[-1] < num_layers), "parallel.split_points",
                 list(self.cuts or ()), f"out of range; cuts must lie in 1..{num_layers - 1}")
         return dataclasses.replace(self, num_layers=num_layers)
@@ -109,3 +113,20 @@ class Layout:
         assert len(cuts) == self.num_chunks - 1, f"{self.num_chunks} chunks need {self.num_chunks - 1} cuts: {cuts}"
         bounds = [0, *cuts, self.num_layers]
         return [range(begin, end) for begin, end in zip(bounds, bounds[1:])]
+
+    @property
+    def placement(self) -> Placement:
+        """Which pipeline stage each worker's chunk is (looped, or V for zbv)."""
+        return Placement.of_schedule(self.schedule, self.pp, self.virtual_stages)
+
+    def worker_chunks(self, stage: int) -> list[range]:
+        """The layers of each model chunk pipeline worker ``stage`` holds, in chunk order (one chunk, its
+        stage's layers, without virtual stages)."""
+        ranges = self.stage_ranges
+        return [ranges[self.placement.stage(stage, chunk)] for chunk in range(self.virtual_stages)]
+
+    @property
+    def worker_layers(self) -> list[list[list[int]]]:
+        """``worker_chunks`` of every pipeline worker as lists: what the coordinator, the workers and a
+        checkpoint's manifest take."""
+        return [[list(r) for r in self.worker_chunks(s)] for s in range(self.pp)]

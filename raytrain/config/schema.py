@@ -16,8 +16,8 @@ from typing import Any, Optional, Union
 
 from raytrain.config.errors import require
 from raytrain.config.layout import Layout
+from raytrain.pipeline.schedule import SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 BALANCE_MODES = ("params", "time")
 MAX_SEED = 2**32 - 1
@@ -143,7 +143,11 @@ class ParallelConfig:
     microbatches: int = 1
     """Micro-batches each replica splits its share of the global batch into."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe or 1f1b."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (virtual_stages >= 2, microbatches a multiple of pp)
+    or zbv (zero-bubble V: virtual_stages = 2, backwards always split)."""
+    virtual_stages: int = 1
+    """Model chunks each pipeline worker holds (non-adjacent stages): interleaved_1f1b and zbv's smaller
+    bubble, for more and smaller messages and more activations held."""
     split_backward: bool = False
     """Stages after the first send their input gradient before computing weight gradients (W actions):
     a shorter cool-down per step for more memory and per-layer autograd overhead (experiments/RESULTS.md)."""
@@ -163,13 +167,14 @@ class ParallelConfig:
     """Schedules probed for pipeline layouts (1F1B has GPipe's bubble with less memory)."""
 
     def __post_init__(self):
-        for name in ("dp", "fsdp", "tp", "pp", "microbatches"):
+        for name in ("dp", "fsdp", "tp", "pp", "microbatches", "virtual_stages"):
             value = getattr(self, name)
             require(value >= 1, f"parallel.{name}", value, "use >= 1")
         require(self.schedule in SCHEDULES, "parallel.schedule", self.schedule,
                 f"unknown; use one of {', '.join(SCHEDULES)}")
         require(self.balance in BALANCE_MODES, "parallel.balance", self.balance,
                 f"unknown; use one of {', '.join(BALANCE_MODES)}")
+        self._check_virtual_stages()
         if self.split_points is not None:
             self._check_split_points()
         require(self.fsdp == 1 or not self.split_backward, "parallel.split_backward", True,
@@ -181,13 +186,37 @@ class ParallelConfig:
                 "it chooses pp, so parallel.split_points cannot be set; drop one of them")
         self._check_auto()
 
+    def _check_virtual_stages(self):
+        """Which schedules take several chunks per worker, and what each needs."""
+        v, chunked = self.virtual_stages, self.schedule in ("interleaved_1f1b", "zbv")
+        require(v == 1 or self.pp > 1, "parallel.virtual_stages", v,
+                "chunks are pipeline stages of one worker: set parallel.pp > 1, or leave virtual_stages at 1")
+        if self.pp == 1:
+            return
+        require(chunked or v == 1, "parallel.virtual_stages", v,
+                f"parallel.schedule={self.schedule} runs one chunk per worker: use interleaved_1f1b or zbv, "
+                "or leave virtual_stages at 1")
+        require(self.schedule != "interleaved_1f1b" or v >= 2, "parallel.virtual_stages", v,
+                "interleaved_1f1b needs >= 2 chunks per worker (with 1 it is 1f1b): set virtual_stages=2")
+        require(self.schedule != "zbv" or v == 2, "parallel.virtual_stages", v,
+                "zbv puts exactly 2 chunks on each worker (the V): set virtual_stages=2")
+        require(self.schedule != "interleaved_1f1b" or self.microbatches % self.pp == 0, "parallel.microbatches",
+                self.microbatches, f"interleaved_1f1b runs micro-batches in rounds of parallel.pp={self.pp}: use a "
+                f"multiple of {self.pp}")
+        require(v == 1 or (self.fsdp == 1 and self.tp == 1), "parallel.virtual_stages", v,
+                "several chunks per worker are not yet built with parallel.fsdp > 1 or parallel.tp > 1: "
+                "leave virtual_stages at 1 (schedule 1f1b) there")
+
     def _check_split_points(self):
-        """Hand-set cuts: pp - 1 layer indices, strictly increasing (their range needs the model: Layout.for_model)."""
-        cuts = self.split_points
+        """Hand-set cuts: pp x virtual_stages - 1 layer indices, strictly increasing (their range needs the
+        model: Layout.for_model)."""
+        cuts, chunks = self.split_points, self.pp * self.virtual_stages
         require(all(_is_int(c) for c in cuts), "parallel.split_points", cuts,
                 "cuts are layer indices: use a list of integers like [2, 4]")
-        require(len(cuts) == self.pp - 1, "parallel.split_points", cuts,
-                f"{len(cuts)} cuts, but parallel.pp={self.pp} needs {self.pp - 1}")
+        require(len(cuts) == chunks - 1, "parallel.split_points", cuts,
+                f"{len(cuts)} cuts, but parallel.pp={self.pp}" + (f" x virtual_stages={self.virtual_stages}"
+                                                                   if self.virtual_stages > 1 else "")
+                + f" needs {chunks - 1}")
         require(list(cuts) == sorted(set(cuts)), "parallel.split_points", cuts, "cuts must be strictly increasing")
 
     def _check_auto(self):
@@ -433,6 +462,9 @@ class Config:
         p, t = self.parallel, self.train
         require(not (t.activation_checkpointing and p.split_backward), "train.activation_checkpointing", True,
                 "recomputed layers cannot be split into input and weight halves: turn off parallel.split_backward")
+        require(not (t.activation_checkpointing and p.schedule == "zbv" and p.pp > 1), "train.activation_checkpointing",
+                True, "recomputed layers cannot be split into input and weight halves, and zbv splits every backward: "
+                "use parallel.schedule=interleaved_1f1b")
         self._check_batch_division()
         self._check_tensor_parallel()
         if self.model.factory is None and self.model.hf is None:

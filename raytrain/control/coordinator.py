@@ -78,7 +78,7 @@ class Coordinator:
     ``worker_cls``: the workers' actor class (the driver's: control/ imports no worker code);
     ``group`` replaces the Ray worker group (tests/helpers.FakeWorkerGroup)."""
 
-    def __init__(self, config: Config, source, num_samples: int, stage_layers: list[list[int]],
+    def __init__(self, config: Config, source, num_samples: int, stage_layers: list[list[list[int]]],
                  placement, first_bundle: int, resume_from: Optional[str], worker_cls=None,
                  extra_placements: tuple = (), corpus: Optional[list] = None, group: Optional[WorkerGroup] = None):
         self.cfg = config

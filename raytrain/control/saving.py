@@ -22,7 +22,7 @@ from raytrain.reports import ShardReport
 
 
 def save_checkpoint(group: WorkerGroup, savers: list[Member], step: int, cfg: Config, mesh: Mesh,
-                    stage_layers: list[list[int]]) -> str:
+                    stage_layers: list[list[list[int]]]) -> str:
     """Have ``savers`` (one member per slot, in slot order) write their shards into a new directory under
     checkpoint.dir, publish its manifest and prune; returns the directory. WorkersLost if a saver died."""
     ckpt_dir = checkpoint.new_step_dir(cfg.checkpoint.dir, step)
@@ -76,7 +76,7 @@ def finish_background_save(group: WorkerGroup, pending: PendingSave) -> list[Sha
 
 
 def publish_background_save(pending: PendingSave, shards: list[ShardReport], cfg: Config,
-                            stage_layers: list[list[int]]) -> str:
+                            stage_layers: list[list[list[int]]]) -> str:
     """Publish a background save whose files are all durable (the manifest last), then prune."""
     checkpoint.publish(pending.ckpt_dir, manifest(pending.step, shards, cfg, pending.mesh, stage_layers))
     checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep)
@@ -87,7 +87,7 @@ class Checkpoints:
     """The run's saves, synchronous or in the background (at most one in flight), and their publication:
     each published checkpoint becomes the ledger's ``last_checkpoint`` and a ``checkpoint`` event."""
 
-    def __init__(self, group: WorkerGroup, ledger: Ledger, cfg: Config, stage_layers: list[list[int]]):
+    def __init__(self, group: WorkerGroup, ledger: Ledger, cfg: Config, stage_layers: list[list[list[int]]]):
         self.group, self.ledger, self.cfg, self.stage_layers = group, ledger, cfg, stage_layers
         self.pending: Optional[PendingSave] = None
 
@@ -163,7 +163,7 @@ class Checkpoints:
                           "stall_s": round(stall_s, 3), "async": background})
 
 
-def manifest(step: int, shards: list[ShardReport], cfg: Config, mesh: Mesh, stage_layers: list[list[int]]) -> dict:
+def manifest(step: int, shards: list[ShardReport], cfg: Config, mesh: Mesh, stage_layers: list[list[list[int]]]) -> dict:
     """A checkpoint's manifest: its step, the layout it was saved from, its shards and the run's config."""
     return {
         "step": step, "samples_seen": step * cfg.train.global_batch,
@@ -175,7 +175,7 @@ def manifest(step: int, shards: list[ShardReport], cfg: Config, mesh: Mesh, stag
 
 def save_survivors(group: WorkerGroup, team: Membership, step: int, lost: tuple[Member, ...],
                    last_checkpoint: Optional[str], cfg: Config,
-                   stage_layers: list[list[int]]) -> tuple[Optional[str], Optional[dict]]:
+                   stage_layers: list[list[list[int]]]) -> tuple[Optional[str], Optional[dict]]:
     """Save committed ``step`` from live workers (not in ``lost``) that hold every slot's state at it,
     as a run that gives up does, so that its steps since ``last_checkpoint`` are not lost (saving
     needs no collective). Returns the published directory (None when not saved) and the event to record

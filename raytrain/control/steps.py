@@ -131,8 +131,8 @@ def after_commit(ledger: Ledger, cfg: Config, evaluated: bool = False) -> State:
 def aggregate_step(step: int, results: list[StepReport], wall_s: float, cfg: Config, mesh: Mesh, layout: str) -> dict:
     """One metrics.jsonl row from every worker's report of a step; ``dp`` is its live replica count."""
     B = cfg.train.global_batch
-    last_stage = [r for r in results if mesh.coords(r.rank)[1] == mesh.pp - 1 and mesh.tp_index(r.rank) == 0]
-    loss = sum(r.loss_sum for r in last_stage) / B
+    # the workers holding the last stage report their loss (the last worker's, or with zbv the first's)
+    loss = sum(r.loss_sum for r in results if r.loss_sum is not None) / B
     # Bubble: idle share of each replica's pipeline span (its stages x its slowest stage's span).
     bubbles = []
     for replica in range(mesh.dp):

@@ -49,9 +49,10 @@ class RunPlan:
         return os.path.join(os.path.abspath(os.path.expanduser(self.cfg.run.dir)), self.cfg.run.name)
 
     @property
-    def stage_layers(self) -> list[list[int]]:
-        """Global layer indices of each stage, as the coordinator and the workers take them."""
-        return [list(r) for r in self.layout.stage_ranges]
+    def stage_layers(self) -> list[list[list[int]]]:
+        """Global layer indices of each model chunk of each pipeline worker, as the coordinator and the
+        workers take them: ``stage_layers[stage]`` is one list per chunk (one chunk without virtual stages)."""
+        return self.layout.worker_layers
 
 
 def prepare(cfg: Config) -> RunPlan:

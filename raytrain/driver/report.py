@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, TextIO
 
 from raytrain.control.goodput import Goodput
 from raytrain.driver.loggers import MetricLoggers
-from raytrain.pipeline.schedule import COMPUTE
+from raytrain.pipeline.actions import COMPUTE
 
 if TYPE_CHECKING:
     from raytrain.config.layout import Layout

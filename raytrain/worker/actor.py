@@ -48,7 +48,7 @@ def leaves_when_out_of_memory(method):
 
 
 class StageWorker:
-    def __init__(self, cfg: Config, source: DataSource, num_samples: int, stage: int, layer_ids: list[int],
+    def __init__(self, cfg: Config, source: DataSource, num_samples: int, stage: int, chunks: list[list[int]],
                  corpus: Optional[list] = None, shard: int = 0, tp: int = 0):
         from raytrain.worker.drain import DrainWatch
         from raytrain.worker.stage import Stage
@@ -56,7 +56,7 @@ class StageWorker:
         # a SIGTERM, or this node draining: leave at the next step boundary
         self.drain = DrainWatch(cfg.elastic.drain_grace_s, ray.get_runtime_context().get_node_id())
         source = dataset_here(source, corpus, cfg.data.cache_dir)
-        self.stage = Stage(cfg, source, num_samples, stage, layer_ids, shard=shard, tp=tp)
+        self.stage = Stage(cfg, source, num_samples, stage, chunks, shard=shard, tp=tp)
 
     def pid(self) -> int:
         return os.getpid()

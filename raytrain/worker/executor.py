@@ -1,8 +1,11 @@
-"""Runs one stage's plan for one step: one loop over the actions, one short method per action kind.
+"""Runs one pipeline worker's plan for one step: one loop over the actions, one short method per action kind.
 
-Sends are non-blocking and receives block, as raytrain.pipeline.schedule's checker simulates them, so a
-plan that passes the checker cannot deadlock here. Everything a step holds while it runs lives in
-one ``StepBuffers``; nothing outlives the step but the gradients it accumulated.
+Sends are non-blocking and receives block, as raytrain.pipeline.checker simulates them, so a plan that
+passes the checker cannot deadlock here. With virtual stages the worker holds several model chunks and
+every tensor in flight is keyed by (chunk, micro-batch); between two chunks of this worker nothing is
+sent: the next chunk's forward takes the previous one's output (detached, as a received activation
+would be) and its backward hands the input gradient straight back. Everything a step holds while it
+runs lives in one ``StepBuffers``; nothing outlives the step but the gradients it accumulated.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain.pipeline import split_backward
-from raytrain.pipeline.schedule import COMPUTE, Action, ActionKind
+from raytrain.pipeline.actions import COMPUTE, Action, ActionKind
 from raytrain.testing.faults import PhaseHook
 from raytrain.worker.generation import Generation
 from raytrain.worker.gradsync import GradientBuckets
+
+
+Key = tuple[int, int]  # (chunk, micro-batch)
 
 
 @dataclass
@@ -32,11 +38,12 @@ class StepBuffers:
     x: Optional[torch.Tensor]  # (share, T) token ids: this replica's inputs (first stage) ...
     y: Optional[torch.Tensor]  # ... and targets (last stage)
     loss_sum: torch.Tensor  # sum over this replica's samples of their loss (last stage)
-    inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # mb -> activation received
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # mb -> output (scaled loss on the last stage)
-    output_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # mb -> gradient received for it
-    input_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # mb -> gradient to send back
-    weight_halves: dict[int, split_backward.WeightGradients] = field(default_factory=dict)  # backwards whose W is due
+    # keyed by (chunk, micro-batch):
+    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # activation received (or handed over)
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # output (scaled loss on the last stage)
+    output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # gradient received for it
+    input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # gradient to send back
+    weight_halves: dict[Key, split_backward.WeightGradients] = field(default_factory=dict)  # backwards whose W is due
     sends: list[Any] = field(default_factory=list)  # torch.distributed work of the sends in flight
     busy_s: float = 0.0  # time in compute actions
     peak_live: int = 0  # most micro-batches alive at once (forward done, weight gradients not)
@@ -45,12 +52,14 @@ class StepBuffers:
 
 
 class PlanExecutor:
-    """Executes a stage's plan (``Generation.plan``) one step at a time on this stage's layers."""
+    """Executes a worker's plan (``Generation.plan``) one step at a time on its layers: ``module``, cut into
+    consecutive chunks of ``chunk_lengths`` layers when the worker holds several (an ``nn.Sequential``)."""
 
     def __init__(self, module: nn.Module, loss_fn: Callable, grads: GradientBuckets, device: torch.device,
-                 autocast: Callable[[], Any], global_batch: int):
+                 autocast: Callable[[], Any], global_batch: int, chunk_lengths: Optional[list[int]] = None):
         self.module, self.loss_fn, self.grads = module, loss_fn, grads
-        self.params = list(module.parameters())
+        self.chunks = _cut(module, chunk_lengths)
+        self.chunk_params = [list(chunk.parameters()) for chunk in self.chunks]
         self.device, self.autocast, self.global_batch = device, autocast, global_batch
         self._handlers = {
             ActionKind.RECV_F: self._recv_activation,
@@ -81,55 +90,82 @@ class PlanExecutor:
             work.wait()
         return buf
 
-    def output_of(self, example: torch.Tensor) -> torch.Tensor:
-        """This stage's output for ``example``, without gradients (to learn its shape)."""
+    def output_of(self, chunk: int, example: torch.Tensor) -> torch.Tensor:
+        """Chunk ``chunk``'s output for ``example``, without gradients (to learn its shape)."""
         with torch.no_grad(), self.autocast():
-            return self.module(example)
+            return self.chunks[chunk](example)
 
     # --- one method per action kind ---------------------------------------------------------------
 
     def _recv_activation(self, a: Action, buf: StepBuffers) -> None:
         lo, hi = buf.gen.mb_bounds[a.mb]
-        x = torch.empty(hi - lo, *buf.gen.input_tail, dtype=buf.gen.input_dtype, device=self.device)
-        dist.recv(x, src=buf.gen.prev_rank)
-        buf.inputs[a.mb] = x.requires_grad_(x.is_floating_point())
+        place = buf.gen.chunks[a.chunk]
+        x = torch.empty(hi - lo, *place.input_tail, dtype=place.input_dtype, device=self.device)
+        dist.recv(x, src=place.prev_rank)
+        buf.inputs[(a.chunk, a.mb)] = x.requires_grad_(x.is_floating_point())
 
     def _forward(self, a: Action, buf: StepBuffers) -> None:
         lo, hi = buf.gen.mb_bounds[a.mb]
-        inp = buf.x[lo:hi] if buf.gen.is_first else buf.inputs[a.mb]
+        place, key = buf.gen.chunks[a.chunk], (a.chunk, a.mb)
+        if place.is_first:
+            inp = buf.x[lo:hi]
+        elif place.prev_chunk is not None:  # a hand-off from this worker's previous chunk
+            inp = buf.outputs[(place.prev_chunk, a.mb)].detach().requires_grad_()
+            buf.inputs[key] = inp
+        else:
+            inp = buf.inputs[key]
         with self.autocast():
-            out = self.module(inp)
-        if buf.gen.is_last:
+            out = self.chunks[a.chunk](inp)
+        if place.is_last:
             loss = self.loss_fn(out, buf.y[lo:hi])
             buf.loss_sum += loss.detach() * (hi - lo)
             out = loss * ((hi - lo) / self.global_batch)  # share of the global batch: grads then just sum
-        buf.outputs[a.mb] = out
+        buf.outputs[key] = out
         buf.peak_live = max(buf.peak_live, len(buf.outputs) + len(buf.weight_halves))
 
     def _send_activation(self, a: Action, buf: StepBuffers) -> None:
-        buf.sends.append(dist.isend(buf.outputs[a.mb].detach().contiguous(), dst=buf.gen.next_rank))
+        dst = buf.gen.chunks[a.chunk].next_rank
+        buf.sends.append(dist.isend(buf.outputs[(a.chunk, a.mb)].detach().contiguous(), dst=dst))
 
     def _recv_gradient(self, a: Action, buf: StepBuffers) -> None:
-        grad = torch.empty_like(buf.outputs[a.mb])
-        dist.recv(grad, src=buf.gen.next_rank)
-        buf.output_grads[a.mb] = grad
+        key = (a.chunk, a.mb)
+        grad = torch.empty_like(buf.outputs[key])
+        dist.recv(grad, src=buf.gen.chunks[a.chunk].next_rank)
+        buf.output_grads[key] = grad
 
     def _backward(self, a: Action, buf: StepBuffers) -> None:
         if not buf.backward_started:
             buf.hook("backward", buf.step)
             buf.backward_started = True
-        out = buf.outputs.pop(a.mb)
-        out_grad = None if buf.gen.is_last else buf.output_grads.pop(a.mb)
-        if a.mb in buf.gen.split_mbs:
-            buf.input_grads[a.mb], buf.weight_halves[a.mb] = split_backward.backward_input(
-                out, out_grad, buf.inputs.pop(a.mb), self.params)
+        place, key = buf.gen.chunks[a.chunk], (a.chunk, a.mb)
+        out = buf.outputs.pop(key)
+        out_grad = None if place.is_last else buf.output_grads.pop(key)
+        if key in buf.gen.split:
+            input_grad, buf.weight_halves[key] = split_backward.backward_input(
+                out, out_grad, buf.inputs.pop(key), self.chunk_params[a.chunk])
         else:
             out.backward(out_grad)
-            if not buf.gen.is_first:
-                buf.input_grads[a.mb] = buf.inputs.pop(a.mb).grad
+            input_grad = None if place.is_first else buf.inputs.pop(key).grad
+        if place.prev_chunk is not None:  # the previous chunk is this worker's: hand the gradient back
+            buf.output_grads[(place.prev_chunk, a.mb)] = input_grad
+        elif input_grad is not None:
+            buf.input_grads[key] = input_grad
 
     def _send_gradient(self, a: Action, buf: StepBuffers) -> None:
-        buf.sends.append(dist.isend(buf.input_grads.pop(a.mb).contiguous(), dst=buf.gen.prev_rank))
+        dst = buf.gen.chunks[a.chunk].prev_rank
+        buf.sends.append(dist.isend(buf.input_grads.pop((a.chunk, a.mb)).contiguous(), dst=dst))
 
     def _weight_gradients(self, a: Action, buf: StepBuffers) -> None:
-        buf.weight_halves.pop(a.mb).run()
+        buf.weight_halves.pop((a.chunk, a.mb)).run()
+
+
+def _cut(module: nn.Module, chunk_lengths: Optional[list[int]]) -> list[nn.Module]:
+    """``module`` as its chunks: views of consecutive layers sharing its parameters (itself when one)."""
+    if chunk_lengths is None or len(chunk_lengths) == 1:
+        return [module]
+    assert isinstance(module, nn.Sequential) and sum(chunk_lengths) == len(module), (chunk_lengths, module)
+    layers, chunks, start = list(module), [], 0
+    for length in chunk_lengths:
+        chunks.append(nn.Sequential(*layers[start:start + length]))
+        start += length
+    return chunks

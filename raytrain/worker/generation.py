@@ -1,8 +1,8 @@
 """A worker's place in one generation of the run: one frozen value, formed by ``join``.
 
 Everything that depends on the membership (rank, neighbours, this stage's plan, this worker's share
-of the global batch, the process groups, the shape of the activations this stage receives) is fixed
-for a generation and changes only when the coordinator forms a new one. A worker holds it from
+of the global batch, the process groups, the shape of the activations each of its chunks receives) is
+fixed for a generation and changes only when the coordinator forms a new one. A worker holds it from
 ``join`` until it leaves; nothing in it is updated in place.
 """
 
@@ -18,13 +18,34 @@ import torch.distributed as dist
 from raytrain import data
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh, StoreAddress
-from raytrain.pipeline import schedule
-from raytrain.pipeline.schedule import Action
+from raytrain.pipeline import checker, schedule
+from raytrain.pipeline.actions import WEIGHT, Action, Placement
 from raytrain.worker.groups import Groups, init_groups
 
 # Shape handshake: [ndim, dtype code, dims...] padded to this length.
 _SHAPE_MSG_LEN = 10
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+
+
+@dataclass(frozen=True)
+class ChunkPlace:
+    """Where one of this worker's model chunks sits in the pipeline, and whom it talks to (one chunk, the
+    whole stage, without virtual stages)."""
+
+    stage: int
+    """Its pipeline stage, of parallel.pp x parallel.virtual_stages."""
+    is_first: bool
+    """It takes the token ids (the first stage) ..."""
+    is_last: bool
+    """... or computes the loss (the last)."""
+    prev_rank: Optional[int]
+    """Global rank of the worker of the previous stage when that is another worker, else None."""
+    next_rank: Optional[int]
+    prev_chunk: Optional[int]
+    """This worker's chunk that is the previous stage (a local hand-off), else None."""
+    input_tail: Optional[tuple[int, ...]] = None
+    """Per-sample shape of the activation it receives (None on the first stage: token ids)."""
+    input_dtype: Optional[torch.dtype] = None
 
 
 @dataclass(frozen=True)
@@ -42,14 +63,17 @@ class Generation:
     """This worker's rank in its stage's tp group (0 unless parallel.tp > 1). The tp ranks of a column
     read the same samples and compute the same loss: only tp rank 0 reports them."""
     is_first: bool
+    """This worker holds the first pipeline stage (it reads the inputs) ..."""
     is_last: bool
-    prev_rank: Optional[int]
-    """Global rank of the previous stage of this pipeline column (None on the first stage)."""
-    next_rank: Optional[int]
+    """... or the last (it reads the targets and reports the loss)."""
+    placement: Placement
+    """Which pipeline stage each worker's chunk is."""
+    chunks: tuple[ChunkPlace, ...]
+    """This worker's model chunks, in chunk order."""
     plan: tuple[Action, ...]
-    """This stage's actions for every step."""
-    split_mbs: frozenset[int]
-    """Micro-batches whose backward this stage splits (they have a W action)."""
+    """This worker's actions for every step."""
+    split: frozenset[tuple[int, int]]
+    """(chunk, micro-batch) of the backwards this worker splits (they have a W action)."""
     last_grad_action: int
     """Index in ``plan`` of the action that fills the step's last gradients: buckets reduce from then on."""
     share: int
@@ -59,65 +83,93 @@ class Generation:
     mb_bounds: tuple[tuple[int, int], ...]
     """[lo, hi) of each micro-batch within the share."""
     groups: Groups
-    input_tail: Optional[tuple[int, ...]]
-    """Per-sample shape of the activation this stage receives (None on the first stage: token ids)."""
-    input_dtype: Optional[torch.dtype]
+
+
+ChunkOutput = Callable[[int, torch.Tensor], torch.Tensor]
+"""(chunk, example input) -> that chunk's output, without gradients."""
 
 
 def form_generation(cfg: Config, rank: int, mesh: Mesh, shares: list[int], store: StoreAddress, number: int,
-                    stage_output: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
+                    chunk_output: ChunkOutput, device: torch.device,
                     on_groups: Callable[[Groups], None] = lambda groups: None) -> Generation:
-    """Form generation ``number``'s process groups and learn this stage's input shape (collective over
-    every member). ``shares`` are the replicas' samples of the global batch; the shards of a replica
-    divide its share. ``stage_output`` runs this stage's layers on an example input (no grad); it is
+    """Form generation ``number``'s process groups and learn the input shape of each of this worker's chunks
+    (collective over every member). ``shares`` are the replicas' samples of the global batch; the shards of
+    a replica divide its share. ``chunk_output`` runs a chunk's layers on an example input (no grad); it is
     given the generation's groups first (a sharded stage re-forms its FSDP wrapping on them)."""
     replica, stage = mesh.coords(rank)
     shard, tp_index = mesh.shard(rank), mesh.tp_index(rank)
-    is_first, is_last = stage == 0, stage == mesh.pp - 1
+    par = cfg.parallel
+    placement = Placement.of_schedule(par.schedule, mesh.pp, par.virtual_stages)
     backend = "nccl" if cfg.resources.use_gpu else "gloo"
     groups = init_groups(mesh, rank, store, number, backend, cfg.elastic.detect_timeout_s)
-    prev_rank = None if is_first else mesh.rank(replica=replica, shard=shard, stage=stage - 1, tp=tp_index)
-    next_rank = None if is_last else mesh.rank(replica=replica, shard=shard, stage=stage + 1, tp=tp_index)
     on_groups(groups)
-    tail, dtype = _exchange_shapes(cfg.model.seq_len, prev_rank, next_rank, stage_output, device)
-    par = cfg.parallel
-    plan = tuple(schedule.build_plan(par.schedule, mesh.pp, par.microbatches, par.split_backward)[stage])
+    column = lambda worker: mesh.rank(replica=replica, shard=shard, stage=worker, tp=tp_index)  # noqa: E731
+    chunks = _exchange_shapes(cfg.model.seq_len, [_place(placement, stage, c, column) for c in range(placement.chunks)],
+                              chunk_output, device)
+    plan = tuple(schedule.build_plan(par.schedule, mesh.pp, par.microbatches, par.split_backward,
+                                     par.virtual_stages)[stage])
     slices = data.even_shares(shares[replica], mesh.fsdp)
     return Generation(
         number=number, mesh=mesh, rank=rank, replica=replica, stage=stage, shard=shard, tp_index=tp_index,
-        is_first=is_first,
-        is_last=is_last, prev_rank=prev_rank, next_rank=next_rank, plan=plan,
-        split_mbs=frozenset(schedule.split_microbatches(list(plan))),
-        last_grad_action=schedule.last_gradient_action(list(plan)),
+        is_first=any(c.is_first for c in chunks), is_last=any(c.is_last for c in chunks),
+        placement=placement, chunks=chunks,
+        plan=plan, split=frozenset((a.chunk, a.mb) for a in plan if a.kind == WEIGHT),
+        last_grad_action=checker.last_gradient_action(list(plan)),
         share=slices[shard], batch_offset=sum(shares[:replica]) + sum(slices[:shard]),
         mb_bounds=tuple(data.microbatch_bounds(slices[shard], par.microbatches)),
-        groups=groups, input_tail=tail, input_dtype=dtype,
+        groups=groups,
+    )
+
+
+def _place(placement: Placement, worker: int, chunk: int, rank_of: Callable[[int], int]) -> ChunkPlace:
+    """Chunk ``chunk`` of pipeline worker ``worker``: its stage and neighbours (``rank_of``: a worker's rank
+    in this pipeline column)."""
+    stage = placement.stage(worker, chunk)
+    prev, after = placement.neighbour(worker, chunk, -1), placement.neighbour(worker, chunk, +1)
+    return ChunkPlace(
+        stage=stage, is_first=prev is None, is_last=after is None,
+        prev_rank=rank_of(prev[0]) if prev is not None and prev[0] != worker else None,
+        next_rank=rank_of(after[0]) if after is not None and after[0] != worker else None,
+        prev_chunk=prev[1] if prev is not None and prev[0] == worker else None,
     )
 
 
 def for_evaluation(gen: Generation) -> Generation:
     """The same place in the run with a forward-only plan over the same micro-batches: no backward, no
     split backward, and no action arms the gradient buckets (``last_grad_action`` matches none)."""
-    plan = tuple(schedule.forward_only(gen.mesh.pp, len(gen.mb_bounds))[gen.stage])
-    return dataclasses.replace(gen, plan=plan, split_mbs=frozenset(), last_grad_action=-1)
+    plan = tuple(schedule.forward_only(gen.mesh.pp, len(gen.mb_bounds), gen.placement)[gen.stage])
+    return dataclasses.replace(gen, plan=plan, split=frozenset(), last_grad_action=-1)
 
 
-def _exchange_shapes(seq_len: int, prev_rank: Optional[int], next_rank: Optional[int],
-                     stage_output: Callable[[torch.Tensor], torch.Tensor], device: torch.device):
-    """Learn the per-sample shape and dtype of this stage's input from the previous stage, and tell the next."""
-    tail = dtype = None
-    if prev_rank is None:
-        example = torch.zeros(1, seq_len, dtype=torch.long, device=device)
-    else:
-        msg = torch.zeros(_SHAPE_MSG_LEN, dtype=torch.long, device=device)
-        dist.recv(msg, src=prev_rank)
-        ndim, code = int(msg[0]), int(msg[1])
-        tail, dtype = tuple(int(d) for d in msg[2 : 2 + ndim - 1]), _DTYPES[code]
-        example = torch.zeros(1, *tail, dtype=dtype, device=device)
-    if next_rank is not None:
-        out = stage_output(example)
-        msg = torch.zeros(_SHAPE_MSG_LEN, dtype=torch.long, device=device)
-        msg[0], msg[1] = out.dim(), _DTYPES.index(out.dtype)
-        msg[2 : 2 + out.dim() - 1] = torch.tensor(out.shape[1:])
-        dist.send(msg, dst=next_rank)
-    return tail, dtype
+def _exchange_shapes(seq_len: int, chunks: list[ChunkPlace], chunk_output: ChunkOutput,
+                     device: torch.device) -> tuple[ChunkPlace, ...]:
+    """Learn the per-sample shape and dtype of each chunk's input from the previous stage, and tell the next:
+    chunk by chunk in pipeline order, a hand-off between two chunks of this worker without a message."""
+    learned: dict[int, tuple[Optional[tuple[int, ...]], Optional[torch.dtype]]] = {}
+    outputs: dict[int, torch.Tensor] = {}  # chunk -> its example output, for a local next chunk
+    sends = []
+    for c in sorted(range(len(chunks)), key=lambda c: chunks[c].stage):
+        place, tail, dtype = chunks[c], None, None
+        if place.is_first:
+            example = torch.zeros(1, seq_len, dtype=torch.long, device=device)
+        elif place.prev_chunk is not None:
+            example = outputs[place.prev_chunk]
+            tail, dtype = tuple(example.shape[1:]), example.dtype
+        else:
+            msg = torch.zeros(_SHAPE_MSG_LEN, dtype=torch.long, device=device)
+            dist.recv(msg, src=place.prev_rank)
+            ndim, code = int(msg[0]), int(msg[1])
+            tail, dtype = tuple(int(d) for d in msg[2 : 2 + ndim - 1]), _DTYPES[code]
+            example = torch.zeros(1, *tail, dtype=dtype, device=device)
+        learned[c] = tail, dtype
+        if not place.is_last:
+            outputs[c] = out = chunk_output(c, example)
+            if place.next_rank is not None:
+                msg = torch.zeros(_SHAPE_MSG_LEN, dtype=torch.long, device=device)
+                msg[0], msg[1] = out.dim(), _DTYPES.index(out.dtype)
+                msg[2 : 2 + out.dim() - 1] = torch.tensor(out.shape[1:])
+                sends.append((dist.isend(msg, dst=place.next_rank), msg))
+    for work, _ in sends:
+        work.wait()
+    return tuple(dataclasses.replace(place, input_tail=learned[c][0], input_dtype=learned[c][1])
+                 for c, place in enumerate(chunks))

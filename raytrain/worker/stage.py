@@ -27,6 +27,7 @@ unless the fault library armed it for this worker.
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import os
@@ -61,7 +62,7 @@ HookFactory = Callable[[list[str], int, int, int], PhaseHook]
 class Stage:
     """The layers of one stage of one replica, and how to train them; see the module docstring."""
 
-    def __init__(self, cfg: Config, source: data.DataSource, num_samples: int, stage: int, layer_ids: list[int],
+    def __init__(self, cfg: Config, source: data.DataSource, num_samples: int, stage: int, chunks: list[list[int]],
                  make_hook: HookFactory = phase_hook, shard: int = 0, tp: int = 0):
         self.cfg = cfg
         self.source, self.num_samples = source, num_samples
@@ -72,7 +73,9 @@ class Stage:
         self.stage, self.shard_index, self.tp_index = stage, shard, tp
         # with parallel.fsdp > 1: this shard's rows, with parallel.tp > 1: this tp rank's boxes, wrapped per
         # generation (its first join makes the executor)
-        self.sharded, module, names, self.loss_fn = _stage_layers(cfg, layer_ids, shard, tp, self.device)
+        # chunks: the global layer indices of each model chunk this worker holds (one unless virtual stages)
+        self.chunk_lengths = [len(chunk) for chunk in chunks]
+        self.sharded, module, names, self.loss_fn = _stage_layers(cfg, chunks, shard, tp, self.device)
         self.params = self.sharded.params if self.sharded is not None else list(module.parameters())
         self.grads = None if self.sharded is not None else GradientBuckets(self.params, None)
         self.executor = None if self.sharded is not None else self._executor(module)
@@ -105,11 +108,11 @@ class Stage:
         self.rank, self.hook = rank, self.make_hook(faults, replica, stage, self.shard_index)
         if generation > 0:  # generation 0 is the start; a join fault names a repair's
             self.hook("join", self.committed)
-        if self.dataset is None and stage in (0, mesh.pp - 1):
-            self.dataset = data.open_dataset(self.source.train, self.cfg)  # files open as steps reach them
         self.gen = form_generation(self.cfg, rank, mesh, shares, store, generation,
-                                   lambda example: self.executor.output_of(example), self.device,
+                                   lambda chunk, example: self.executor.output_of(chunk, example), self.device,
                                    on_groups=lambda groups: self._on_groups(groups, mesh, rank))
+        if self.dataset is None and (self.gen.is_first or self.gen.is_last):  # it reads inputs or targets
+            self.dataset = data.open_dataset(self.source.train, self.cfg)  # files open as steps reach them
         return JoinReport(rank=rank, committed=self.committed, pid=os.getpid(), node=os.uname().nodename,
                           params=sum(p.numel() for p in self.params))
 
@@ -122,7 +125,10 @@ class Stage:
         self.executor = self._executor(self.sharded.module)
 
     def _executor(self, module: nn.Module) -> PlanExecutor:
-        return PlanExecutor(module, self.loss_fn, self.grads, self.device, self._autocast, self.cfg.train.global_batch)
+        autocast = functools.partial(torch.autocast, self.device.type, dtype=torch.bfloat16,
+                                     enabled=self.cfg.resources.bf16)
+        return PlanExecutor(module, self.loss_fn, self.grads, self.device, autocast, self.cfg.train.global_batch,
+                            self.chunk_lengths)
 
     def leave(self) -> None:
         """Drop this worker's process groups (after a failure they may be broken); state stays.
@@ -276,9 +282,6 @@ class Stage:
         report.ok = True
         return report
 
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.resources.bf16)
-
     # --- state ----------------------------------------------------------------------------------
 
     def save(self, ckpt_dir: str) -> ShardReport:
@@ -313,9 +316,11 @@ def _part(cfg: Config, shard: int, tp: int) -> int:
     return shard * cfg.parallel.tp + tp
 
 
-def _stage_layers(cfg: Config, layer_ids: list[int], shard: int, tp: int, device: torch.device):
+def _stage_layers(cfg: Config, chunks: list[list[int]], shard: int, tp: int, device: torch.device):
     """(sharded or tensor-parallel layers, or None; the replicated module or None; global parameter names;
-    loss function)."""
+    loss function) of the layers of ``chunks``, in chunk order."""
+    layer_ids = [i for chunk in chunks for i in chunk]
+    assert len(chunks) == 1 or (cfg.parallel.fsdp == 1 and cfg.parallel.tp == 1), "several chunks are replicated"
     if cfg.parallel.tp > 1 and cfg.parallel.fsdp == 1:
         from raytrain.worker.tensor_parallel import TensorParallelLayers  # DTensor: imported only when used
 
