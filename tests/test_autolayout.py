@@ -47,6 +47,18 @@ def test_tp_candidates_stay_on_one_node_and_need_a_plan_that_splits_the_model():
     assert not splits_by_tp(factory, one_row_head(factory.model), 2) and splits_by_tp(factory, [], 1)
 
 
+def test_chunked_schedules_are_probed_with_two_chunks_per_worker_where_the_layers_allow():
+    cfg = load_config(None, ["parallel.auto=true", "train.global_batch=8", "parallel.auto_microbatches=[1, 2]",
+                             "parallel.auto_schedules=[1f1b, interleaved_1f1b, zbv]"])
+    piped = [l for l in candidate_layouts(cfg, 2, 4) if l["parallel.pp"] == 2]
+    assert [(l["parallel.microbatches"], l["parallel.schedule"], l.get("parallel.virtual_stages", 1)) for l in piped] == [
+        (1, "1f1b", 1), (1, "zbv", 2),  # interleaved 1F1B needs m a multiple of pp
+        (2, "1f1b", 1), (2, "interleaved_1f1b", 2), (2, "zbv", 2)]
+    assert all(layout_of(l).num_chunks == 4 for l in piped if l.get("parallel.virtual_stages") == 2)
+    # 3 layers cannot be cut into 2 x 2 chunks: only the one-chunk schedule is probed
+    assert {l["parallel.schedule"] for l in candidate_layouts(cfg, 2, 3) if l["parallel.pp"] == 2} == {"1f1b"}
+
+
 def test_layouts_whose_state_does_not_fit_a_worker_are_not_probed():
     """parallel.auto ranks by the estimate every run is checked against (raytrain.models.memory)."""
     cfg = load_config(None, ["model.factory=tests.factories:unused"])  # a factory's activations are not estimated

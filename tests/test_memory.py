@@ -58,6 +58,23 @@ def test_activations_follow_the_schedule_and_activation_checkpointing():
         == estimate([10] * 4, pp=1, fsdp=1, micro_batch=4, microbatches=1, schedule="1f1b", widths=WIDTHS).activations
 
 
+def test_with_virtual_stages_a_worker_holds_its_chunks_state_and_its_plans_peak_of_activations():
+    # 8 layers of 10 in 4 chunks of 2: looped, worker 0 holds chunks 0 and 2; in the V, chunks 0 and 3
+    args = dict(pp=2, fsdp=1, micro_batch=4, microbatches=4, widths=WIDTHS, cuts=(2, 4, 6), virtual_stages=2)
+    tokens = 4 * 32
+    layer = 4 * (34 * tokens * 64 + 5 * 4 * tokens * 32)
+    logits = 4 * 2 * tokens * 256
+    interleaved = estimate([10] * 8, schedule="interleaved_1f1b", **args)
+    assert interleaved.state == 16 * 40
+    # worker 0 holds 5 chunk activations (2(p-1) + (v-1)p + 1), worker 1 three with the logits
+    assert interleaved.activations == max(5 * 2 * layer, 3 * (2 * layer + logits))
+    v_shape = estimate([10] * 8, schedule="zbv", **args)
+    assert v_shape.activations == 4 * (2 * layer + logits)  # worker 0 holds the last stage: its logits
+    one_chunk = estimate([10] * 8, pp=2, fsdp=1, micro_batch=4, microbatches=4, widths=WIDTHS, cuts=(4,),
+                         schedule="1f1b")
+    assert one_chunk.activations == 2 * 4 * layer  # 1F1B: 2 stages of 4 layers on worker 0
+
+
 def test_the_estimate_counts_every_parameter_of_the_built_in_gpt(tmp_path):
     cfg = load_config(None, ["model.n_layer=6", "model.d_model=128", "train.global_batch=8", f"run.dir={tmp_path}"])
     counts = [sum(p.numel() for p in layer.parameters()) for layer in model_layers(cfg)]

@@ -42,7 +42,7 @@ def layout_memory(cfg: Config, layout: Layout, layer_params: list[int]) -> Worke
     return estimate(layer_params, pp=layout.pp, fsdp=layout.fsdp, micro_batch=micro_batch,
                     microbatches=layout.microbatches, schedule=layout.schedule, widths=widths,
                     recompute=cfg.train.activation_checkpointing, cuts=layout.cuts,
-                    async_save=cfg.checkpoint.async_save, tp=layout.tp)
+                    async_save=cfg.checkpoint.async_save, tp=layout.tp, virtual_stages=layout.virtual_stages)
 
 
 def check_run_memory(cfg: Config, layout: Layout) -> None:

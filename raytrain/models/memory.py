@@ -10,7 +10,8 @@ Arithmetic on parameter counts and widths, no torch. The estimate of the fullest
   also the whole stage's unsharded gradients, which FSDP2 accumulates until the last micro-batch's
   backward reduce-scatters them (4 bytes per parameter of the stage);
 - **activations**: what backward needs of each micro-batch it holds at once (GPipe: all of them;
-  1F1B: at most pp - stage; without a pipeline: one), per transformer layer about 34 x tokens x width + 5 x heads x tokens x seq_len
+  1F1B: at most pp - stage; without a pipeline: one; with virtual stages the plan's own peak of chunk
+  activations, each counted at the worker's largest chunk), per transformer layer about 34 x tokens x width + 5 x heads x tokens x seq_len
   values (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"), or
   with activation checkpointing each layer's input plus one layer rebuilt in backward; the last
   stage adds its logits and their gradient. Not estimated for a model.factory model, whose layers raytrain does not know;
@@ -25,6 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from raytrain.pipeline.actions import Placement
+from raytrain.pipeline.checker import peak_live_activations
+from raytrain.pipeline.schedule import build_plan
 
 STATE_BYTES_PER_PARAM = 16
 """fp32 parameter, gradient and AdamW's two moments."""
@@ -95,35 +100,48 @@ def stage_bounds(layer_params: list[int], pp: int, cuts: Optional[tuple[int, ...
 
 def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, microbatches: int, schedule: str,
              widths: Optional[Widths], recompute: bool = False,
-             cuts: Optional[tuple[int, ...]] = None, async_save: bool = False, tp: int = 1) -> WorkerMemory:
+             cuts: Optional[tuple[int, ...]] = None, async_save: bool = False, tp: int = 1,
+             virtual_stages: int = 1) -> WorkerMemory:
     """The fullest worker's needs when the model's layers (their parameter counts, in order) are cut
-    into ``pp`` stages and each stage is sharded ``fsdp`` ways; ``micro_batch`` rows per micro-batch.
-    With ``tp`` > 1 each layer between the first and the last (the built-in GPT's blocks; its embedding
-    and head stay whole on every tp rank) holds a ``1 / tp`` part."""
-    stages = stage_bounds(layer_params, pp, cuts)
+    into ``pp`` x ``virtual_stages`` chunks, each worker holding ``virtual_stages`` of them, and each
+    sharded ``fsdp`` ways; ``micro_batch`` rows per micro-batch. With ``tp`` > 1 each layer between the
+    first and the last (the built-in GPT's blocks; its embedding and head stay whole on every tp rank)
+    holds a ``1 / tp`` part."""
+    chunks = stage_bounds(layer_params, pp * virtual_stages, cuts)
     last_layer = len(layer_params) - 1
     layer_params = [n if i in (0, last_layer) else n / tp for i, n in enumerate(layer_params)]
     worst = WorkerMemory(0.0, 0.0, 0.0)
-    for index, (first, end) in enumerate(stages):
-        params = layer_params[first:end]
+    for index, held in enumerate(_worker_chunks(chunks, pp, virtual_stages, schedule)):
+        params = [n for first, end in held for n in layer_params[first:end]]
         state = STATE_BYTES_PER_PARAM * sum(params) / fsdp
         unsharded = UNSHARDED_BYTES_PER_PARAM * max(params) if fsdp > 1 else 0.0
         if fsdp > 1 and microbatches > 1:
             unsharded += ACCUMULATED_GRAD_BYTES_PER_PARAM * sum(params)
-        live = _live_microbatches(pp, index, microbatches, schedule)
-        last = index == len(stages) - 1
-        activations = _activations(widths, micro_batch, end - first, recompute, last, live) if widths else 0.0
+        live = _live_microbatches(pp, index, microbatches, schedule, virtual_stages)
+        last = any(end == len(layer_params) for _, end in held)  # it computes the logits
+        layers = max(end - first for first, end in held)
+        activations = _activations(widths, micro_batch, layers, recompute, last, live) if widths else 0.0
         snapshot = SNAPSHOT_BYTES_PER_PARAM * sum(params) / fsdp if async_save else 0.0
         candidate = WorkerMemory(state, unsharded, activations, snapshot)
         worst = candidate if candidate.total > worst.total else worst
     return worst
 
 
-def _live_microbatches(pp: int, stage: int, microbatches: int, schedule: str) -> int:
-    """Micro-batches whose activations a stage holds at once: one without a pipeline (accumulation
-    finishes each before the next), all of them in GPipe, at most pp - stage in 1F1B."""
+def _worker_chunks(chunks: list[tuple[int, int]], pp: int, virtual_stages: int, schedule: str):
+    """Each pipeline worker's chunks (bounds), by the schedule's placement."""
+    placement = Placement.of_schedule(schedule, pp, virtual_stages)
+    return [[chunks[placement.stage(w, c)] for c in range(virtual_stages)] for w in range(pp)]
+
+
+def _live_microbatches(pp: int, stage: int, microbatches: int, schedule: str, virtual_stages: int = 1) -> int:
+    """Micro-batches (chunk activations, with virtual stages) a worker holds at once: one without a
+    pipeline (accumulation finishes each before the next), all of them in GPipe, at most pp - stage in
+    1F1B, and the plan's own count for the interleaved and V schedules."""
     if pp == 1:
         return 1
+    if virtual_stages > 1:
+        plan = build_plan(schedule, pp, microbatches, schedule == "zbv", virtual_stages)
+        return peak_live_activations(plan[stage])
     return microbatches if schedule == "gpipe" else min(microbatches, pp - stage)
 
 

@@ -33,7 +33,8 @@ from raytrain.driver.placement import worker_bundle
 from raytrain.driver.plan import check_inputs, plan_layout
 from raytrain.tune.stall import StallWatch, StopWhenStalled, SweepStalled, take_verdict
 
-LAYOUT_KEYS = ("parallel.dp", "parallel.fsdp", "parallel.tp", "parallel.pp", "parallel.microbatches", "parallel.schedule")
+LAYOUT_KEYS = ("parallel.dp", "parallel.fsdp", "parallel.tp", "parallel.pp", "parallel.microbatches", "parallel.schedule",
+               "parallel.virtual_stages")
 LAYOUTS = "layouts"
 """Space key for an explicit list of layouts, each a mapping of parallel.* keys (a grid over them)."""
 SCHEDULERS = ("none", "asha", "pbt")

@@ -49,8 +49,19 @@ def candidate_layouts(cfg: Config, workers: int, layers: int) -> list[dict]:
             continue
         for m in sorted(set(p.auto_microbatches)):
             if (batch // mesh.columns) % m == 0:
-                layouts += [{**grid, "parallel.microbatches": m, "parallel.schedule": s} for s in p.auto_schedules]
+                for s in p.auto_schedules:
+                    layout = {**grid, "parallel.microbatches": m, **schedule_keys(s)}
+                    if s not in CHUNKED_SCHEDULES or (2 * pp <= layers and _runnable(cfg, layout)):
+                        layouts.append(layout)
     return layouts
+
+
+CHUNKED_SCHEDULES = ("interleaved_1f1b", "zbv")
+
+
+def schedule_keys(schedule: str) -> dict:
+    """The keys a schedule sets: two chunks per worker for the interleaved and V schedules."""
+    return {"parallel.schedule": schedule, **({"parallel.virtual_stages": 2} if schedule in CHUNKED_SCHEDULES else {})}
 
 
 def _grids(workers: int, layers: int):
