@@ -1,10 +1,12 @@
-"""Pipeline throughput: raytrain GPipe/1F1B vs torch.distributed.pipelining vs one process vs a naive
+"""Pipeline throughput: raytrain's schedules vs torch.distributed.pipelining's vs one process vs a naive
 pipeline that passes activations through Ray object refs.
 
-GPT with 8 blocks, d_model 256, 4 heads, seq 128, vocab 256, global batch 32, cut into 2 stages
-(balanced by parameters, the same cut for every system) on 2 gloo workers of 1 torch thread;
-micro-batches m in {1, 2, 4, 8}. Prints samples/s, ratios, measured bubble against (p-1)/(m+p-1),
-and peak memory per stage.
+GPT with 8 blocks, d_model 256, 4 heads, seq 128, vocab 256, global batch 32, cut into 2 stages (or
+4 chunks, two per worker, for interleaved 1F1B, zero-bubble V and DualPipeV; balanced by parameters,
+the same cut for every system) on 2 gloo workers of 1 torch thread; micro-batches m in {1, 2, 4, 8}.
+Prints samples/s, ratios, efficiency (samples/s over twice one process's), measured bubble against
+theory, peak memory and live activations per worker, and per m the ratio of raytrain's best schedule
+to torch.pipelining's best.
 
     python experiments/bench_pp.py                 # about 10 minutes on 2 cores
     python experiments/bench_pp.py --steps 10 --microbatches 4
@@ -12,6 +14,7 @@ and peak memory per stage.
     python experiments/bench_pp.py --microbatches 4 --unfused       # adds "raytrain <schedule> unfused" rows
     python experiments/bench_pp.py --microbatches 4 --split         # adds "raytrain <schedule> split" rows
     python experiments/bench_pp.py --microbatches 2,8 --schedules gpipe --split   # one schedule only
+    python experiments/bench_pp.py --microbatches 4,8 --schedules 1f1b,interleaved_1f1b,zbv,dualpipev --split --repeats 3
 
 raytrain uses AdamW's fused kernel (train.fused_optimizer, its default); torch.pipelining and the
 other baselines use torch's default AdamW. ``--unfused`` adds "raytrain <schedule> unfused" rows
@@ -70,7 +73,7 @@ def steady_rate(step_ends: list[float], warmup: int) -> float:
 def run_raytrain(steps, warmup, m, schedule, workdir, fused=True, split=False):
     from raytrain import train
 
-    cfg = bench_config(steps, [f"parallel.microbatches={m}", f"parallel.schedule={schedule}", f"run.dir={workdir}",
+    cfg = bench_config(steps, [f"parallel.microbatches={m}", *chunked_keys(schedule), f"run.dir={workdir}",
                                "run.trace_steps=3", f"train.fused_optimizer={str(fused).lower()}",
                                f"parallel.split_backward={str(split).lower()}"])
     result = train(cfg, stream=open(os.devnull, "w"))
@@ -86,7 +89,9 @@ def run_executor_without_ray(steps, warmup, m, schedule, workdir):
     import executor_without_ray
 
     cfg = bench_config(steps, [f"parallel.microbatches={m}", f"parallel.schedule={schedule}"])
-    ends = executor_without_ray.launch(cfg, stage_cut(cfg), workdir, f"no-ray-{schedule}-{m}")
+    from raytrain.driver.plan import plan_layout
+
+    ends = executor_without_ray.launch(cfg, plan_layout(cfg).worker_layers, workdir, f"no-ray-{schedule}-{m}")
     return {"samples_per_s": steady_rate(ends, warmup)}
 
 
@@ -113,14 +118,24 @@ def run_one_process(steps, warmup):
     return {"samples_per_s": steady_rate(ends, warmup)}
 
 
+TORCH_SCHEDULES = {  # raytrain's name -> (torch.pipelining's class, stages per rank, V placement)
+    "gpipe": ("ScheduleGPipe", 1, False), "1f1b": ("Schedule1F1B", 1, False),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, False), "zbv": ("ScheduleZBVZeroBubble", 2, True),
+    "dualpipev": ("ScheduleDualPipeV", 2, True),
+}
+CHUNKED = ("interleaved_1f1b", "zbv")
+"""raytrain's schedules with two chunks per worker (parallel.virtual_stages=2)."""
+
+
 def torch_pipelining_worker(steps, m, schedule, out):
-    """Runs under torchrun: one process per stage."""
+    """Runs under torchrun: one process per pipeline rank, holding one stage or two (the same cut as
+    raytrain's: the model in PP x chunks pieces balanced by parameters)."""
     import resource
 
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed import pipelining
 
     from raytrain import data
     from raytrain.models.layers import build_model
@@ -128,23 +143,27 @@ def torch_pipelining_worker(steps, m, schedule, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    cfg = bench_config(steps)
-    cut = stage_cut(cfg)[rank]
-    spec = build_model(cfg.model, cfg.train.seed, list(cut))
-    module = nn.Sequential(*spec.layers)
-    stage = PipelineStage(module, rank, PP, torch.device("cpu"))
-    sched_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = sched_cls(stage, n_microbatches=m, loss_fn=spec.loss_fn)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    class_name, chunks, v_shape = TORCH_SCHEDULES[schedule]
+    cfg = bench_config(steps, chunked_keys(schedule if chunks > 1 else "1f1b"))
+    cuts, num_stages = stage_cut(cfg), PP * chunks
+    indices = [rank, 2 * PP - 1 - rank] if v_shape else [rank + c * PP for c in range(chunks)]
+    stages, params = [], []
+    for index in indices:
+        spec = build_model(cfg.model, cfg.train.seed, list(cuts[index]))
+        module = nn.Sequential(*spec.layers)
+        stages.append(pipelining.PipelineStage(module, index, num_stages, torch.device("cpu")))
+        params += list(module.parameters())
+    sched_cls = getattr(pipelining, class_name)
+    sched = sched_cls(stages[0] if chunks == 1 else stages, n_microbatches=m, loss_fn=spec.loss_fn)
+    opt = torch.optim.AdamW(params, lr=1e-3)
     ds = data.TokenDataset(data.resolve_data_path(cfg), "tokens", cfg.model.seq_len)
+    holds_first, holds_last = 0 in indices, num_stages - 1 in indices
     ends = []
     for step in range(steps):
         x, y = ds.batch(data.sample_ids(0, len(ds), step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
         opt.zero_grad()
-        if rank == 0:
-            sched.step(x)
-        else:
-            sched.step(target=y, losses=[])
+        inputs = (x,) if holds_first else ()
+        sched.step(*inputs, **({"target": y, "losses": []} if holds_last else {}))
         opt.step()
         ends.append(time.time())
     mem = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
@@ -154,6 +173,11 @@ def torch_pipelining_worker(steps, m, schedule, out):
         with open(out, "w") as f:
             json.dump({"step_end": ends, "peak_mem_mb": [float(t) for t in mems]}, f)
     dist.destroy_process_group()
+
+
+def chunked_keys(schedule: str) -> list[str]:
+    """The config keys of ``schedule``: two chunks per worker for the interleaved and V schedules."""
+    return [f"parallel.schedule={schedule}"] + (["parallel.virtual_stages=2"] if schedule in CHUNKED else [])
 
 
 def run_torch_pipelining(steps, warmup, m, schedule, workdir):
@@ -230,12 +254,49 @@ def run_naive_object_refs(steps, warmup, m):
     return {"samples_per_s": steady_rate(ends, warmup)}
 
 
+def try_run(runs: dict, skipped: dict, name: str, run) -> None:
+    """Add ``run()``'s figures under ``name``, or the reason torch.pipelining refused the setting."""
+    if name in skipped:
+        return
+    try:
+        runs.setdefault(name, []).append(run())
+    except RuntimeError as e:
+        skipped[name] = (str(e).strip().splitlines() or ["failed"])[-1][:160]
+
+
+def theory_bubble(kind: str, m: int) -> float:
+    """The idle share theory predicts: (p-1)/(m+p-1) for GPipe and 1F1B, divided by the chunks for
+    interleaved 1F1B; for the V schedules the timing model's figure at forward = input gradient = weight
+    gradient time, where zero-bubble V is built to leave none but the warm-up's."""
+    from raytrain.pipeline import checker, schedule
+    from raytrain.pipeline.actions import Placement
+
+    if kind in ("zbv", "dualpipev"):
+        finish, busy, _ = checker.simulate(schedule.build_plan("zbv", PP, m, True, 2), 1.0, 2.0, 1.0,
+                                           placement=Placement.of_schedule("zbv", PP, 2))
+        return 1.0 - sum(busy) / (finish * PP)
+    return checker.bubble_formula(PP, m, 2 if kind == "interleaved_1f1b" else 1)
+
+
+def print_best(m: int, rows: dict) -> None:
+    """raytrain's best schedule against torch.pipelining's best at this m: what a user choosing either gets."""
+    ours = {n: r for n, r in rows.items() if n.startswith("raytrain") and "no Ray" not in n}
+    theirs = {n: r for n, r in rows.items() if n.startswith("torch.pipelining")}
+    if not ours or not theirs:
+        return
+    best_ours = max(ours, key=lambda n: ours[n]["samples_per_s"])
+    best_theirs = max(theirs, key=lambda n: theirs[n]["samples_per_s"])
+    ratio = ours[best_ours]["samples_per_s"] / theirs[best_theirs]["samples_per_s"]
+    print(f"{m:>2} best: {best_ours} / {best_theirs} = {ratio:.3f}x\n", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--microbatches", default="1,2,4,8")
-    parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated subset of gpipe,1f1b")
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zbv,dualpipev",
+                        help="comma-separated subset of gpipe,1f1b,interleaved_1f1b,zbv,dualpipev (torch.pipelining only)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per system and m, interleaved; the median is shown")
     parser.add_argument("--without-ray", action="store_true",
                         help="also run raytrain's executor in plain torchrun processes")
@@ -247,47 +308,49 @@ def main() -> None:
     parser.add_argument("--torch-worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    unknown = set(args.schedules.split(",")) - {"gpipe", "1f1b"}
+    unknown = set(args.schedules.split(",")) - set(TORCH_SCHEDULES)
     if unknown:
-        parser.error(f"--schedules: unknown {sorted(unknown)}; use gpipe, 1f1b or gpipe,1f1b")
+        parser.error(f"--schedules: unknown {sorted(unknown)}; use a subset of {','.join(TORCH_SCHEDULES)}")
     if args.torch_worker:
         torch_pipelining_worker(args.steps, int(args.microbatches), args.torch_worker, args.out)
         return
     import ray
 
     from raytrain import data
-    from raytrain.pipeline.schedule import bubble_formula
-
     data.resolve_data_path(bench_config(args.steps))
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"stage cut: {[f'{r[0]}-{r[-1]}' for r in stage_cut(bench_config(args.steps))]}", file=sys.stderr)
     one = run_one_process(args.steps, args.warmup)["samples_per_s"]
     print(f"one process: {one:.1f} samples/s\n", flush=True)
-    header = (f"{'m':>2} {'system':<22} {'samples/s':>9} {'vs torch.pp':>11} {'vs 1 proc':>9} "
+    header = (f"{'m':>2} {'system':<30} {'samples/s':>9} {'vs torch.pp':>11} {'vs 1 proc':>9} {'effic':>6} "
               f"{'bubble':>7} {'theory':>7} {'peak MB/stage':>15} {'live act/stage':>14}")
     print(header, flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         for m in [int(x) for x in args.microbatches.split(",")]:
-            theory = bubble_formula(PP, m)
             runs: dict[str, list[dict]] = {}
-            if m < PP:
-                print(f"{m:>2} torch.pipelining 1f1b  n/a: torch's Schedule1F1B needs microbatches >= stages", flush=True)
+            skipped: dict[str, str] = {}
             # Repeats interleave the systems, so a slow minute on this shared machine hits them all.
             for _ in range(args.repeats):
                 for kind in args.schedules.split(","):
-                    if (kind == "gpipe" or m >= PP) and not args.only_raytrain:
-                        runs.setdefault(f"torch.pipelining {kind}", []).append(
-                            run_torch_pipelining(args.steps, args.warmup, m, kind, workdir))
-                    runs.setdefault(f"raytrain {kind}", []).append(run_raytrain(args.steps, args.warmup, m, kind, workdir))
+                    if not args.only_raytrain:
+                        try_run(runs, skipped, f"torch.pipelining {kind}",
+                                lambda: run_torch_pipelining(args.steps, args.warmup, m, kind, workdir))
+                    if kind == "dualpipev" or (kind == "interleaved_1f1b" and m % PP):
+                        continue  # torch only; interleaved 1F1B runs rounds of PP micro-batches
+                    split = kind == "zbv"  # zero-bubble V always splits
+                    runs.setdefault(f"raytrain {kind}", []).append(
+                        run_raytrain(args.steps, args.warmup, m, kind, workdir, split=split))
                     if args.unfused:
                         runs.setdefault(f"raytrain {kind} unfused", []).append(
-                            run_raytrain(args.steps, args.warmup, m, kind, workdir, fused=False))
-                    if args.split:
+                            run_raytrain(args.steps, args.warmup, m, kind, workdir, fused=False, split=split))
+                    if args.split and kind != "zbv":
                         runs.setdefault(f"raytrain {kind} split", []).append(
                             run_raytrain(args.steps, args.warmup, m, kind, workdir, split=True))
                     if args.without_ray:
                         runs.setdefault(f"raytrain {kind} no Ray", []).append(
                             run_executor_without_ray(args.steps, args.warmup, m, kind, workdir))
+            for name, why in skipped.items():
+                print(f"{m:>2} {name:<30} n/a: {why}", flush=True)
             if not args.only_raytrain:
                 runs["naive Ray object refs"] = [run_naive_object_refs(args.steps, args.warmup, m)]
             rows = {name: median_run(rs) for name, rs in runs.items()}
@@ -296,11 +359,14 @@ def main() -> None:
                 base = rows.get(f"torch.pipelining {kind}")
                 vs = f"{r['samples_per_s'] / base['samples_per_s']:.3f}x" if base else "-"
                 bubble = f"{r['bubble']:.3f}" if "bubble" in r else "-"
+                theory = f"{theory_bubble(kind, m):.3f}" if kind in TORCH_SCHEDULES else "-"
                 mem = "/".join(f"{v:.0f}" for v in r.get("peak_mem_mb", [])) or "-"
                 live = "/".join(str(v) for v in r.get("peak_live", [])) or "-"
                 spread = "/".join(f"{x['samples_per_s']:.1f}" for x in runs[name]) if len(runs[name]) > 1 else ""
-                print(f"{m:>2} {name:<22} {r['samples_per_s']:>9.1f} {vs:>11} {r['samples_per_s'] / one:>8.2f}x "
-                      f"{bubble:>7} {theory:>7.3f} {mem:>15} {live:>14}  {spread}", flush=True)
+                print(f"{m:>2} {name:<30} {r['samples_per_s']:>9.1f} {vs:>11} {r['samples_per_s'] / one:>8.2f}x "
+                      f"{r['samples_per_s'] / (PP * one):>6.3f} {bubble:>7} {theory:>7} {mem:>15} {live:>14}  {spread}",
+                      flush=True)
+            print_best(m, rows)
             if m == 4 and "raytrain 1f1b" in rows:
                 shown = rows.get("raytrain 1f1b split", rows["raytrain 1f1b"])  # the README's picture
                 src = os.path.join(shown["run_dir"], "timeline.png")
