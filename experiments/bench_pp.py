@@ -144,7 +144,7 @@ def torch_pipelining_worker(steps, m, schedule, out):
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     class_name, chunks, v_shape = TORCH_SCHEDULES[schedule]
-    cfg = bench_config(steps, chunked_keys(schedule if chunks > 1 else "1f1b"))
+    cfg = bench_config(steps, chunked_keys("zbv" if chunks > 1 else "1f1b"))  # the same cut in 2 or 4 pieces
     cuts, num_stages = stage_cut(cfg), PP * chunks
     indices = [rank, 2 * PP - 1 - rank] if v_shape else [rank + c * PP for c in range(chunks)]
     stages, params = [], []
