@@ -193,6 +193,23 @@ def test_a_sigtermed_worker_drains_at_a_step_boundary_with_no_step_redone(ray_se
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 
+def test_a_killed_worker_of_two_chunks_breaks_its_replica_and_the_run_goes_on_exactly_once(ray_session, make_config):
+    # Zero-bubble V at dp=2 x pp=2: each worker holds two chunks (worker 0 the first and the last stage).
+    # Replica 1's worker 1 dies in step 3's backward: its replica is broken (its worker 0 waits as a
+    # spare), the run shrinks to dp=1 at once (min_dp=1); replica 0 keeps its processes.
+    cfg = make_config("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=zbv",
+                      "parallel.virtual_stages=2", "train.steps=6", "elastic.min_dp=1", "run.record_samples=true",
+                      "elastic.faults=['1:1@3:backward']")
+    result = train(cfg)
+    assert result.failures == 1 and [e["event"] for e in result.events].count("repair") == 1, result.events
+    assert not pid_alive(result.worker_pids[3])  # rank 3: replica 1, stage 1
+    assert set(result.worker_pids[:2]) <= set(result.final_pids), "a survivor was restarted"
+    (repair,) = [e for e in result.events if e["event"] == "repair"]
+    assert repair["new_layout"] == "dp=1 pp=2" and repair["lost"] == ["replica 1 stage 1"], repair
+    _assert_exactly_once(result, 6, 8, pp=2)
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
 def test_a_standby_worker_takes_a_killed_workers_place_without_waiting_for_a_start(ray_session, make_config):
     # elastic.standby=1 starts a third worker that waits; replica 1's worker is killed in step 3 and
     # the standby takes its slot in the same repair (default policy: never below dp=2), its state

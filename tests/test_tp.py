@@ -31,8 +31,14 @@ TP = "resources.placement_strategy=STRICT_PACK"
     ("parallel.fsdp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"),  # each stage 2-D
     # the B/W split over DTensor's graph (tests/test_split_backward.py checks that it splits)
     ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=4", "parallel.split_backward=true"),
+    # two chunks per worker, each split over tp: the V's hand-off and its split backwards over DTensor
+    # (on 8 layers: every worker holds a block)
+    ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=4", "parallel.schedule=zbv", "parallel.virtual_stages=2",
+     "model.n_layer=6"),
+    ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=interleaved_1f1b",
+     "parallel.virtual_stages=2", "model.n_layer=6"),
 ], ids=["tp2", "tp2-clipped", "tp2-pp2", "dp2-tp2-clipped", "tp2-recompute", "fsdp2-tp2-clipped", "dp2-fsdp2-tp2",
-        "fsdp2-tp2-pp2", "tp2-pp2-split-backward"])
+        "fsdp2-tp2-pp2", "tp2-pp2-split-backward", "tp2-pp2-zbv", "tp2-pp2-interleaved"])
 def test_tensor_parallel_layouts_match_single_process(make_config, tmp_path, layout):
     cfg = make_config(*layout, TP, "train.steps=3")
     model, _ = run_stages(cfg, str(tmp_path))

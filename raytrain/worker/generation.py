@@ -103,9 +103,11 @@ def form_generation(cfg: Config, rank: int, mesh: Mesh, shares: list[int], store
     backend = "nccl" if cfg.resources.use_gpu else "gloo"
     groups = init_groups(mesh, rank, store, number, backend, cfg.elastic.detect_timeout_s)
     on_groups(groups)
-    column = lambda worker: mesh.rank(replica=replica, shard=shard, stage=worker, tp=tp_index)  # noqa: E731
-    chunks = _exchange_shapes(cfg.model.seq_len, [_place(placement, stage, c, column) for c in range(placement.chunks)],
-                              chunk_output, device)
+    def column_rank(worker: int) -> int:  # the rank of pipeline worker ``worker`` of this column
+        return mesh.rank(replica=replica, shard=shard, stage=worker, tp=tp_index)
+
+    places = [_place(placement, stage, chunk, column_rank) for chunk in range(placement.chunks)]
+    chunks = _exchange_shapes(cfg.model.seq_len, places, chunk_output, device)
     plan = tuple(schedule.build_plan(par.schedule, mesh.pp, par.microbatches, par.split_backward,
                                      par.virtual_stages)[stage])
     slices = data.even_shares(shares[replica], mesh.fsdp)

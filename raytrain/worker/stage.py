@@ -320,7 +320,7 @@ def _stage_layers(cfg: Config, chunks: list[list[int]], shard: int, tp: int, dev
     """(sharded or tensor-parallel layers, or None; the replicated module or None; global parameter names;
     loss function) of the layers of ``chunks``, in chunk order."""
     layer_ids = [i for chunk in chunks for i in chunk]
-    assert len(chunks) == 1 or (cfg.parallel.fsdp == 1 and cfg.parallel.tp == 1), "several chunks are replicated"
+    assert len(chunks) == 1 or cfg.parallel.fsdp == 1, "FSDP2 shards a worker's layers as one root: one chunk"
     if cfg.parallel.tp > 1 and cfg.parallel.fsdp == 1:
         from raytrain.worker.tensor_parallel import TensorParallelLayers  # DTensor: imported only when used
 
