@@ -91,7 +91,7 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, split_backwa
     return lower(placement, orders)
 
 
-def zero_bubble_v(num_stages: int, num_microbatches: int, split_backward: bool = True) -> Plan:
+def zero_bubble_v(num_stages: int, num_microbatches: int) -> Plan:
     """Zero-bubble V (Qi et al., 2024, "ZB-V"): two chunks per worker on the V placement, every backward
     after the first stage split into B and W, and the W's placed where 1F1B would wait.
 
@@ -116,33 +116,36 @@ def zero_bubble_v(num_stages: int, num_microbatches: int, split_backward: bool =
 
 
 def _zbv_order(p: int, s: int, n: int) -> ComputeOrder:
-    """Worker s's compute order in zero-bubble V over ``n`` micro-batches (see ``zero_bubble_v``)."""
-    order: ComputeOrder = []
-    counts = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0, ("W", 0): 0, ("W", 1): 0}
+    """Worker s's compute order in zero-bubble V over ``n`` micro-batches (see ``zero_bubble_v``).
 
-    def add(kind: str, chunk: int) -> None:
-        order.append(Action(kind, counts[(kind, chunk)], chunk))
-        counts[(kind, chunk)] += 1
+    Units are written ``"F0"`` (a forward on chunk 0), ``"B1"``, ``"W1"``; each takes that chunk's next
+    micro-batch of its kind."""
+    order: ComputeOrder = []
+    done = {unit: 0 for unit in ("F0", "F1", "B0", "B1", "W0", "W1")}  # micro-batches taken of each unit
+
+    def add(*units: str) -> None:
+        for unit in units:
+            order.append(Action(unit[0], done[unit], int(unit[1])))
+            done[unit] += 1
 
     for _ in range(2 * (p - s) - 1):
-        add("F", 0)
+        add("F0")
     for _ in range(s):
-        add("F", 1), add("F", 0)
+        add("F1", "F0")
     for _ in range(p - s):
-        add("F", 1), add("B", 1), add("W", 1)
-    while counts[("F", 1)] < counts[("F", 0)] or counts[("F", 0)] < n:
-        if counts[("F", 0)] < n:
-            add("F", 0)
-        add("B", 0), add("W", 0)
-        add("F", 1), add("B", 1), add("W", 1)
+        add("F1", "B1", "W1")
+    while done["F1"] < done["F0"] or done["F0"] < n:
+        if done["F0"] < n:
+            add("F0")
+        add("B0", "W0", "F1", "B1", "W1")
     for _ in range(s):
-        add("B", 0), add("B", 1)
+        add("B0", "B1")
     for _ in range(p - s):
-        add("B", 0), add("W", 0)
-    while counts[("W", 1)] < counts[("B", 1)]:
-        add("W", 1)
-    while counts[("W", 0)] < counts[("B", 0)]:
-        add("W", 0)
+        add("B0", "W0")
+    while done["W1"] < done["B1"]:
+        add("W1")
+    while done["W0"] < done["B0"]:
+        add("W0")
     return order
 
 
