@@ -67,7 +67,7 @@ def _rejected(overrides, tmp_path) -> ValueError:
         (["parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2", "parallel.microbatches=1"],
          ["parallel.microbatches=1", "rounds of parallel.pp=2", "multiple of 2"]),
         (["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.fsdp=2"],
-         ["parallel.virtual_stages=2", "not yet built with parallel.fsdp > 1"]),
+         ["parallel.schedule='zbv'", "reduce-scatter in the whole backward", "interleaved_1f1b"]),
         (["parallel.pp=4", "parallel.schedule=zbv", "parallel.virtual_stages=2"],
          ["parallel.pp=4", "x parallel.virtual_stages=2 chunks exceeds the 6 layers", "parallel.virtual_stages"]),
         (["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.split_points=[2]"],

@@ -44,6 +44,16 @@ CHUNK_CELLS = [(2, "interleaved_1f1b", 2, "false"), (2, "interleaved_1f1b", 4, "
                (2, "zbv", 1, "true"), (2, "zbv", 4, "true"), (4, "zbv", 8, "true")]
 
 
+def test_virtual_stages_with_fsdp_shard_each_chunk_as_its_own_root(make_config, tmp_path):
+    # fsdp=2 x pp=2 interleaved: each worker's two chunks are FSDP2 roots of their own, each reduce-scattered
+    # in its own last backward (chunk 1's comes before chunk 0's on worker 0); with HSDP (dp=2) over them
+    for layout in (["parallel.fsdp=2"], ["parallel.fsdp=2", "parallel.dp=2", "train.global_batch=16"]):
+        cfg = make_config("parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2",
+                          "parallel.microbatches=2", "train.steps=3", "model.n_layer=6", *layout)
+        model, _ = run_stages(cfg, str(tmp_path / layout[-1]))
+        assert_same_params(model, reference_state(cfg))
+
+
 @pytest.mark.parametrize("pp, kind, m, split", CHUNK_CELLS)
 def test_virtual_stages_match_single_process(make_config, tmp_path, pp, kind, m, split):
     cfg = make_config(f"parallel.pp={pp}", f"parallel.schedule={kind}", f"parallel.microbatches={m}", "train.steps=4",

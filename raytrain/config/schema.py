@@ -203,9 +203,9 @@ class ParallelConfig:
         require(self.schedule != "interleaved_1f1b" or self.microbatches % self.pp == 0, "parallel.microbatches",
                 self.microbatches, f"interleaved_1f1b runs micro-batches in rounds of parallel.pp={self.pp}: use a "
                 f"multiple of {self.pp}")
-        require(v == 1 or self.fsdp == 1, "parallel.virtual_stages", v,
-                "several chunks per worker are not yet built with parallel.fsdp > 1 (FSDP2 shards each worker's "
-                "layers as one root): leave virtual_stages at 1 (schedule 1f1b) there")
+        require(self.schedule != "zbv" or self.fsdp == 1, "parallel.schedule", self.schedule,
+                "zbv splits every backward, and sharded stages (parallel.fsdp > 1) reduce-scatter in the whole "
+                "backward: use interleaved_1f1b with parallel.fsdp")
 
     def _check_split_points(self):
         """Hand-set cuts: pp x virtual_stages - 1 layer indices, strictly increasing (their range needs the

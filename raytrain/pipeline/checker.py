@@ -93,11 +93,13 @@ def _split_keys(stage_actions: list[Action]) -> set[tuple[int, int]]:
     return {(a.chunk, a.mb) for a in stage_actions if a.kind == WEIGHT}
 
 
-def last_gradient_action(stage_actions: list[Action]) -> int:
-    """Index of the action that fills the step's last weight gradients: the last W or whole backward."""
+def last_gradient_action(stage_actions: list[Action], chunk: Optional[int] = None) -> int:
+    """Index of the action that fills the step's last weight gradients (of ``chunk``, if given): the last
+    W or whole backward."""
     split = _split_keys(stage_actions)
-    return max(i for i, a in enumerate(stage_actions)
-               if a.kind == WEIGHT or (a.kind == BACKWARD and (a.chunk, a.mb) not in split))
+    fills = [i for i, a in enumerate(stage_actions)
+             if a.kind == WEIGHT or (a.kind == BACKWARD and (a.chunk, a.mb) not in split)]
+    return max(i for i in fills if chunk is None or stage_actions[i].chunk == chunk)
 
 
 def _message(placement: Placement, worker: int, a: Action) -> tuple[int, tuple[str, int, int]]:

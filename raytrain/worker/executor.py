@@ -52,13 +52,13 @@ class StepBuffers:
 
 
 class PlanExecutor:
-    """Executes a worker's plan (``Generation.plan``) one step at a time on its layers: ``module``, cut into
-    consecutive chunks of ``chunk_lengths`` layers when the worker holds several (an ``nn.Sequential``)."""
+    """Executes a worker's plan (``Generation.plan``) one step at a time on its layers: ``module``, whose
+    model chunks are ``chunks`` (``[module]`` without virtual stages; ``cut_into_chunks`` views, or FSDP2
+    roots of their own)."""
 
-    def __init__(self, module: nn.Module, loss_fn: Callable, grads: GradientBuckets, device: torch.device,
-                 autocast: Callable[[], Any], global_batch: int, chunk_lengths: Optional[list[int]] = None):
-        self.module, self.loss_fn, self.grads = module, loss_fn, grads
-        self.chunks = _cut(module, chunk_lengths)
+    def __init__(self, module: nn.Module, chunks: list[nn.Module], loss_fn: Callable, grads: GradientBuckets,
+                 device: torch.device, autocast: Callable[[], Any], global_batch: int):
+        self.module, self.chunks, self.loss_fn, self.grads = module, chunks, loss_fn, grads
         self.chunk_params = [list(chunk.parameters()) for chunk in self.chunks]
         self.device, self.autocast, self.global_batch = device, autocast, global_batch
         self._handlers = {
@@ -78,6 +78,8 @@ class PlanExecutor:
         hook("forward", step)
         for i, action in enumerate(gen.plan):
             t0 = time.perf_counter()
+            if i in gen.chunk_last_grad_actions:  # this chunk's last gradients: a sharded chunk reduces them
+                self.grads.arm_chunk(gen.chunk_last_grad_actions.index(i))
             if i == gen.last_grad_action:  # this action fills the step's last gradients: buckets reduce as they fill
                 self.grads.arm()
             self._handlers[action.kind](action, buf)
@@ -159,8 +161,9 @@ class PlanExecutor:
         buf.weight_halves.pop((a.chunk, a.mb)).run()
 
 
-def _cut(module: nn.Module, chunk_lengths: Optional[list[int]]) -> list[nn.Module]:
-    """``module`` as its chunks: views of consecutive layers sharing its parameters (itself when one)."""
+def cut_into_chunks(module: nn.Module, chunk_lengths: Optional[list[int]]) -> list[nn.Module]:
+    """``module`` (an ``nn.Sequential``) as model chunks of ``chunk_lengths`` layers: views of consecutive
+    layers sharing its parameters (itself when one)."""
     if chunk_lengths is None or len(chunk_lengths) == 1:
         return [module]
     assert isinstance(module, nn.Sequential) and sum(chunk_lengths) == len(module), (chunk_lengths, module)

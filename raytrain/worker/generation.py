@@ -76,6 +76,9 @@ class Generation:
     """(chunk, micro-batch) of the backwards this worker splits (they have a W action)."""
     last_grad_action: int
     """Index in ``plan`` of the action that fills the step's last gradients: buckets reduce from then on."""
+    chunk_last_grad_actions: tuple[int, ...]
+    """Of each chunk, the index in ``plan`` of the action that fills its last gradients (a sharded chunk,
+    an FSDP2 root of its own, reduce-scatters them in it)."""
     share: int
     """This worker's samples of each global batch: its replica's share, divided among its shards."""
     batch_offset: int
@@ -117,6 +120,7 @@ def form_generation(cfg: Config, rank: int, mesh: Mesh, shares: list[int], store
         placement=placement, chunks=chunks,
         plan=plan, split=frozenset((a.chunk, a.mb) for a in plan if a.kind == WEIGHT),
         last_grad_action=checker.last_gradient_action(list(plan)),
+        chunk_last_grad_actions=tuple(checker.last_gradient_action(list(plan), chunk) for chunk in range(len(chunks))),
         share=slices[shard], batch_offset=sum(shares[:replica]) + sum(slices[:shard]),
         mb_bounds=tuple(data.microbatch_bounds(slices[shard], par.microbatches)),
         groups=groups,
@@ -140,7 +144,8 @@ def for_evaluation(gen: Generation) -> Generation:
     """The same place in the run with a forward-only plan over the same micro-batches: no backward, no
     split backward, and no action arms the gradient buckets (``last_grad_action`` matches none)."""
     plan = tuple(schedule.forward_only(gen.mesh.pp, len(gen.mb_bounds), gen.placement)[gen.stage])
-    return dataclasses.replace(gen, plan=plan, split=frozenset(), last_grad_action=-1)
+    return dataclasses.replace(gen, plan=plan, split=frozenset(), last_grad_action=-1,
+                               chunk_last_grad_actions=(-1,) * len(gen.chunks))
 
 
 def _exchange_shapes(seq_len: int, chunks: list[ChunkPlace], chunk_output: ChunkOutput,

@@ -67,6 +67,9 @@ class GradientBuckets:
         for b in self.buffers:
             b.zero_()
 
+    def arm_chunk(self, chunk: int) -> None:
+        """Nothing: a replicated worker's buckets span its chunks, so they wait for ``arm``."""
+
     def arm(self) -> None:
         """Call right before the last backward of the step: buckets then reduce as they fill."""
         self._armed = True

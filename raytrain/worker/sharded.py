@@ -93,10 +93,14 @@ class ShardedLayers:
     """This worker's rows of its stage's parameters, and the FSDP2 wrapping of each generation."""
 
     def __init__(self, cfg: Config, layer_ids: list[int], shard: int, fsdp: int, device: torch.device,
-                 tp: int = 1, tp_index: int = 0):
+                 tp: int = 1, tp_index: int = 0, chunk_lengths: Optional[list[int]] = None):
         """With ``tp`` > 1 (layers that declare a plan) this worker is tp rank ``tp_index`` of its shard:
-        it owns rows of its tp part of each parameter (``slices``: boxes of the whole), not rows of the whole."""
+        it owns rows of its tp part of each parameter (``slices``: boxes of the whole), not rows of the whole.
+        With ``chunk_lengths`` (virtual stages) each model chunk of that many layers is an FSDP2 root."""
         self.cfg, self.shard, self.fsdp, self.device, self.tp = cfg, shard, fsdp, device, tp
+        self.chunk_lengths = chunk_lengths or [len(layer_ids)]
+        self.chunks: list[nn.Module] = []
+        """This generation's FSDP2 roots, one per model chunk."""
         self.meta_layers, self.names, self.loss_fn, full_values, buffers = meta_stage(cfg, layer_ids)
         self.rows: Optional[list[tuple[int, int, int]]] = [] if tp == 1 else None
         """(start, stop, total rows) of each parameter that this shard owns (None with tp > 1)."""
@@ -140,10 +144,11 @@ class ShardedLayers:
             grid = grid["replicate", "shard"] if mesh.dp > 1 else grid["shard"]
         if self.cfg.train.activation_checkpointing:
             layers = [Recomputed(layer) for layer in layers]
-        module = _fully_shard_stage(layers, grid, self)
+        self.chunks = [_fully_shard_stage(chunk, grid, self) for chunk in _chunked(layers, self.chunk_lengths)]
+        module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
         dparams = adopt(module, self.device, self.buffers, self.params, optimizer)
         self.module = module
-        return ShardedGrads(module, dparams, self.params, self.split, (self.summed, groups.tp_group))
+        return ShardedGrads(self.chunks, dparams, self.params, self.split, (self.summed, groups.tp_group))
 
     def release(self) -> None:
         """Drop the wrapping (its groups are going); ``params`` keep the values and the prepared gradients.
@@ -152,8 +157,16 @@ class ShardedLayers:
         specs, which hold the device mesh and through it the process groups: cleared here, or the
         groups' connections outlive them and peers blocked in a collective with this worker wait
         for the timeout instead of failing at once."""
-        self.module = None
+        self.module, self.chunks = None, []
         clear_dtensor_sharding_cache()
+
+
+def _chunked(layers: list[nn.Module], lengths: list[int]) -> list[list[nn.Module]]:
+    """``layers`` cut into consecutive runs of ``lengths``."""
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    return [layers[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def _fully_shard_stage(layers: list[nn.Module], mesh: DeviceMesh, owner: ShardedLayers) -> nn.Module:
@@ -178,15 +191,16 @@ def _fully_shard_stage(layers: list[nn.Module], mesh: DeviceMesh, owner: Sharded
 
 
 class ShardedGrads:
-    """GradientBuckets' contract for a sharded stage: ``zero`` before a step, ``arm`` before its last
-    backward (FSDP2 then reduces: earlier micro-batches accumulate unsharded gradients locally),
+    """GradientBuckets' contract for a sharded stage: ``zero`` before a step, ``arm_chunk`` before each
+    chunk's last backward (that FSDP2 root then reduces: earlier micro-batches accumulate unsharded
+    gradients locally),
     ``finish`` after it, then the norm and scaling act on this shard's reduced gradients, which the
     optimizer's plain ``params`` see as their ``.grad``."""
 
-    def __init__(self, module: nn.Module, dparams: list[nn.Parameter], params: list[torch.Tensor],
+    def __init__(self, roots: list[nn.Module], dparams: list[nn.Parameter], params: list[torch.Tensor],
                  split: Optional[list[bool]] = None,
                  summed_over_tp: tuple[list[bool], Optional[dist.ProcessGroup]] = ((), None)):
-        self.module, self.dparams, self.params = module, dparams, params
+        self.roots, self.dparams, self.params = roots, dparams, params
         self.split = split or [False] * len(params)
         self.summed_over_tp = summed_over_tp
         """With tp > 1: which gradients FSDP reduced over the fsdp group alone still sum over tp too."""
@@ -194,15 +208,21 @@ class ShardedGrads:
     def zero(self) -> None:
         for p in self.dparams + self.params:
             p.grad = None
-        self._sync(False)
+        for root in self.roots:
+            self._sync(root, False)
+
+    def arm_chunk(self, chunk: int) -> None:
+        """Before a chunk's last backward of the step: that root reduce-scatters in it."""
+        self._sync(self.roots[chunk], True)
 
     def arm(self) -> None:
-        self._sync(True)
+        """Nothing more: each chunk's root was armed before its own last backward."""
 
-    def _sync(self, last: bool) -> None:
-        assert isinstance(self.module, FSDPModule)
-        self.module.set_requires_gradient_sync(last)
-        self.module.set_is_last_backward(last)
+    @staticmethod
+    def _sync(root: nn.Module, last: bool) -> None:
+        assert isinstance(root, FSDPModule)
+        root.set_requires_gradient_sync(last)
+        root.set_is_last_backward(last)
 
     def finish(self) -> None:
         with torch.no_grad():

@@ -48,7 +48,7 @@ from raytrain.reports.oom import reraise_out_of_memory
 from raytrain.optim.optimizer import apply_step, make_optimizer
 from raytrain.testing.faults import PhaseHook, phase_hook
 from raytrain.worker.saving import ShardSaves
-from raytrain.worker.executor import PlanExecutor
+from raytrain.worker.executor import PlanExecutor, cut_into_chunks
 from raytrain.worker.generation import Generation, form_generation
 from raytrain.worker.gradsync import GradientBuckets, clip_global_norm
 from raytrain.worker.groups import Groups, destroy_groups
@@ -78,7 +78,8 @@ class Stage:
         self.sharded, module, names, self.loss_fn = _stage_layers(cfg, chunks, shard, tp, self.device)
         self.params = self.sharded.params if self.sharded is not None else list(module.parameters())
         self.grads = None if self.sharded is not None else GradientBuckets(self.params, None)
-        self.executor = None if self.sharded is not None else self._executor(module)
+        self.executor = None if self.sharded is not None else self._executor(
+            module, cut_into_chunks(module, self.chunk_lengths))
         self.optimizer = make_optimizer(self.params, cfg.train)
         held = self.sharded
         written = held.split if held is not None and tp > 0 else None  # tp rank 0 writes the parts all hold
@@ -122,13 +123,11 @@ class Stage:
             self.grads.group = groups.dp_group
             return
         self.grads = self.sharded.wrap(groups, mesh, rank, self.optimizer)
-        self.executor = self._executor(self.sharded.module)
+        self.executor = self._executor(self.sharded.module, self.sharded.chunks)
 
-    def _executor(self, module: nn.Module) -> PlanExecutor:
-        autocast = functools.partial(torch.autocast, self.device.type, dtype=torch.bfloat16,
-                                     enabled=self.cfg.resources.bf16)
-        return PlanExecutor(module, self.loss_fn, self.grads, self.device, autocast, self.cfg.train.global_batch,
-                            self.chunk_lengths)
+    def _executor(self, module: nn.Module, chunks: list[nn.Module]) -> PlanExecutor:
+        return PlanExecutor(module, chunks, self.loss_fn, self.grads, self.device, _autocast(self.cfg, self.device),
+                            self.cfg.train.global_batch)
 
     def leave(self) -> None:
         """Drop this worker's process groups (after a failure they may be broken); state stays.
@@ -311,6 +310,11 @@ class Stage:
         self.leave()
 
 
+def _autocast(cfg: Config, device: torch.device):
+    """The context each forward runs in: bf16 autocast with resources.bf16, else a no-op."""
+    return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=cfg.resources.bf16)
+
+
 def _part(cfg: Config, shard: int, tp: int) -> int:
     """Which file of its stage a worker writes: one per (shard, tp rank)."""
     return shard * cfg.parallel.tp + tp
@@ -320,17 +324,17 @@ def _stage_layers(cfg: Config, chunks: list[list[int]], shard: int, tp: int, dev
     """(sharded or tensor-parallel layers, or None; the replicated module or None; global parameter names;
     loss function) of the layers of ``chunks``, in chunk order."""
     layer_ids = [i for chunk in chunks for i in chunk]
-    assert len(chunks) == 1 or cfg.parallel.fsdp == 1, "FSDP2 shards a worker's layers as one root: one chunk"
     if cfg.parallel.tp > 1 and cfg.parallel.fsdp == 1:
         from raytrain.worker.tensor_parallel import TensorParallelLayers  # DTensor: imported only when used
 
-        split = TensorParallelLayers(cfg, layer_ids, tp, cfg.parallel.tp, device)
+        split = TensorParallelLayers(cfg, layer_ids, tp, cfg.parallel.tp, device, [len(chunk) for chunk in chunks])
         return split, None, split.names, split.loss_fn
     if cfg.parallel.fsdp > 1:
         # Imported here: FSDP2 and DTensor take a second to import, which a replicated stage's start-up skips.
         from raytrain.worker.sharded import ShardedLayers
 
-        sharded = ShardedLayers(cfg, layer_ids, shard, cfg.parallel.fsdp, device, cfg.parallel.tp, tp)
+        sharded = ShardedLayers(cfg, layer_ids, shard, cfg.parallel.fsdp, device, cfg.parallel.tp, tp,
+                                [len(chunk) for chunk in chunks])
         return sharded, None, sharded.names, sharded.loss_fn
     module, names, loss_fn = _replicated_stage(cfg, layer_ids, device)
     return None, module, names, loss_fn

@@ -42,6 +42,7 @@ from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed
 from raytrain.models.tensor_plan import Box, layer_plan
+from raytrain.worker.executor import cut_into_chunks
 from raytrain.worker.groups import Groups
 from raytrain.worker.gradsync import all_reduce_flat, squared_norms_by_split, sum_over_tp
 from raytrain.worker.stage_values import meta_stage, tp_grad_summed, tp_parts
@@ -75,8 +76,11 @@ class TensorParallelLayers:
 
     rows = None  # a tp rank holds boxes (``slices``), not FSDP's rows
 
-    def __init__(self, cfg: Config, layer_ids: list[int], index: int, tp: int, device: torch.device):
+    def __init__(self, cfg: Config, layer_ids: list[int], index: int, tp: int, device: torch.device,
+                 chunk_lengths: Optional[list[int]] = None):
         self.cfg, self.index, self.tp, self.device = cfg, index, tp, device
+        self.chunk_lengths = chunk_lengths
+        """Layers of each model chunk (virtual stages); the chunks are views of the parallelised stage."""
         self.meta_layers, self.names, self.loss_fn, full_values, buffers = meta_stage(cfg, layer_ids)
         self.slices: list[list] = []
         """Of each parameter, the boxes of the whole that this rank holds, stacked along dim 0, as the
@@ -92,6 +96,7 @@ class TensorParallelLayers:
             self.params.append(local_part(value, boxes).to(device))
         self.buffers = [b.to(device) for b in buffers]
         self.module: Optional[nn.Module] = None
+        self.chunks: list[nn.Module] = []
         self.comm_log = None  # the trace of FSDP's collectives; DTensor's are not traced
 
     def wrap(self, groups: Groups, mesh: Mesh, rank: int, optimizer: torch.optim.Optimizer) -> "TensorParallelGrads":
@@ -104,14 +109,14 @@ class TensorParallelLayers:
             layers = [Recomputed(layer) for layer in layers]
         module = nn.Sequential(*layers)
         dparams = adopt(module, self.device, self.buffers, self.params, optimizer)
-        self.module = module
+        self.module, self.chunks = module, cut_into_chunks(module, self.chunk_lengths)
         return TensorParallelGrads(dparams, self.params, self.split, groups.dp_group,
                                    (self.summed, groups.tp_group))
 
     def release(self) -> None:
         """Drop the wrapping (its groups are going); ``params`` keep the values and the prepared gradients.
         DTensor's sharding cache holds the device mesh: cleared too (raytrain.worker.sharded says why)."""
-        self.module = None
+        self.module, self.chunks = None, []
         clear_dtensor_sharding_cache()
 
 
@@ -130,6 +135,9 @@ class TensorParallelGrads:
     def zero(self) -> None:
         for p in self.dparams + self.params:
             p.grad = None
+
+    def arm_chunk(self, chunk: int) -> None:
+        pass
 
     def arm(self) -> None:
         pass
