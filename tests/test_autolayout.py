@@ -57,6 +57,11 @@ def test_chunked_schedules_are_probed_with_two_chunks_per_worker_where_the_layer
     assert all(layout_of(l).num_chunks == 4 for l in piped if l.get("parallel.virtual_stages") == 2)
     # 3 layers cannot be cut into 2 x 2 chunks: only the one-chunk schedule is probed
     assert {l["parallel.schedule"] for l in candidate_layouts(cfg, 2, 3) if l["parallel.pp"] == 2} == {"1f1b"}
+    # a base config set to zbv still gets every grid, each candidate with its own chunk count
+    based = load_config(None, ["parallel.auto=true", "train.global_batch=8", "parallel.schedule=zbv",
+                               "parallel.auto_microbatches=[2]", "parallel.auto_schedules=[1f1b, zbv]"])
+    found = [(l["parallel.pp"], l.get("parallel.schedule"), l["parallel.virtual_stages"]) for l in candidate_layouts(based, 2, 4)]
+    assert found == [(1, None, 1), (1, None, 1), (2, "1f1b", 1), (2, "zbv", 2)]
 
 
 def test_layouts_whose_state_does_not_fit_a_worker_are_not_probed():

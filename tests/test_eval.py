@@ -18,7 +18,7 @@ from raytrain.control.coordinator import Coordinator
 from raytrain.control.steps import eval_due, may_send_ahead
 from raytrain.driver.rendezvous import RendezvousStore
 from raytrain.pipeline import checker, schedule
-from raytrain.pipeline.actions import FORWARD, RECV_F, SEND_F, Placement
+from raytrain.pipeline.actions import FORWARD, RECV_F, SEND_F, Action, Placement
 from raytrain.testing.faults import PhaseHook
 from raytrain.testing.reference import reference_eval_loss, train_reference
 from raytrain.worker.stage import Stage
@@ -59,6 +59,15 @@ def test_the_evaluation_plan_of_chunked_workers_runs_every_chunk_once_per_micro_
         assert sorted(forwards) == [(c, mb) for c in range(placement.chunks) for mb in range(3)]
         local = [a for a in acts if a.kind in (SEND_F, RECV_F) and placement.is_local(worker, a.chunk, a.kind.peer)]
         assert not local  # a hand-off between chunks of one worker is no message
+    # chunk by chunk, so the micro-batches pipeline: faster than each micro-batch through every stage in turn
+    finish, _, _ = checker.simulate(plan, placement=placement)
+    def in_stage_order(worker):
+        return sorted(range(placement.chunks), key=lambda c: placement.stage(worker, c))
+
+    one_at_a_time = schedule.lower(placement, [[Action(FORWARD, mb, c) for mb in range(3) for c in in_stage_order(w)]
+                                               for w in range(placement.workers)])
+    assert finish < checker.simulate(one_at_a_time, placement=placement)[0]
+    assert finish <= 3 * placement.chunks + placement.num_stages - 1  # every worker busy once the first arrives
 
 
 def test_evaluations_fall_every_eval_every_steps_and_at_the_end_and_no_step_is_sent_across_one():
@@ -202,6 +211,8 @@ LAYOUTS = {
     "pp2-gpipe-m2": ["parallel.pp=2", "parallel.schedule=gpipe", "parallel.microbatches=2"],
     "dp2xpp2-m2": ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"],
     "fsdp2": ["parallel.fsdp=2"],
+    # two chunks per worker in a V: worker 0 holds the first and the last stage, so it reports the loss
+    "pp2-zbv-m2": ["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.microbatches=2"],
 }
 
 

@@ -107,6 +107,15 @@ def test_a_layout_that_cannot_fit_is_refused_with_the_estimate_the_limit_and_wha
     check_run_memory(off, off.layout())  # the user's call
 
 
+def test_a_chunked_layout_that_cannot_fit_gets_a_plain_1f1b_suggestion(tmp_path, monkeypatch):
+    # interleaved_1f1b at m=2 would need m a multiple of every pp tried: the hint tries plain 1F1B instead
+    cfg = _big(tmp_path, "parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2",
+               "parallel.microbatches=2")
+    monkeypatch.setattr(driver_memory, "worker_memory_bytes", lambda cfg: 1 * 2**30)
+    with pytest.raises(ValueError, match=r"parallel.pp=\d+ would fit \(with parallel.schedule=1f1b, virtual_stages=1\)"):
+        check_run_memory(cfg, cfg.layout())
+
+
 def test_nothing_fits_says_so(tmp_path):
     cfg = _big(tmp_path, "model.n_layer=2")
     counts = [sum(p.numel() for p in layer.parameters()) for layer in model_layers(cfg)]

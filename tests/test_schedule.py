@@ -201,6 +201,13 @@ def test_zero_bubble_v_passes_the_checker_holds_2p_chunks_and_leaves_only_the_wa
     assert finish <= one_f_one_b
 
 
+@pytest.mark.parametrize("kind", ["interleaved_1f1b", "zbv"])
+def test_without_a_pipeline_every_schedule_is_one_stages_order(kind):
+    # parallel.schedule=zbv at pp=1 (the config lets it: nothing to chunk) runs as one stage
+    assert build_plan(kind, 1, 4) == build_plan("1f1b", 1, 4)
+    assert Placement.of_schedule(kind, 1, 1) == Placement(1)
+
+
 def test_schedules_with_chunks_refuse_the_wrong_chunk_count():
     with pytest.raises(AssertionError, match="two chunks"):
         build_plan("zbv", 2, 4, True, 3)

@@ -146,13 +146,14 @@ class ParallelConfig:
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (virtual_stages >= 2, microbatches a multiple of pp)
     or zbv (zero-bubble V: virtual_stages = 2, backwards always split)."""
     virtual_stages: int = 1
-    """Model chunks each pipeline worker holds (non-adjacent stages): interleaved_1f1b and zbv's smaller
+    """Model chunks each pipeline worker holds (stages pp apart, or the V's): interleaved_1f1b and zbv's smaller
     bubble, for more and smaller messages and more activations held."""
     split_backward: bool = False
     """Stages after the first send their input gradient before computing weight gradients (W actions):
     a shorter cool-down per step for more memory and per-layer autograd overhead (experiments/RESULTS.md)."""
     split_points: Optional[list] = None
-    """Hand-set cuts: indices of the first layer of stages 1..pp-1 (overrides balance)."""
+    """Hand-set cuts: indices of the first layer of stages 1..pp-1, or of chunks 1..pp x virtual_stages - 1
+    (overrides balance)."""
     balance: str = "params"
     """How to cut the layers when split_points is not set: params or time."""
     auto: bool = False

@@ -80,8 +80,12 @@ def check_memory(cfg: Config, layout: Layout, layer_params: list[int], max_fsdp:
 
 
 def _what_fits(cfg: Config, layout: Layout, layer_params: list[int], limit: float, max_fsdp: int) -> str:
-    """The smallest parallel.fsdp and parallel.pp (each alone, the rest as configured) that fit."""
+    """The smallest parallel.fsdp and parallel.pp (each alone, the rest as configured; with virtual stages,
+    under plain 1F1B) that fit."""
     plain = dataclasses.replace(layout, cuts=None)  # another degree cuts anew
+    chunked = layout.virtual_stages > 1
+    if chunked:  # chunks bring rules of their own (m a multiple of pp, pp x v layers): suggest plain 1F1B
+        plain = dataclasses.replace(plain, schedule="1f1b", virtual_stages=1)
     fits = []
     for key, degrees in (("fsdp", range(layout.fsdp + 1, min(max_fsdp, LARGEST_SUGGESTED_DEGREE) + 1)),
                          ("pp", range(layout.pp + 1, min(len(layer_params), LARGEST_SUGGESTED_DEGREE) + 1))):
@@ -93,4 +97,4 @@ def _what_fits(cfg: Config, layout: Layout, layer_params: list[int], limit: floa
     if not fits:
         return ("no parallel.fsdp or parallel.pp up to the model's limits fits: use nodes with more memory per "
                 "CPU slot, a larger resources.cpus_per_worker, or a smaller model")
-    return " or ".join(fits) + " would fit"
+    return " or ".join(fits) + " would fit" + (" (with parallel.schedule=1f1b, virtual_stages=1)" if chunked else "")

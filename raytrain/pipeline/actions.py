@@ -97,8 +97,9 @@ class Placement:
 
     @classmethod
     def of_schedule(cls, schedule: str, workers: int, chunks: int = 1) -> Placement:
-        """Where a schedule puts each worker's chunks: V for zero-bubble V, looped otherwise."""
-        return cls(workers, chunks, v_shape=schedule == "zbv")
+        """Where a schedule puts each worker's chunks: V for zero-bubble V (with its two chunks), looped
+        otherwise (a zbv run without a pipeline has one chunk)."""
+        return cls(workers, chunks, v_shape=schedule == "zbv" and chunks == 2)
 
     @property
     def num_stages(self) -> int:

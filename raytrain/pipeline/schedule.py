@@ -153,8 +153,8 @@ def forward_only(num_stages: int, num_microbatches: int, placement: Placement | 
     """Every micro-batch's forward in order, no backward: the held-out loss (raytrain.control.evaluation).
     Not a training plan (``check_plan`` wants backwards); ``simulate`` runs it."""
     placement = placement or Placement(num_stages)
-    orders = [[Action(FORWARD, mb, c) for mb in range(num_microbatches)
-               for c in sorted(range(placement.chunks), key=lambda c: placement.stage(s, c))]
+    orders = [[Action(FORWARD, mb, c) for c in sorted(range(placement.chunks), key=lambda c: placement.stage(s, c))
+               for mb in range(num_microbatches)]  # chunk by chunk: the micro-batches pipeline through each
               for s in range(num_stages)]
     return lower(placement, orders)
 
@@ -224,6 +224,8 @@ def build_plan(kind: str, num_stages: int, num_microbatches: int, split_backward
     """The checked plan of schedule ``kind`` for ``num_stages`` workers of ``virtual_stages`` chunks each."""
     if kind not in SCHEDULES:
         raise ValueError(f"unknown schedule {kind!r}; use one of {', '.join(SCHEDULES)}")
+    if num_stages == 1 and virtual_stages == 1:
+        kind = "1f1b" if kind in ("interleaved_1f1b", "zbv") else kind  # one stage: one chunk, nothing to interleave
     if kind == "interleaved_1f1b":
         plan = interleaved_one_f_one_b(num_stages, num_microbatches, split_backward, virtual_stages)
     elif kind == "zbv":

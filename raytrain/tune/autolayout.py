@@ -42,10 +42,10 @@ def candidate_layouts(cfg: Config, workers: int, layers: int) -> list[dict]:
             continue
         grid = {"parallel.dp": mesh.dp, "parallel.pp": pp, **({"parallel.fsdp": fsdp} if fsdp > 1 else {}),
                 **({"parallel.tp": tp} if tp > 1 else {})}
-        if not _runnable(cfg, grid):
+        if not _runnable(cfg, {**grid, **schedule_keys("1f1b")}):  # the grid alone, whatever the base's schedule
             continue
         if pp == 1:
-            layouts.append({**grid, "parallel.microbatches": 1})
+            layouts.append({**grid, "parallel.microbatches": 1, "parallel.virtual_stages": 1})
             continue
         for m in sorted(set(p.auto_microbatches)):
             if (batch // mesh.columns) % m == 0:
@@ -60,8 +60,8 @@ CHUNKED_SCHEDULES = ("interleaved_1f1b", "zbv")
 
 
 def schedule_keys(schedule: str) -> dict:
-    """The keys a schedule sets: two chunks per worker for the interleaved and V schedules."""
-    return {"parallel.schedule": schedule, **({"parallel.virtual_stages": 2} if schedule in CHUNKED_SCHEDULES else {})}
+    """The keys a schedule sets: two chunks per worker for the interleaved and V schedules, else one."""
+    return {"parallel.schedule": schedule, "parallel.virtual_stages": 2 if schedule in CHUNKED_SCHEDULES else 1}
 
 
 def _grids(workers: int, layers: int):

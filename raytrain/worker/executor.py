@@ -46,7 +46,7 @@ class StepBuffers:
     weight_halves: dict[Key, split_backward.WeightGradients] = field(default_factory=dict)  # backwards whose W is due
     sends: list[Any] = field(default_factory=list)  # torch.distributed work of the sends in flight
     busy_s: float = 0.0  # time in compute actions
-    peak_live: int = 0  # most micro-batches alive at once (forward done, weight gradients not)
+    peak_live: int = 0  # most (chunk, micro-batch) activations alive at once (forward done, weight gradients not)
     events: Optional[list[tuple[str, float, float]]] = None  # (action, start, end) when traced
     backward_started: bool = False
 
