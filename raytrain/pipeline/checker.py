@@ -89,14 +89,15 @@ def split_microbatches(stage_actions: list[Action], chunk: int = 0) -> set[int]:
     return {a.mb for a in stage_actions if a.kind == WEIGHT and a.chunk == chunk}
 
 
-def _split_keys(stage_actions: list[Action]) -> set[tuple[int, int]]:
+def split_keys(stage_actions: list[Action]) -> set[tuple[int, int]]:
+    """(chunk, micro-batch) of every backward this worker splits: those with a ``W``."""
     return {(a.chunk, a.mb) for a in stage_actions if a.kind == WEIGHT}
 
 
 def last_gradient_action(stage_actions: list[Action], chunk: Optional[int] = None) -> int:
     """Index of the action that fills the step's last weight gradients (of ``chunk``, if given): the last
     W or whole backward."""
-    split = _split_keys(stage_actions)
+    split = split_keys(stage_actions)
     fills = [i for i, a in enumerate(stage_actions)
              if a.kind == WEIGHT or (a.kind == BACKWARD and (a.chunk, a.mb) not in split)]
     return max(i for i in fills if chunk is None or stage_actions[i].chunk == chunk)
@@ -128,7 +129,7 @@ def simulate(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0, 
     pos, clock, busy = [0] * p, [0.0] * p, [0.0] * p
     timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
     channels: dict[tuple[int, int], list[tuple[tuple, float]]] = {}  # (src, dst) -> FIFO of (message, ready)
-    split = [_split_keys(acts) for acts in plan]
+    split = [split_keys(acts) for acts in plan]
     cost_of = {FORWARD: forward_cost, WEIGHT: weight_cost}
     input_half_cost = backward_cost - weight_cost + split_cost
     while any(pos[s] < len(plan[s]) for s in range(p)):
@@ -186,7 +187,7 @@ def bubble_formula(num_stages: int, num_microbatches: int, virtual_stages: int =
 def peak_live_activations(stage_actions: list[Action]) -> int:
     """Most (chunk, micro-batch) pairs whose forward ran and whose backward (its weight half, if split)
     has not yet: the activations a worker holds at once, in chunks."""
-    split = _split_keys(stage_actions)
+    split = split_keys(stage_actions)
     live = peak = 0
     for a in stage_actions:
         if a.kind == FORWARD:

@@ -179,6 +179,8 @@ def _weights_after(order: ComputeOrder, split: set[tuple[int, int]]) -> ComputeO
 
 _MESSAGES = {FORWARD: (SEND_F, RECV_F, +1), BACKWARD: (SEND_B, RECV_B, -1)}
 """compute -> (the send after it, the receive that matches it, toward which neighbour)."""
+_NEEDS = {FORWARD: (RECV_F, -1), BACKWARD: (RECV_B, +1)}
+"""compute -> (the receive it waits for, from which neighbour)."""
 
 
 def lower(placement: Placement, orders: list[ComputeOrder]) -> Plan:
@@ -196,7 +198,7 @@ def lower(placement: Placement, orders: list[ComputeOrder]) -> Plan:
         received = {}  # src -> messages of (src, w) already received
         acts = []
         for a in order:
-            needs = {FORWARD: (RECV_F, -1), BACKWARD: (RECV_B, +1)}.get(a.kind)
+            needs = _NEEDS.get(a.kind)
             if needs is not None and _remote(placement, w, a.chunk, needs[1]):
                 src = placement.neighbour(w, a.chunk, needs[1])[0]
                 queue, done = sent[(src, w)], received.get(src, 0)

@@ -19,7 +19,7 @@ from raytrain import data
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.pipeline import checker, schedule
-from raytrain.pipeline.actions import WEIGHT, Action, Placement
+from raytrain.pipeline.actions import Action, Placement
 from raytrain.worker.groups import Groups, init_groups
 
 # Shape handshake: [ndim, dtype code, dims...] padded to this length.
@@ -118,7 +118,7 @@ def form_generation(cfg: Config, rank: int, mesh: Mesh, shares: list[int], store
         number=number, mesh=mesh, rank=rank, replica=replica, stage=stage, shard=shard, tp_index=tp_index,
         is_first=any(c.is_first for c in chunks), is_last=any(c.is_last for c in chunks),
         placement=placement, chunks=chunks,
-        plan=plan, split=frozenset((a.chunk, a.mb) for a in plan if a.kind == WEIGHT),
+        plan=plan, split=frozenset(checker.split_keys(list(plan))),
         last_grad_action=checker.last_gradient_action(list(plan)),
         chunk_last_grad_actions=tuple(checker.last_gradient_action(list(plan), chunk) for chunk in range(len(chunks))),
         share=slices[shard], batch_offset=sum(shares[:replica]) + sum(slices[:shard]),
