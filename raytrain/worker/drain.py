@@ -3,10 +3,10 @@
 Clouds warn before they take a machine (a SIGTERM, then a grace period: about 30 s on GKE, up to
 120 s on AWS spot), and ``ray stop`` sends one too; Ray passes a cloud's preemption notice on as a
 node drain with a deadline (``ray drain-node``), which each worker's watcher thread checks for its
-own node every NODE_POLL_S (in a thread: a step never waits on Ray's control plane). A worker told either way finishes the step it is in and reports
-the notice with that step's reply (``StepReport.draining``); the coordinator then
-re-forms the run without it at the step boundary, with no step redone and no wait for a failure to
-be detected (raytrain.control.drain). Should the coordinator never let it go, the worker exits on
+own node every NODE_POLL_S (in a thread: a step never waits on Ray's control plane). A worker told
+either way finishes the step it is in and reports the notice with that step's reply
+(``StepReport.draining``); the coordinator then re-forms the run without it at the step boundary,
+with no step redone and no wait for a failure to be detected (raytrain.control.drain). Should the coordinator never let it go, the worker exits on
 its own when the grace period ends, and the run repairs the loss as any other. Ray's own shutdown
 also SIGTERMs its workers (``ray stop``, an embedded Ray signalled as a process group): then the
 worker's raylet, its parent, goes too, and the worker exits as soon as it has (PARENT_POLL_S).
