@@ -63,6 +63,7 @@ class FakeWorker:
     writing: Optional[tuple] = None  # a background save: (ckpt_dir, value, committed) it is writing
     saved: Optional[BackgroundSave] = None
     draining: Optional[DrainNotice] = None  # a ``sigterm`` fault's notice: the worker finishes its step
+    drain_boundary: Optional[int] = None  # a step its vote said not to run in this generation
 
     def fault(self, step: int, phase: str) -> bool:
         return any((f.replica, f.stage, f.step, f.phase) == (self.replica, self.stage, step, phase)
@@ -213,6 +214,7 @@ class FakeWorkerGroup(WorkerGroup):
 
     def _join(self, w: FakeWorker, rank: int, mesh, shares: list[int], generation: int, faults: list[str]) -> JoinReport:
         w.rank, (w.replica, _), w.faults, w.joined = rank, mesh.coords(rank), list(faults), True
+        w.drain_boundary = None
         w.share = shares[w.replica]
         if generation > 0 and w.fault(w.committed, "join"):
             w.alive = False
@@ -295,6 +297,10 @@ class FakeWorkerGroup(WorkerGroup):
         for m in runnable:
             if m.handle.fault(step, "sigterm") and m.handle.draining is None:
                 m.handle.draining = DrainNotice("SIGTERM", time.time(), time.time() + 30.0)
+        if runnable and all(m.handle.drain_boundary == step for m in runnable):  # the vote before said so
+            return {id(m): Outcome(m, dead=True) if not m.handle.alive else
+                    Outcome(m, self._report(m.handle, step, ok=False, drain_skipped=True)) for m in members}
+        leaving = any(m.handle.draining is not None for m in runnable)  # counted in the step's vote
         dying = {id(m): phase for m in runnable for phase in ("forward", "backward", "allreduce", "optimizer", "oom")
                  if m.handle.fault(step, phase)}
         broken = len(runnable) < len(members)  # a peer was already gone: the collective fails
@@ -315,14 +321,17 @@ class FakeWorkerGroup(WorkerGroup):
             else:
                 w.prepared = step
                 self._commit_prepared(w, step)
-                fate[id(m)] = Outcome(m, self._report(w, step, ok=True))
+                w.drain_boundary = step + 1 if leaving else None
+                fate[id(m)] = Outcome(m, self._report(w, step, ok=True, drain_after=leaving))
         return fate
 
-    def _report(self, w: FakeWorker, step: int, ok: bool, nonfinite: bool = False) -> StepReport:
+    def _report(self, w: FakeWorker, step: int, ok: bool, nonfinite: bool = False, drain_after: bool = False,
+                drain_skipped: bool = False) -> StepReport:
         report = StepReport(rank=w.rank, step=step, ok=ok, committed=w.committed, prepared=w.prepared,
                             error="" if ok else "a peer was lost", nonfinite=nonfinite, busy_s=0.001, wall_s=0.001,
                             pipeline_s=0.001, peak_live=1, grad_norm=float("nan") if nonfinite else 1.0,
-                            peak_mem_mb=1.0, saved=w.saved, draining=w.draining)
+                            peak_mem_mb=1.0, saved=w.saved, draining=w.draining, drain_after=drain_after,
+                            drain_skipped=drain_skipped)
         if w.stage == self.pp - 1:
             report.loss_sum = float("nan") if nonfinite else 1.0
         return report

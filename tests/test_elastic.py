@@ -184,12 +184,26 @@ def test_a_sigtermed_worker_drains_at_a_step_boundary_with_no_step_redone(ray_se
     result = train(cfg)
     pp = cfg.parallel.pp
     (drain,) = [e for e in result.events if e["event"] == "drain"]
-    assert drain["workers"] == ["replica 1 stage 0"] and drain["why"] == ["SIGTERM"] and drain["step"] == 5
-    assert drain["new_layout"].startswith("dp=1") and drain["notice_to_step_s"] < 30
+    # its vote in step 3 makes that step's end the boundary: the step sent ahead is skipped, not redone
+    assert drain["workers"] == ["replica 1 stage 0"] and drain["why"] == ["SIGTERM"] and drain["step"] == 4
+    assert drain["new_layout"].startswith("dp=1") and drain["notice_to_boundary_s"] < drain["notice_to_step_s"] < 30
     assert not [e for e in result.events if e["event"] in ("repair", "reload")] and result.failures == 0
     assert result.worker_pids[:pp] == result.final_pids  # replica 0's workers were never restarted
     _assert_exactly_once(result, 8, 8, pp=pp)
-    assert [r["dp"] for r in result.metrics] == [2] * 5 + [1] * 3
+    assert [r["dp"] for r in result.metrics] == [2] * 4 + [1] * 4
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
+def test_a_notice_shorter_than_a_step_leaves_at_once_and_the_run_repairs_it(ray_session, make_config):
+    # elastic.drain_grace_s=0.001: no step ends within the notice, so the worker leaves as it arrives
+    # (in step 3's forward) instead of being cut mid-step at its deadline; the run repairs the loss.
+    cfg = make_config("parallel.dp=2", "train.steps=6", "elastic.min_dp=1", "elastic.drain_grace_s=0.001",
+                      "elastic.faults=['1:0@3:sigterm']")
+    result = train(cfg)
+    assert not [e for e in result.events if e["event"] == "drain"]
+    (repair,) = [e for e in result.events if e["event"] == "repair"]
+    assert repair["lost"] == ["replica 1 stage 0"] and repair["step"] == 3, repair
+    assert result.committed_steps == list(range(6)) and result.worker_pids[0] in result.final_pids
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 

@@ -198,3 +198,38 @@ def test_the_workers_on_a_draining_node_leave_at_a_step_boundary(ray_cluster, wo
     ids = [i for r in result.metrics for i in r["sample_ids"]]
     assert ids == data.sample_ids(cfg.train.seed, prepare(cfg).num_samples, 0, steps * cfg.train.global_batch)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
+def test_a_draining_node_takes_its_pipeline_worker_and_the_rest_of_its_replica_waits(ray_cluster, add_node,
+                                                                                    make_config, fast_driver_poll):
+    # dp=2 x pp=2 with one of replica 1's stages on an added node (another job holds a head CPU, as in
+    # the hybrid loss above). Ray drains that node: its worker leaves at a step boundary, its replica's
+    # other stage waits as a spare, and dp=1 x pp=2 finishes with nothing redone or restarted.
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    other_job = placement_group([{"CPU": 1}])
+    assert other_job.wait(timeout_seconds=30)
+    node = add_node()
+    steps = 150
+    cfg = make_config("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2", "elastic.min_dp=1",
+                      f"train.steps={steps}", LONG_RUN_LR, "run.trace_steps=0", "run.record_samples=true")
+    drained = []
+
+    def on_rows(rows):
+        if not drained and any(r.get("step", 0) >= 3 and "loss" in r for r in rows):
+            drain_node(node, deadline_s=60)
+            drained.append(True)
+
+    try:
+        result = train(cfg, on_rows=on_rows)
+    finally:
+        remove_placement_group(other_job)
+    (event,) = [e for e in result.events if e["event"] == "drain"]
+    assert drained and event["why"] == ["node drain"] and event["new_layout"] == "dp=1 pp=2", event
+    assert len(event["workers"]) == 1 and event["workers"][0].startswith("replica 1"), event
+    assert not [e for e in result.events if e["event"] in ("repair", "reload")] and result.failures == 0
+    assert len(result.final_pids) == 2 and set(result.final_pids) <= set(result.worker_pids), "a survivor was restarted"
+    assert result.committed_steps == list(range(steps))
+    ids = [i for r in result.metrics for i in r["sample_ids"]]
+    assert ids == data.sample_ids(cfg.train.seed, prepare(cfg).num_samples, 0, steps * cfg.train.global_batch)
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))

@@ -46,7 +46,7 @@ from raytrain.control.repair import GiveUp, Repairs
 from raytrain.control.runstate import (Checkpointing, Draining, Evaluating, Failed, Finished, Growing,
                                        Interrupted, Repairing, Running, Starting, State, Stopping)
 from raytrain.control.saving import Checkpoints
-from raytrain.control.steps import NonFiniteStep, StepCall, StepLost, may_send_ahead
+from raytrain.control.steps import DrainBoundary, NonFiniteStep, StepCall, StepLost, may_send_ahead
 from raytrain.control.workergroup import RayWorkerGroup
 from raytrain.reports import RunSummary
 from raytrain.reports.oom import FIT_ADVICE
@@ -220,6 +220,10 @@ class Coordinator:
             ledger.time.lost_step(time.perf_counter() - call.started)
             dead = lost.dead + [m for m in self._wait_out(ahead) if m not in lost.dead]
             return Repairing(tuple(dead), Interrupted.STEP, tuple(lost.reports))
+        except DrainBoundary:  # sent ahead of the step whose vote found a worker told to leave: none ran it
+            self.in_flight = None
+            ledger.time.charge("re_forming", time.perf_counter() - call.started)
+            return self.drains.state()
         except NonFiniteStep as bad:
             self.in_flight = None
             ledger.time.charge("work_redone", time.perf_counter() - call.started)  # computed, not applied
@@ -228,9 +232,7 @@ class Coordinator:
         row = steps.aggregate_step(ledger.step, reports, time.perf_counter() - call.started, self.cfg,
                                    self.team.mesh(), self.layout())
         ledger.commit(ledger.step, row)
-        self.drains.note(reports, self.team)
-        drained = self.drains.first_step_without_them()
-        if drained is not None:
+        for drained in self.drains.committed(reports, self.team):
             ledger.emit(drained)
         self.checkpoints.publish_if_written()
         if ahead is not None:

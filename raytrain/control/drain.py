@@ -1,5 +1,7 @@
 """Workers told to leave (a SIGTERM: raytrain.worker.drain), from the step reply that says so to the
-step boundary where they go, and the ``drain`` event that reports it.
+step boundary where they go, and the ``drain`` event that reports it. The boundary is the end of
+the step whose world-wide vote counted them (or, should the notice come after the vote, of the
+next); a step sent ahead of it comes back skipped by every worker (steps.DrainBoundary).
 
 At that boundary there are three moves: every worker is leaving, so the run saves and stops (exit
 143, as a SIGTERM'd run: resume from the checkpoint); some slot would have no live copy without
@@ -54,12 +56,15 @@ class Drains:
         self._noted.clear()
         self._event = event
 
-    def first_step_without_them(self) -> Optional[dict]:
-        """After a commit: the held ``drain`` event, with the seconds from the notice to this commit."""
+    def committed(self, reports: list[StepReport], team: Membership) -> list[dict]:
+        """After a commit: note who its replies say was told to leave; returns the held ``drain`` event
+        (if this is the first step without them), with the seconds from the notice to this commit."""
+        self.note(reports, team)
         event, self._event = self._event, None
-        if event is not None:
-            event["notice_to_step_s"] = round(time.time() - event["noticed_at"], 3)
-        return event
+        if event is None:
+            return []
+        event["notice_to_step_s"] = round(time.time() - event["noticed_at"], 3)
+        return [event]
 
 
 def next_move(state: Draining, team: Membership, checkpointed: bool) -> DrainMove:
@@ -81,4 +86,5 @@ def drain_event(state: Draining, team: Membership, step: int, reason: str) -> di
     return {"event": "drain", "step": step, "reason": reason,
             "workers": [place_of(mesh.label(rank)) for rank, m in team.ranked() if id(m) in leaving],
             "why": sorted({n.why for n in state.notices}), "noticed_at": first,
+            "notice_to_boundary_s": round(time.time() - first, 3),
             "deadline_s": round(min(deadlines) - first, 3) if deadlines else None}

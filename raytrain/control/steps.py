@@ -29,6 +29,15 @@ class NonFiniteStep(Exception):
         self.step, self.results = step, results
 
 
+class DrainBoundary(Exception):
+    """Internal: every worker skipped ``step`` because workers leave the run before it (the vote of the
+    step before said so); it runs again once the run has re-formed without them."""
+
+    def __init__(self, step: int):
+        super().__init__(f"step {step} waits for the run to re-form without the workers that leave")
+        self.step = step
+
+
 class StepLost(WorkersLost):
     """Workers died during a step; ``reports`` are the survivors' replies (their committed steps)."""
 
@@ -53,7 +62,8 @@ def send(group: WorkerGroup, members: list[Member], step: int, trace: bool, star
 
 def collect(group: WorkerGroup, call: StepCall, timeout_s: float, layout: str,
             settle_s: Optional[float] = None) -> list[StepReport]:
-    """Every member's report of ``call.step``; StepLost, NonFiniteStep or StepFailed when it did not commit.
+    """Every member's report of ``call.step``; StepLost, NonFiniteStep, DrainBoundary or StepFailed when
+    it did not commit.
 
     A member silent for longer than a step may take, or for ``settle_s`` after another reported a
     failed collective, is killed and counted as lost.
@@ -74,6 +84,8 @@ def collect(group: WorkerGroup, call: StepCall, timeout_s: float, layout: str,
         raise StepLost(dead, reports)
     if any(r.nonfinite for r in reports):
         raise NonFiniteStep(call.step, reports)
+    if all(r.drain_skipped for r in reports):
+        raise DrainBoundary(call.step)
     failed = [r for r in reports if not r.ok]
     if failed:
         raise StepFailed(f"step {call.step + 1} failed with every worker alive (layout {layout}): {failed[0].error}")

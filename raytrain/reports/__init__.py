@@ -72,6 +72,11 @@ class StepReport:
     """This worker's last background save (checkpoint.async_save) once it has finished, until the next starts."""
     draining: Optional[DrainNotice] = None
     """Set once the worker was told to leave: the coordinator re-forms without it at the next boundary."""
+    drain_after: bool = False
+    """The step's vote counted a worker told to leave: the run re-forms after this step."""
+    drain_skipped: bool = False
+    """Not run: the step before it was the boundary where a worker leaves, so the step sent ahead waits
+    for the re-formed run (every worker of the generation skips it alike)."""
 
 
 @dataclass

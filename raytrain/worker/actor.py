@@ -56,7 +56,8 @@ class StageWorker:
         # a SIGTERM, or this node draining: leave at the next step boundary
         self.drain = DrainWatch(cfg.elastic.drain_grace_s, ray.get_runtime_context().get_node_id())
         source = dataset_here(source, corpus, cfg.data.cache_dir)
-        self.stage = Stage(cfg, source, num_samples, stage, chunks, shard=shard, tp=tp)
+        self.stage = Stage(cfg, source, num_samples, stage, chunks, shard=shard, tp=tp,
+                           leaving=lambda: self.drain.notice is not None)
 
     def pid(self) -> int:
         return os.getpid()
@@ -86,6 +87,8 @@ class StageWorker:
         # The hook sees the reply: a fault due in the next step waits until the caller has read it.
         report = self.stage.run_step(step, trace)
         report.draining = self.drain.notice
+        if report.ok:
+            self.drain.step_s = report.wall_s
         return self.stage.hook.reply(step, report)
 
     @leaves_when_out_of_memory

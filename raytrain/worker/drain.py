@@ -4,10 +4,15 @@ Clouds warn before they take a machine (a SIGTERM, then a grace period: about 30
 120 s on AWS spot), and ``ray stop`` sends one too; Ray passes a cloud's preemption notice on as a
 node drain with a deadline (``ray drain-node``), which each worker's watcher thread checks for its
 own node every NODE_POLL_S (in a thread: a step never waits on Ray's control plane). A worker told
-either way finishes the step it is in and reports the notice with that step's reply
-(``StepReport.draining``); the coordinator then re-forms the run without it at the step boundary,
-with no step redone and no wait for a failure to be detected (raytrain.control.drain). Should the coordinator never let it go, the worker exits on
-its own when the grace period ends, and the run repairs the loss as any other. Ray's own shutdown
+either way finishes the step it is in and says so in that step's vote, so that every worker
+knows the step's end is the boundary and skips a step the coordinator had sent ahead
+(raytrain.worker.stage); its reply carries the notice (``StepReport.draining``), and the coordinator
+re-forms the run without it at that boundary, with no step redone and no wait for a failure to be
+detected (raytrain.control.drain). Should the coordinator never let it go, the worker exits on its
+own when the grace period ends, and the run repairs the loss as any other. A notice whose deadline
+comes sooner than a step takes (the last step's time) cannot reach a boundary: the worker leaves at
+once, so its peers see the loss now rather than when the deadline cuts the step, and the run
+repairs it as a crash (a ``repair`` event, the step redone). Ray's own shutdown
 also SIGTERMs its workers (``ray stop``, an embedded Ray signalled as a process group): then the
 worker's raylet, its parent, goes too, and the worker exits as soon as it has (PARENT_POLL_S).
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Optional
@@ -37,6 +43,7 @@ class DrainWatch:
     def __init__(self, grace_s: float, node_id: Optional[str] = None):
         self.grace_s = grace_s
         self.notice: Optional[DrainNotice] = None
+        self.step_s = 0.0  # how long this worker's last step took (the actor sets it): what a boundary is away
         self._parent = os.getppid()
         signal.signal(signal.SIGTERM, self._on_sigterm)  # the actor's constructor runs on its main thread
         if node_id is not None:
@@ -53,14 +60,23 @@ class DrainWatch:
             except Exception:  # noqa: BLE001 - Ray's control plane unreachable now: ask again later
                 continue
             if deadline_ms is not None and self.notice is None:
-                self.notice = DrainNotice("node drain", time.time(), deadline_ms / 1000 if deadline_ms else None)
+                self._noticed(DrainNotice("node drain", time.time(), deadline_ms / 1000 if deadline_ms else None))
 
     def _on_sigterm(self, signum, frame) -> None:
         if self.notice is not None:
             os._exit(EXIT_CODE)  # told twice: no more grace
         now = time.time()
-        self.notice = DrainNotice("SIGTERM", now, now + self.grace_s)
+        self._noticed(DrainNotice("SIGTERM", now, now + self.grace_s))
         threading.Thread(target=self._exit_when_ray_goes, args=(now + self.grace_s,), daemon=True).start()
+
+    def _noticed(self, notice: DrainNotice) -> None:
+        """Keep ``notice`` for the next vote, or leave now when its deadline comes before a step could end."""
+        left_s = notice.deadline - notice.noticed_at if notice.deadline is not None else None
+        if left_s is not None and left_s < self.step_s:
+            print(f"raytrain: told to leave ({notice.why}) with {left_s:.2f} s left, less than a step "
+                  f"({self.step_s:.2f} s): leaving now; the run repairs the loss", file=sys.stderr, flush=True)
+            os._exit(EXIT_CODE)
+        self.notice = notice
 
     def _exit_when_ray_goes(self, deadline: float) -> None:
         """Exit once the grace period is over, or at once should the raylet go (Ray is shutting down)."""

@@ -63,8 +63,10 @@ class Stage:
     """The layers of one stage of one replica, and how to train them; see the module docstring."""
 
     def __init__(self, cfg: Config, source: data.DataSource, num_samples: int, stage: int, chunks: list[list[int]],
-                 make_hook: HookFactory = phase_hook, shard: int = 0, tp: int = 0):
+                 make_hook: HookFactory = phase_hook, shard: int = 0, tp: int = 0,
+                 leaving: Callable[[], bool] = lambda: False):
         self.cfg = cfg
+        self.leaving = leaving  # whether this worker was told to leave (raytrain.worker.drain): its vote says so
         self.source, self.num_samples = source, num_samples
         torch.set_num_threads(cfg.resources.cpus_per_worker)
         self.device = torch.device("cuda", 0) if cfg.resources.use_gpu else torch.device("cpu")
@@ -89,6 +91,7 @@ class Stage:
         self.held_out = HeldOutLoss(cfg, source, num_samples, self.device)
         self.committed = 0  # steps applied so far; the next step to run
         self.prepared: Optional[int] = None  # a step whose gradients are reduced but not yet applied
+        self.drain_boundary: Optional[int] = None  # a step not to run in this generation: a worker leaves before it
         self.gen: Optional[Generation] = None  # the generation this worker is a member of (None after leave)
         self.rank: Optional[int] = None  # its rank in the last generation it joined: reports after leave name it
         self.make_hook = make_hook
@@ -103,6 +106,7 @@ class Stage:
         """Leave the previous generation's groups (if any) and form ``generation``'s (collective)."""
         self.leave()
         self.joins += 1
+        self.drain_boundary = None
         replica, stage = mesh.coords(rank)
         assert (stage, mesh.shard(rank), mesh.tp_index(rank)) == (self.stage, self.shard_index, self.tp_index), \
             f"worker of stage {self.stage} shard {self.shard_index} tp {self.tp_index} placed at {mesh.label(rank)}"
@@ -179,14 +183,20 @@ class Stage:
             assert self.gen is None or step == self.committed + 1, (step, self.committed)
             return StepReport(rank=self.rank, step=step, ok=False, committed=self.committed, prepared=self.prepared,
                               error="skipped: the step before it was not committed here")
+        if step == self.drain_boundary:
+            return StepReport(rank=self.rank, step=step, ok=False, committed=self.committed, drain_skipped=True,
+                              error="skipped: a worker leaves the run before this step")
         report = StepReport(rank=self.rank, step=step, ok=False, committed=self.committed)
         try:
             self._prepare(step, trace, report)
             self.prepared = step
-            if not self._vote(report):
+            finite, report.drain_after = world_vote(share_finite(report, self.grads), self.leaving(), self.device)
+            if not finite:
                 self.prepared = None
                 report.nonfinite, report.error = True, "a loss or gradient norm was not finite"
                 return report
+            if report.drain_after:
+                self.drain_boundary = step + 1
             self.hook("optimizer", step)
             t0 = time.perf_counter()
             apply_step(self.optimizer, self.cfg.train, step)
@@ -202,22 +212,6 @@ class Stage:
             self.leave()
         report.committed, report.prepared = self.committed, self.prepared
         return report
-
-    def _vote(self, report: StepReport) -> bool:
-        """World-wide vote: its completion says everyone reduced and clipped, so everyone may step; its
-        value, the count of non-finite workers, stops the step everywhere if a loss or gradient anywhere
-        is NaN or inf."""
-        nonfinite = torch.tensor([0.0 if self._finite(report) else 1.0], device=self.device)
-        dist.all_reduce(nonfinite)
-        return not bool(nonfinite[0] > 0)
-
-    def _finite(self, report: StepReport) -> bool:
-        """Whether this worker's share of the step (its loss, its gradients) is finite."""
-        if report.loss_sum is not None and not math.isfinite(report.loss_sum):
-            return False
-        if report.grad_norm is not None:  # the global norm: every worker sees the same value
-            return math.isfinite(report.grad_norm)
-        return bool(torch.isfinite(self.grads.squared_norm()))
 
     def skip_step(self, step: int) -> int:
         """Count ``step`` as done without applying it (its vote found a non-finite value)."""
@@ -318,6 +312,26 @@ def _autocast(cfg: Config, device: torch.device):
 def _part(cfg: Config, shard: int, tp: int) -> int:
     """Which file of its stage a worker writes: one per (shard, tp rank)."""
     return shard * cfg.parallel.tp + tp
+
+
+def share_finite(report: StepReport, grads) -> bool:
+    """Whether this worker's share of the step (its loss, its gradients) is finite."""
+    if report.loss_sum is not None and not math.isfinite(report.loss_sum):
+        return False
+    if report.grad_norm is not None:  # the global norm: every worker sees the same value
+        return math.isfinite(report.grad_norm)
+    return bool(torch.isfinite(grads.squared_norm()))
+
+
+def world_vote(finite: bool, leaving: bool, device: torch.device) -> tuple[bool, bool]:
+    """The step's world-wide vote: its completion says everyone reduced and clipped, so everyone may
+    step. Its values: the count of non-finite workers, which stops the step everywhere if a loss or
+    gradient anywhere is NaN or inf; and the count of workers told to leave, which makes this step's
+    end the boundary where they go (every worker learns it in the same collective, so all of them
+    skip a step the coordinator sent ahead alike). Returns (finite everywhere, someone leaves)."""
+    counts = torch.tensor([0.0 if finite else 1.0, 1.0 if leaving else 0.0], device=device)
+    dist.all_reduce(counts)
+    return not bool(counts[0] > 0), bool(counts[1] > 0)
 
 
 def _stage_layers(cfg: Config, chunks: list[list[int]], shard: int, tp: int, device: torch.device):
