@@ -15,7 +15,7 @@ step without it committed.
     python experiments/bench_recovery.py              # the 30-step table, about 8 minutes on 2 cores
     python experiments/bench_recovery.py --only drain # some of its rows
     python experiments/bench_recovery.py --goodput    # 300-step runs: 0, 1 and 3 kills, a drain; both systems
-    python experiments/bench_recovery.py --nodes      # a node lost, then another added: grow-back
+    python experiments/bench_recovery.py --nodes      # a node lost, then another added: grow-back; both systems
 """
 
 from __future__ import annotations
@@ -202,15 +202,21 @@ def ray_train_worker_loop(loop_config):
         log.flush()
 
 
-def run_ray_train(workdir: str, progress: str, steps: int) -> None:
+def run_ray_train(workdir: str, progress: str, steps: int, address: Optional[str] = None) -> None:
+    """Ray Train V2's run (a subprocess of the benchmark): on an embedded Ray, or with ``address`` on
+    the benchmark's Cluster, one worker per node."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     TorchTrainer(
         ray_train_worker_loop, train_loop_config={"progress": progress, "steps": steps},
-        scaling_config=ScalingConfig(num_workers=(1, 2), use_gpu=False, resources_per_worker={"CPU": 1}),
+        scaling_config=ScalingConfig(num_workers=(1, 2), use_gpu=False, resources_per_worker={"CPU": 1},
+                                     placement_strategy="STRICT_SPREAD" if address else "PACK"),
         run_config=RunConfig(storage_path=workdir, name=os.path.splitext(os.path.basename(progress))[0],
                              failure_config=FailureConfig(max_failures=3)),
     ).fit()
@@ -257,6 +263,63 @@ def ray_train_recovery(workdir: str, sig: int = signal.SIGKILL, fault_steps: tup
             "steps_lost": redone, "layout_after": "restart from checkpoint", "grew_back": None, "goodput": goodput}
 
 
+def ray_train_node_lost_then_added(workdir: str, steps: int) -> dict:
+    """Ray Train V2 under raytrain_node_lost_then_added's faults: its two workers on two nodes of a
+    Cluster, the second node removed after KILL_STEP, another added a second after the group restarted.
+    Grow-back: the node added -> the first step of a two-worker group."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                            "_system_config": FAST_NODE_DEATH})
+    node = cluster.add_node(num_cpus=1)
+    progress = os.path.join(workdir, f"progress-nodes-{steps}.jsonl")
+    launched, state = time.time(), {}
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--ray-train", workdir, "--progress", progress,
+                             "--steps", str(steps), "--address", cluster.address],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 1800
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            lines = [json.loads(l) for l in open(progress).read().splitlines() if l.strip()] \
+                if os.path.exists(progress) else []
+            if "lost_at" not in state and any(l["event"] == "step" and l["step"] >= KILL_STEP for l in lines):
+                cluster.remove_node(node, allow_graceful=False)
+                state["lost_at"] = time.time()
+            restarts = [l for l in lines if l["event"] == "start" and l["time"] > state.get("lost_at", float("inf"))]
+            if not restarts and time.time() > state.get("lost_at", float("inf")) + RESTART_WAIT_S:
+                break  # it did not come back (seen once: its group hung on the lost node's worker)
+            if restarts and "added_at" not in state and time.time() > restarts[0]["time"] + 1.0:
+                cluster.add_node(num_cpus=1)
+                state["added_at"] = time.time()
+        if proc.poll() is None and "added_at" in state:
+            proc.wait(timeout=600)
+        ended = time.time()
+    finally:
+        proc.kill()
+        cluster.shutdown()
+    lines = [json.loads(l) for l in open(progress).read().splitlines() if l.strip()]
+    ordered = sorted(lines, key=lambda l: l["time"])
+    if "added_at" not in state:
+        return {"system": "Ray Train V2, node lost, then added", "kill_step": KILL_STEP, "faults": 1,
+                "detect_s": float("nan"), "repair_s": float("nan"), "kill_to_commit_s": float("nan"),
+                "steps_lost": 0, "grew_back": None, "goodput": ray_train_goodput(lines, ended - launched),
+                "layout_after": f"no restart within {RESTART_WAIT_S:.0f} s of the node's loss: stopped"}
+    lost_at, added_at = state["lost_at"], state["added_at"]
+    restart = next(l for l in ordered if l["event"] == "start" and l["time"] > lost_at)
+    wide = next(l for l in ordered if l["event"] == "start" and l["world"] == 2 and l["time"] > added_at)
+    back = next(l["time"] for l in ordered if l["event"] == "step" and l["time"] > wide["time"])
+    last_before = max(l["step"] for l in ordered if l["event"] == "step" and l["time"] < lost_at)
+    redone = (last_before - restart["step"]) + (max(l["step"] for l in ordered if l["event"] == "step"
+                                                     and l["time"] < wide["time"]) - wide["step"])
+    return {"system": "Ray Train V2, node lost, then added", "kill_step": last_before, "faults": 1,
+            "detect_s": float("nan"), "repair_s": restart["time"] - lost_at,
+            "kill_to_commit_s": next(l["time"] for l in ordered if l["event"] == "step" and l["time"] > lost_at)
+            - lost_at, "steps_lost": redone, "grew_back": None, "goodput": ray_train_goodput(lines, ended - launched),
+            "layout_after": f"1 worker, then 2 {back - added_at:.2f} s after the node was added (a restart from "
+                            "its checkpoint)"}
+
+
 def ray_train_goodput(lines: list[dict], wall_s: float) -> float:
     """Rank 0's time in the steps the run kept (each step's last run, timed from the step before it in
     the same worker group) over the trainer process's wall time."""
@@ -272,6 +335,12 @@ def ray_train_goodput(lines: list[dict], wall_s: float) -> float:
 
 LONG_STEPS = 300
 """The goodput runs' length (--goodput): one kill at step 150, three at 75, 150 and 225, a drain at 150."""
+
+
+RESTART_WAIT_S = 300.0
+"""How long Ray Train's run may take to restart after its node is lost before the benchmark gives up on it."""
+NODE_STEPS_RAY_TRAIN = 200
+"""Ray Train's node run is longer than raytrain's: it grows back only at its resize check (every 60 s)."""
 
 
 def short_runs(workdir: str, only: set) -> None:
@@ -329,9 +398,10 @@ def main() -> None:
     parser.add_argument("--ray-train", metavar="WORKDIR", help=argparse.SUPPRESS)
     parser.add_argument("--progress", metavar="FILE", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ray_train:
-        run_ray_train(args.ray_train, args.progress, args.steps)
+        run_ray_train(args.ray_train, args.progress, args.steps, args.address)
         return
     from raytrain import data
 
@@ -342,6 +412,7 @@ def main() -> None:
         elif args.nodes:
             header()
             show(raytrain_node_lost_then_added(workdir, 2 * STEPS))
+            show(ray_train_node_lost_then_added(workdir, NODE_STEPS_RAY_TRAIN))
         else:
             short_runs(workdir, {n for n in args.only.split(",") if n})
 
