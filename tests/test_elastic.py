@@ -202,7 +202,8 @@ def test_a_notice_shorter_than_a_step_leaves_at_once_and_the_run_repairs_it(ray_
     result = train(cfg)
     assert not [e for e in result.events if e["event"] == "drain"]
     (repair,) = [e for e in result.events if e["event"] == "repair"]
-    assert repair["lost"] == ["replica 1 stage 0"] and repair["step"] == 3, repair
+    # it dies as step 3 starts; its reply to step 2 may not have reached the coordinator by then
+    assert repair["lost"] == ["replica 1 stage 0"] and repair["step"] in (2, 3), repair
     assert result.committed_steps == list(range(6)) and result.worker_pids[0] in result.final_pids
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
