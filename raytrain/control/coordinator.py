@@ -232,7 +232,8 @@ class Coordinator:
         row = steps.aggregate_step(ledger.step, reports, time.perf_counter() - call.started, self.cfg,
                                    self.team.mesh(), self.layout())
         ledger.commit(ledger.step, row)
-        for drained in self.drains.committed(reports, self.team):
+        drained = self.drains.committed(reports, self.team)
+        if drained is not None:
             ledger.emit(drained)
         self.checkpoints.publish_if_written()
         if ahead is not None:

@@ -56,15 +56,14 @@ class Drains:
         self._noted.clear()
         self._event = event
 
-    def committed(self, reports: list[StepReport], team: Membership) -> list[dict]:
+    def committed(self, reports: list[StepReport], team: Membership) -> Optional[dict]:
         """After a commit: note who its replies say was told to leave; returns the held ``drain`` event
         (if this is the first step without them), with the seconds from the notice to this commit."""
         self.note(reports, team)
         event, self._event = self._event, None
-        if event is None:
-            return []
-        event["notice_to_step_s"] = round(time.time() - event["noticed_at"], 3)
-        return [event]
+        if event is not None:
+            event["notice_to_step_s"] = round(time.time() - event["noticed_at"], 3)
+        return event
 
 
 def next_move(state: Draining, team: Membership, checkpointed: bool) -> DrainMove:

@@ -35,7 +35,6 @@ class DrainBoundary(Exception):
 
     def __init__(self, step: int):
         super().__init__(f"step {step} waits for the run to re-form without the workers that leave")
-        self.step = step
 
 
 class StepLost(WorkersLost):
