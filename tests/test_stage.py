@@ -164,3 +164,21 @@ def test_a_background_write_begins_when_released_and_reports_its_result_or_its_e
 
     writer.start("ckpt/step_00000004", fail)
     assert writer.wait().error == "OSError: disk full"
+
+
+def test_a_worker_imports_torch_with_the_collector_paused_and_freezes_what_it_imported():
+    """In a fresh interpreter, as a worker process starts: afterwards the collector runs again, and the
+    imported objects (hundreds of thousands) are frozen, so a full collection no longer walks them."""
+    import subprocess
+    import sys
+
+    child = ("import gc, sys\n"
+             "from raytrain.worker.actor import import_torch_uncollected\n"
+             "assert 'torch' not in sys.modules\n"
+             "import_torch_uncollected()\n"
+             "print(gc.isenabled(), gc.get_freeze_count(), 'torch._dynamo' in sys.modules, "
+             "'raytrain.worker.stage' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=True)
+    enabled, frozen, dynamo, stage = out.stdout.split()
+    assert (enabled, dynamo, stage) == ("True", "True", "True")
+    assert int(frozen) > 100_000

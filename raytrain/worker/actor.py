@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import os
 from typing import Optional
 
@@ -21,6 +22,21 @@ from raytrain.data.atomic import atomic_path
 from raytrain.data.shards import DataSource
 from raytrain.reports import BackgroundSave, EvalReport, JoinReport, ShardReport, StepReport
 from raytrain.reports.oom import WorkerOutOfMemory, error_line, is_out_of_memory, node_memory
+
+
+def import_torch_uncollected() -> None:
+    """Import torch, dynamo (AdamW's constructor would import it) and the stage with Python's cyclic
+    collector paused, then freeze what the imports made: they build millions of objects that live as long
+    as the process, and the collector would traverse them during the imports (a quarter of a worker's
+    start-up CPU) and again on every full collection while it trains (a pause in some steps)."""
+    gc.disable()
+    try:
+        import torch._dynamo  # noqa: F401
+
+        import raytrain.worker.stage  # noqa: F401
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def leaves_when_out_of_memory(method):
@@ -50,6 +66,7 @@ def leaves_when_out_of_memory(method):
 class StageWorker:
     def __init__(self, cfg: Config, source: DataSource, num_samples: int, stage: int, chunks: list[list[int]],
                  corpus: Optional[list] = None, shard: int = 0, tp: int = 0):
+        import_torch_uncollected()
         from raytrain.worker.drain import DrainWatch
         from raytrain.worker.stage import Stage
 
