@@ -40,7 +40,8 @@ def _forkserver():
 
 
 def _run_worker(cfg, source, num_samples: int, stage_layers: list[list[list[int]]], rank: int,
-                mesh: Mesh, store, out_dir: str, resume: Optional[str], rejoin_at: Optional[int] = None) -> None:
+                mesh: Mesh, store, out_dir: str, resume: Optional[str], rejoin_at: Optional[int] = None,
+                evaluate_after: tuple[int, ...] = ()) -> None:
     from raytrain.worker.stage import Stage
 
     replica, stage_index = mesh.coords(rank)
@@ -50,7 +51,7 @@ def _run_worker(cfg, source, num_samples: int, stage_layers: list[list[list[int]
     if resume is not None:
         stage.load(resume)
     stage.join(rank, mesh, even_shares(cfg.train.global_batch, mesh.dp), store, generation=0, faults=[])
-    peak_live = 0
+    peak_live, held_out = 0, []
     for step in range(stage.committed, steps):
         if step == rejoin_at:  # a new generation: groups re-formed, a sharded or tp stage re-wrapped on them
             stage.join(rank, mesh, even_shares(cfg.train.global_batch, mesh.dp), store, generation=1, faults=[])
@@ -58,6 +59,14 @@ def _run_worker(cfg, source, num_samples: int, stage_layers: list[list[list[int]
         if not result.ok:
             raise RuntimeError(f"rank {rank} failed step {step}: {result.error}")
         peak_live = max(peak_live, result.peak_live)
+        if step + 1 in evaluate_after:
+            report = stage.evaluate()
+            if not report.ok:
+                raise RuntimeError(f"rank {rank} failed the evaluation after step {step + 1}: {report.error}")
+            if report.loss_sum is not None:  # a last stage: its sum over its replica's (shard's) rows
+                held_out.append([step + 1, report.loss_sum, report.rows])
+    with open(os.path.join(out_dir, f"held-out-{rank}.json"), "w") as f:
+        json.dump(held_out, f)
     if replica == 0:
         torch.save(stage.state.shard(), os.path.join(out_dir, f"stage{stage_index}-{shard}-{tp}.pt"))
         held = dict(zip(stage.state.names, stage.state.params))  # all this worker holds, written or not
@@ -67,10 +76,13 @@ def _run_worker(cfg, source, num_samples: int, stage_layers: list[list[list[int]
     stage.shutdown()
 
 
-def run_stages(cfg: Config, out_dir: str, rejoin_at: Optional[int] = None) -> tuple[dict[str, torch.Tensor], list[int]]:
+def run_stages(cfg: Config, out_dir: str, rejoin_at: Optional[int] = None,
+               evaluate_after: tuple[int, ...] = ()) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Train ``cfg`` (its dp x fsdp x tp x pp layout, resuming from checkpoint.resume if set) in forked
-    processes, every worker joining a second generation before step ``rejoin_at`` if set; returns the model by global name (shards reassembled) and the peak number of live
-    activations of each stage (replica 0's, shard 0's)."""
+    processes, every worker joining a second generation before step ``rejoin_at`` if set and evaluating
+    after each step of ``evaluate_after`` (``held_out_losses`` reads the results); returns the model by
+    global name (shards reassembled) and the peak number of live activations of each stage (replica 0's,
+    shard 0's)."""
     plan = prepare(cfg)
     mesh = plan.layout.mesh
     os.makedirs(out_dir, exist_ok=True)
@@ -78,7 +90,8 @@ def run_stages(cfg: Config, out_dir: str, rejoin_at: Optional[int] = None) -> tu
     store = rendezvous.address("127.0.0.1", namespace=os.path.basename(out_dir))
     ctx = _forkserver()
     procs = [ctx.Process(target=_run_worker, args=(plan.cfg, plan.source, plan.num_samples,
-                                                   plan.stage_layers, rank, mesh, store, out_dir, plan.resume, rejoin_at),
+                                                   plan.stage_layers, rank, mesh, store, out_dir, plan.resume, rejoin_at,
+                                                   evaluate_after),
                          daemon=True)
              for rank in range(mesh.world_size)]
     try:
@@ -103,3 +116,16 @@ def run_stages(cfg: Config, out_dir: str, rejoin_at: Optional[int] = None) -> tu
             peak_live.append(json.load(f)["peak_live"])
     pieces.check(out_dir)
     return pieces.tensors()["model"], peak_live
+
+
+def held_out_losses(out_dir: str) -> dict[int, tuple[float, int]]:
+    """After ``run_stages(..., evaluate_after=...)``: step -> (held-out loss, rows), summed over the
+    last stages' reports as the coordinator sums them (raytrain.control.evaluation)."""
+    sums: dict[int, list] = {}
+    for name in sorted(os.listdir(out_dir)):
+        if name.startswith("held-out-"):
+            with open(os.path.join(out_dir, name)) as f:
+                for step, loss_sum, rows in json.load(f):
+                    total = sums.setdefault(step, [0.0, 0])
+                    total[0], total[1] = total[0] + loss_sum, total[1] + rows
+    return {step: (loss_sum / rows, rows) for step, (loss_sum, rows) in sorted(sums.items())}

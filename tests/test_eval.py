@@ -22,6 +22,7 @@ from raytrain.pipeline.actions import FORWARD, RECV_F, SEND_F, Action, Placement
 from raytrain.testing.faults import PhaseHook
 from raytrain.testing.reference import reference_eval_loss, train_reference
 from raytrain.worker.stage import Stage
+from tests.forked_stages import held_out_losses, run_stages
 from tests.helpers import (FakeWorkerGroup, assert_replicas_identical, assert_same_params, chain, fake_config,
                            fake_eval_loss, reference_state)
 
@@ -211,13 +212,28 @@ LAYOUTS = {
     "pp2-gpipe-m2": ["parallel.pp=2", "parallel.schedule=gpipe", "parallel.microbatches=2"],
     "dp2xpp2-m2": ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"],
     "fsdp2": ["parallel.fsdp=2"],
+    "tp2-pp2": ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
+                "resources.placement_strategy=STRICT_PACK"],
     # two chunks per worker in a V: worker 0 holds the first and the last stage, so it reports the loss
     "pp2-zbv-m2": ["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.microbatches=2"],
 }
+ON_ACTORS = ("dp1", "dp2xpp2-m2")
+"""Layouts whose evaluations also run on actors, through the coordinator to the summary and progress line."""
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_eval_loss_is_the_same_in_every_layout(ray_session, make_config, layout):
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout not in ON_ACTORS])
+def test_eval_loss_is_the_same_in_every_layout(make_config, layout, tmp_path):
+    """The stages run in forked processes (tests/forked_stages.py): the code a StageWorker hosts."""
+    cfg = make_config(*EVAL, *LAYOUTS[layout])
+    out_dir = str(tmp_path / "stages")
+    run_stages(cfg, out_dir, evaluate_after=(2, 4))
+    held_out = held_out_losses(out_dir)
+    assert list(held_out) == [2, 4] and all(rows == 16 for _, rows in held_out.values())
+    assert [loss for loss, _ in held_out.values()] == pytest.approx(reference_eval_losses(cfg), rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", ON_ACTORS)
+def test_eval_loss_on_actors_is_the_reference_and_is_reported_everywhere(ray_session, make_config, layout):
     cfg = make_config(*EVAL, *LAYOUTS[layout])
     out = io.StringIO()
     result = train(cfg, stream=out)
