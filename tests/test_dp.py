@@ -4,9 +4,9 @@ import pytest
 
 from raytrain import checkpoint, train
 from tests.helpers import assert_same_params, reference_state
-@pytest.mark.parametrize("dp", [1, 4])  # dp=2: test_dp2_follows_the_reference_step_by_step
-def test_dp_matches_single_process(ray_session, make_config, dp):
-    cfg = make_config(f"parallel.dp={dp}")
+def test_dp4_matches_single_process(ray_session, make_config):
+    """dp=2: test_dp2_follows_the_reference_step_by_step; dp=1 on actors: tests/test_eval.py's dp1 run."""
+    cfg = make_config("parallel.dp=4")
     result = train(cfg)
     assert result.steps == 5 and len(result.metrics) == 5
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
