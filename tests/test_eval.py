@@ -218,7 +218,8 @@ LAYOUTS = {
     "pp2-zbv-m2": ["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.microbatches=2"],
 }
 ON_ACTORS = ("dp1", "dp2xpp2-m2")
-"""Layouts whose evaluations also run on actors, through the coordinator to the summary and progress line."""
+"""Layouts evaluated on actors, through the coordinator to the summary and the progress line (the others
+in forked stages)."""
 
 
 @pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout not in ON_ACTORS])

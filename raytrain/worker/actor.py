@@ -26,9 +26,9 @@ from raytrain.reports.oom import WorkerOutOfMemory, error_line, is_out_of_memory
 
 def import_torch_uncollected() -> None:
     """Import torch, dynamo (AdamW's constructor would import it) and the stage with Python's cyclic
-    collector paused, then freeze what the imports made: they build millions of objects that live as long
-    as the process, and the collector would traverse them during the imports (a quarter of a worker's
-    start-up CPU) and again on every full collection while it trains (a pause in some steps)."""
+    collector paused, then freeze what the imports made: they build about half a million objects that live
+    as long as the process, and the collector would traverse them during the imports (a sixth of the
+    imports' CPU) and again on every full collection while the worker trains (a pause in some steps)."""
     gc.disable()
     try:
         import torch._dynamo  # noqa: F401
