@@ -16,6 +16,7 @@ step without it committed.
     python experiments/bench_recovery.py --only drain # some of its rows
     python experiments/bench_recovery.py --goodput    # 300-step runs: 0, 1 and 3 kills, a drain; both systems
     python experiments/bench_recovery.py --nodes      # a node lost, then another added: grow-back; both systems
+    python experiments/bench_recovery.py --nodes --only raytrain --repeats 5   # raytrain's grow-back, 5 runs
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -392,7 +394,8 @@ def goodput_runs(workdir: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated rows of the 30-step table: shrink, replace, "
-                        "standby, pp, drain, fault-free, ray-train (default: all)")
+                        "standby, pp, drain, fault-free, ray-train (default: all); with --nodes: raytrain")
+    parser.add_argument("--repeats", type=int, default=1, help="with --nodes: raytrain's runs (default 1)")
     parser.add_argument("--goodput", action="store_true", help=f"the {LONG_STEPS}-step goodput runs instead")
     parser.add_argument("--nodes", action="store_true", help="a node lost, then another added (grow-back) instead")
     parser.add_argument("--ray-train", metavar="WORKDIR", help=argparse.SUPPRESS)
@@ -400,6 +403,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.nodes and args.only not in ("", "raytrain"):
+        parser.error(f"--only {args.only} with --nodes: give --only raytrain (its runs alone), or no --only")
     if args.ray_train:
         run_ray_train(args.ray_train, args.progress, args.steps, args.address)
         return
@@ -410,11 +415,21 @@ def main() -> None:
         if args.goodput:
             goodput_runs(workdir)
         elif args.nodes:
-            header()
-            show(raytrain_node_lost_then_added(workdir, 2 * STEPS))
-            show(ray_train_node_lost_then_added(workdir, NODE_STEPS_RAY_TRAIN))
+            node_runs(workdir, args.repeats, with_ray_train=args.only != "raytrain")
         else:
             short_runs(workdir, {n for n in args.only.split(",") if n})
+
+
+def node_runs(workdir: str, repeats: int, with_ray_train: bool) -> None:
+    """A node lost, then another added: raytrain ``repeats`` times (the median grow-back printed after
+    more than one), then Ray Train V2 once."""
+    header()
+    grow_backs = [show(raytrain_node_lost_then_added(workdir, 2 * STEPS))["grow_back_s"] for _ in range(repeats)]
+    if repeats > 1:
+        print(f"raytrain grow-back, node added -> first step at dp=2: median {statistics.median(grow_backs):.2f} s, "
+              f"max {max(grow_backs):.2f} s, runs {' '.join(f'{g:.2f}' for g in grow_backs)}", flush=True)
+    if with_ray_train:
+        show(ray_train_node_lost_then_added(workdir, NODE_STEPS_RAY_TRAIN))
 
 
 def header() -> None:
