@@ -405,6 +405,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.nodes and args.only not in ("", "raytrain"):
         parser.error(f"--only {args.only} with --nodes: give --only raytrain (its runs alone), or no --only")
+    if args.repeats < 1 or (args.repeats > 1 and not args.nodes):
+        parser.error(f"--repeats {args.repeats}: give a count >= 1, with --nodes (the other tables run once)")
     if args.ray_train:
         run_ray_train(args.ray_train, args.progress, args.steps, args.address)
         return
