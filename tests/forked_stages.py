@@ -65,8 +65,9 @@ def _run_worker(cfg, source, num_samples: int, stage_layers: list[list[list[int]
                 raise RuntimeError(f"rank {rank} failed the evaluation after step {step + 1}: {report.error}")
             if report.loss_sum is not None:  # a last stage: its sum over its replica's (shard's) rows
                 held_out.append([step + 1, report.loss_sum, report.rows])
-    with open(os.path.join(out_dir, f"held-out-{rank}.json"), "w") as f:
-        json.dump(held_out, f)
+    if evaluate_after:
+        with open(os.path.join(out_dir, f"held-out-{rank}.json"), "w") as f:
+            json.dump(held_out, f)
     if replica == 0:
         torch.save(stage.state.shard(), os.path.join(out_dir, f"stage{stage_index}-{shard}-{tp}.pt"))
         held = dict(zip(stage.state.names, stage.state.params))  # all this worker holds, written or not
