@@ -2,10 +2,10 @@
 
 A Ray worker spends about 3 s of CPU starting (a Python process, ``import torch``, and the
 ``torch._dynamo`` import that AdamW's constructor triggers), so a grid of layouts on actors costs
-tens of seconds on 2 cores. Here one forkserver imports all that once and forks every worker in
-milliseconds. The workers run the very code a ``StageWorker`` hosts (``join`` then ``run_step`` per
-step, with the same store, mesh, shares and stage cut as a raytrain run); what Ray adds (placement,
-the coordinator's messages, repair) is tested on real actors elsewhere.
+tens of seconds on 2 cores. Here one forkserver imports all that once (``tests.forked_preload``) and
+forks every worker in milliseconds. The workers run the very code a ``StageWorker`` hosts (``join``
+then ``run_step`` per step, with the same store, mesh, shares and stage cut as a raytrain run); what
+Ray adds (placement, the coordinator's messages, repair) is tested on real actors elsewhere.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ def _forkserver():
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        # Imported once in the server, inherited by every fork. (AdamW's constructor imports torch._dynamo.)
-        _context.set_forkserver_preload(["raytrain.worker.stage", "torch._dynamo"])
+        _context.set_forkserver_preload(["tests.forked_preload"])  # imported once, inherited by every fork
     return _context
 
 
