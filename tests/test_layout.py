@@ -157,3 +157,15 @@ def test_a_tp_rank_holds_its_heads_of_each_fused_part_and_the_ranks_tile_every_t
         cells = [(i, j) for t in range(2) for box in local_boxes(plan, name, shape, 2, t)
                  for i in range(*box[0]) for j in range(*box[1])]
         assert sorted(cells) == [(i, j) for i in range(shape[0]) for j in range(shape[1])]
+
+
+def test_a_head_is_split_by_vocabulary_only_where_tp_divides_it():
+    from raytrain.config.schema import ModelConfig
+    from raytrain.models.layers import Head
+    from raytrain.models.tensor_plan import layer_plan, local_boxes, plan_problem
+
+    head = Head(ModelConfig(d_model=8, n_head=2, vocab_size=258))
+    assert layer_plan(head, 2) == {"lm_head": ("vocab_parallel", 1)}
+    assert local_boxes(layer_plan(head, 2), "lm_head.weight", (258, 8), 2, 1) == [((129, 258), (0, 8))]
+    assert layer_plan(head, 4) == {} and plan_problem([head], 4) == "no layer declares a tensor-parallel plan (a tp_plan attribute)"
+    assert plan_problem([head], 2) is None

@@ -107,10 +107,12 @@ def test_seeded_by_the_next_stages_gradient():
 
 
 def test_a_tensor_parallel_stage_splits_too(tmp_path):
-    # parallelize_module's DTensor parameters (a tp mesh of one rank: the graph of tp=2, in one process)
+    # parallelize_module's DTensor parameters (a tp mesh of one rank: the graph of tp=2, in one process),
+    # the head's logits split by vocabulary and the loss on them in loss_parallel, as the executor runs it
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
 
     from raytrain.worker.tensor_parallel import parallelize_layers
 
@@ -121,12 +123,13 @@ def test_a_tensor_parallel_stage_splits_too(tmp_path):
         twin = copy.deepcopy(stage)
         stage, twin = (nn.Sequential(*parallelize_layers(list(s), mesh)) for s in (stage, twin))
         inp = x.clone().requires_grad_()
-        _loss(stage, loss_fn, inp, y, False).backward()
         inp2 = x.clone().requires_grad_()
         weights = list(twin.parameters())
-        grad, weight_half = backward_input(_loss(twin, loss_fn, inp2, y, False), None, inp2, weights)
-        assert len(weight_half._calls) > 0 and all(w.grad is None for w in weights), "it fell back to one backward"
-        weight_half.run()
+        with loss_parallel():
+            _loss(stage, loss_fn, inp, y, False).backward()
+            grad, weight_half = backward_input(_loss(twin, loss_fn, inp2, y, False), None, inp2, weights)
+            assert len(weight_half._calls) > 0 and all(w.grad is None for w in weights), "it fell back to one backward"
+            weight_half.run()
         torch.testing.assert_close(grad, inp.grad, rtol=0, atol=0)
         assert any(isinstance(w, DTensor) for w in weights)
         whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731 - norms stay plain

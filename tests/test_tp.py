@@ -43,8 +43,9 @@ def test_tensor_parallel_layouts_match_single_process(make_config, tmp_path, lay
     cfg = make_config(*layout, TP, "train.steps=3")
     model, _ = run_stages(cfg, str(tmp_path))
     assert_same_params(model, reference_state(cfg))
-    # the parameters every tp rank holds the same part of (norms, embedding, head, rowwise biases) stayed
-    # identical; only tp rank 0 writes them
+    # the parameters every tp rank holds the same part of (norms, embedding, rowwise biases) stayed
+    # identical; only tp rank 0 writes them. The head is split by vocabulary (its loss is vocab-parallel).
+    every_split = set()
     for stage in range(cfg.parallel.pp):
         for shard in range(cfg.parallel.fsdp):
             files = [torch.load(tmp_path / f"stage{stage}-{shard}-{t}.pt", weights_only=True) for t in (0, 1)]
@@ -52,7 +53,9 @@ def test_tensor_parallel_layouts_match_single_process(make_config, tmp_path, lay
             split, same = set(files[1]["model"]), set(held[1]) - set(files[1]["model"])
             assert set(files[0]["model"]) == set(held[0]) == split | same and split and same
             assert all(torch.equal(held[0][n], held[1][n]) for n in same)
-            assert all(n.rsplit(".", 2)[1] in ("qkv", "proj", "fc", "out") for n in split), split
+            assert all(n.rsplit(".", 2)[1] in ("qkv", "proj", "fc", "out", "lm_head") for n in split), split
+            every_split |= split
+    assert any(n.endswith("lm_head.weight") for n in every_split), every_split
 
 
 def test_bf16_autocast_runs_inside_the_tensor_parallel_layers_with_fp32_master_weights(make_config, tmp_path):
@@ -149,6 +152,14 @@ def test_a_factory_model_splits_by_the_plan_its_layers_declare(make_config, tmp_
     assert {n.rsplit(".", 2)[1] for n in files[1]["model"]} == {"up", "down"}, set(files[1]["model"])
 
 
+ADAM_EPS_RTOL = {"phi": 5e-5}
+"""Phi's first attention output weight has one element (of 1024) whose first gradient is about a quarter
+of AdamW's eps (its step was 0.20 lr, not lr): there a rounding difference in the gradient (the
+vocab-parallel loss sums in another order) moves the step by 2% of lr, which is 2.6e-5 of that small
+tensor's norm (measured at tp=2 and fsdp=2 x tp=2; every other parameter within 1e-5). Llama and the
+built-in GPT are held to 1e-5."""
+
+
 @pytest.mark.parametrize("family, layout", [
     ("llama", ("parallel.tp=2", "train.grad_clip=0.05")),
     ("llama", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),
@@ -170,15 +181,18 @@ def test_a_factory_model_splits_by_the_plan_its_layers_declare(make_config, tmp_
         "phi3-tp2-pp2"])
 def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_process(make_config, tmp_path, family,
                                                                                   layout):
-    # the family's base_model_tp_plan (q/k/v, gate/up colwise; o/down rowwise) on each decoder layer
+    # the family's base_model_tp_plan (q/k/v, gate/up colwise; o/down rowwise) on each decoder layer, and
+    # the output head split by vocabulary (a vocab-parallel loss) on the stage that holds it
     path = write_hf_model(tmp_path / "model", family)
     cfg = make_config(f"model.hf={path}", *layout, TP, "train.steps=3", LONG_RUN_LR)
     model, _ = run_stages(cfg, str(tmp_path / "run"))
-    assert_same_hf_params(model, reference_state(cfg))
+    assert_same_hf_params(model, reference_state(cfg), rtol=ADAM_EPS_RTOL.get(family, 1e-5))
     files = [torch.load(tmp_path / "run" / f"stage0-0-{t}.pt", weights_only=True) for t in (0, 1)]
     split = set(files[1]["model"])
     planned = {name.rsplit(".", 1)[1] for name, (style, _) in decoder_layer_plan(hf_config(family)).items()
                if style != GRAD_SUM}  # whole on each rank: rank 0 writes them
+    if cfg.parallel.pp == 1:
+        planned.add("head")
     assert split and {n.rsplit(".", 2)[1] for n in split} == planned, split
 
 

@@ -284,11 +284,15 @@ def _attention_type(layer: nn.Module, config, index: int) -> str:
 
 
 class HFHead(nn.Module):
-    """Hidden states -> logits: the final norm and the output head."""
+    """Hidden states -> logits: the final norm and the output head. Under parallel.tp the head is split by
+    vocabulary and the loss computed on the split logits (raytrain.models.tensor_plan), unless it is tied
+    to the input embedding, which every rank holds whole."""
 
     def __init__(self, parts: DecoderParts):
         super().__init__()
         self.norm, self.head = parts.norm, parts.head
+        tied = getattr(parts.head, "weight", None) is getattr(parts.embed, "weight", False)
+        self.tp_plan = {} if tied or not isinstance(parts.head, nn.Linear) else {"head": ("vocab_parallel", 1)}
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(h_BTD))

@@ -74,6 +74,10 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
+    tp_plan = {"lm_head": ("vocab_parallel", 1)}
+    """Under parallel.tp the head is split by vocabulary and the loss computed on the split logits
+    (raytrain.models.tensor_plan)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ln = nn.LayerNorm(cfg.d_model)

@@ -12,6 +12,10 @@ norm applied to each head (Qwen3's q_norm) sees only the rank's heads, so each r
 but the first gathers its output whole on every rank and the second takes a whole input and splits it
 (transformers' styles of the same names): for a layer whose code between them needs whole activations
 (OLMo 2's q/k norms over all heads at once, Phi-3's fused q/k/v cut apart by width).
+``vocab_parallel`` splits an output head by vocabulary as ``colwise`` does and leaves its logits split:
+the loss is computed on them where they lie (torch's ``loss_parallel``), so no rank holds a whole
+batch x sequence x vocabulary of logits. It is a preference, not a requirement: where tp does not divide
+the vocabulary, the head stays whole (``layer_plan`` drops it).
 
 A model.factory layer declares the same form (README: "Any model"); ``plan_problem`` checks it on the
 driver before any actor starts. Its ``forward`` must read its local widths from what its colwise
@@ -31,7 +35,8 @@ Box = tuple[tuple[int, int], ...]
 """[start, stop) per dim of the whole tensor."""
 Plan = dict[str, tuple[str, int]]
 """Submodule name -> (one of STYLES, fused parts)."""
-COLWISE_STYLES = ("colwise", "colwise_gather_output")
+VOCAB_PARALLEL = "vocab_parallel"
+COLWISE_STYLES = ("colwise", "colwise_gather_output", VOCAB_PARALLEL)
 """Split by output features (a weight's dim 0, with its bias)."""
 ROWWISE_STYLES = ("rowwise", "rowwise_split_input")
 """Split by input features (a weight's dim 1; the bias whole)."""
@@ -39,16 +44,30 @@ GRAD_SUM = "replicated_grad_sum"
 STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, GRAD_SUM)
 
 
-def layer_plan(layer) -> Plan:
-    """A layer's tensor-parallel plan (empty: every parameter replicated)."""
-    return dict(getattr(layer, "tp_plan", {}))
+def layer_plan(layer, tp: int = 1) -> Plan:
+    """A layer's tensor-parallel plan at ``tp`` ranks (empty: every parameter replicated), without the
+    ``vocab_parallel`` heads whose vocabulary ``tp`` does not divide: they stay whole."""
+    plan = dict(getattr(layer, "tp_plan", {}))
+    for name, entry in list(plan.items()):
+        if isinstance(entry, tuple) and entry[:1] == (VOCAB_PARALLEL,) and _linear_width(layer, name) % tp:
+            del plan[name]
+    return plan
+
+
+def _linear_width(layer, name: str) -> int:
+    """The out_features of the linear ``name`` of ``layer`` (0 when it names none: plan_problem says so)."""
+    try:
+        module = layer.get_submodule(name)
+    except AttributeError:
+        return 0
+    return module.out_features if isinstance(module, nn.Linear) else 0
 
 
 def plan_problem(layers: list[nn.Module], tp: int) -> Optional[str]:
     """Why ``tp`` ranks cannot split these layers by their ``tp_plan`` (None when they can): no layer
     declares one, or one names a style it does not know, a split submodule that is not a linear, or
     widths that 1/tp of each part does not divide."""
-    planned = [(i, layer_plan(layer)) for i, layer in enumerate(layers) if layer_plan(layer)]
+    planned = [(i, layer_plan(layer, tp)) for i, layer in enumerate(layers) if layer_plan(layer, tp)]
     if not planned:
         return "no layer declares a tensor-parallel plan (a tp_plan attribute)"
     for i, plan in planned:

@@ -10,13 +10,15 @@ runs lives in one ``StepBuffers``; nothing outlives the step but the gradients i
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from raytrain.pipeline import split_backward
 from raytrain.pipeline.actions import COMPUTE, Action, ActionKind
@@ -54,13 +56,16 @@ class StepBuffers:
 class PlanExecutor:
     """Executes a worker's plan (``Generation.plan``) one step at a time on its layers: ``module``, whose
     model chunks are ``chunks`` (``[module]`` without virtual stages; ``cut_into_chunks`` views, or FSDP2
-    roots of their own)."""
+    roots of their own). ``loss_context``: what the loss and the last chunk's backward run in (torch's
+    ``loss_parallel`` under tensor parallelism, where the head's logits stay split by vocabulary)."""
 
     def __init__(self, module: nn.Module, chunks: list[nn.Module], loss_fn: Callable, grads: GradientBuckets,
-                 device: torch.device, autocast: Callable[[], Any], global_batch: int):
+                 device: torch.device, autocast: Callable[[], Any], global_batch: int,
+                 loss_context: Callable[[], ContextManager] = contextlib.nullcontext):
         self.module, self.chunks, self.loss_fn, self.grads = module, chunks, loss_fn, grads
         self.chunk_params = [list(chunk.parameters()) for chunk in self.chunks]
         self.device, self.autocast, self.global_batch = device, autocast, global_batch
+        self.loss_context = loss_context
         self._handlers = {
             ActionKind.RECV_F: self._recv_activation,
             ActionKind.FORWARD: self._forward,
@@ -119,8 +124,10 @@ class PlanExecutor:
         with self.autocast():
             out = self.chunks[a.chunk](inp)
         if place.is_last:
-            loss = self.loss_fn(out, buf.y[lo:hi])
-            buf.loss_sum += loss.detach() * (hi - lo)
+            with self.loss_context():
+                loss = self.loss_fn(out, buf.y[lo:hi])
+            value = loss.detach()
+            buf.loss_sum += (value.full_tensor() if isinstance(value, DTensor) else value) * (hi - lo)
             out = loss * ((hi - lo) / self.global_batch)  # share of the global batch: grads then just sum
         buf.outputs[key] = out
         buf.peak_live = max(buf.peak_live, len(buf.outputs) + len(buf.weight_halves))
@@ -142,12 +149,13 @@ class PlanExecutor:
         place, key = buf.gen.chunks[a.chunk], (a.chunk, a.mb)
         out = buf.outputs.pop(key)
         out_grad = None if place.is_last else buf.output_grads.pop(key)
-        if key in buf.gen.split:
-            input_grad, buf.weight_halves[key] = split_backward.backward_input(
-                out, out_grad, buf.inputs.pop(key), self.chunk_params[a.chunk])
-        else:
-            out.backward(out_grad)
-            input_grad = None if place.is_first else buf.inputs.pop(key).grad
+        with self._around_loss(a.chunk, buf):
+            if key in buf.gen.split:
+                input_grad, buf.weight_halves[key] = split_backward.backward_input(
+                    out, out_grad, buf.inputs.pop(key), self.chunk_params[a.chunk])
+            else:
+                out.backward(out_grad)
+                input_grad = None if place.is_first else buf.inputs.pop(key).grad
         if place.prev_chunk is not None:  # the previous chunk is this worker's: hand the gradient back
             buf.output_grads[(place.prev_chunk, a.mb)] = input_grad
         elif input_grad is not None:
@@ -158,7 +166,12 @@ class PlanExecutor:
         buf.sends.append(dist.isend(buf.input_grads.pop((a.chunk, a.mb)).contiguous(), dst=dst))
 
     def _weight_gradients(self, a: Action, buf: StepBuffers) -> None:
-        buf.weight_halves.pop((a.chunk, a.mb)).run()
+        with self._around_loss(a.chunk, buf):
+            buf.weight_halves.pop((a.chunk, a.mb)).run()
+
+    def _around_loss(self, chunk: int, buf: StepBuffers) -> ContextManager:
+        """The loss's context for a backward through it (the last chunk's), else none."""
+        return self.loss_context() if buf.gen.chunks[chunk].is_last else contextlib.nullcontext()
 
 
 def cut_into_chunks(module: nn.Module, chunk_lengths: Optional[list[int]]) -> list[nn.Module]:

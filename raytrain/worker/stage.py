@@ -27,6 +27,7 @@ unless the fault library armed it for this worker.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import math
@@ -38,6 +39,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
 
 from raytrain import checkpoint, data
 from raytrain.config import Config
@@ -131,7 +133,8 @@ class Stage:
 
     def _executor(self, module: nn.Module, chunks: list[nn.Module]) -> PlanExecutor:
         return PlanExecutor(module, chunks, self.loss_fn, self.grads, self.device, _autocast(self.cfg, self.device),
-                            self.cfg.train.global_batch)
+                            self.cfg.train.global_batch,
+                            loss_parallel if self.cfg.parallel.tp > 1 else contextlib.nullcontext)
 
     def leave(self) -> None:
         """Drop this worker's process groups (after a failure they may be broken); state stays.

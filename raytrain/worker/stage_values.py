@@ -21,8 +21,8 @@ def tp_parts(meta_layers: list[nn.Module], tp: int, index: int) -> list[tuple[li
     tp == 1, ``(None, False)`` each."""
     if tp == 1:
         return [(None, False)] * sum(1 for layer in meta_layers for _ in layer.parameters())
-    return [(local_boxes(layer_plan(layer), name, tuple(p.shape), tp, index),
-             split_of(layer_plan(layer), name) is not None)
+    return [(local_boxes(layer_plan(layer, tp), name, tuple(p.shape), tp, index),
+             split_of(layer_plan(layer, tp), name) is not None)
             for layer in meta_layers for name, p in layer.named_parameters()]
 
 

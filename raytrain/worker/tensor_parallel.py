@@ -41,7 +41,7 @@ from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed
-from raytrain.models.tensor_plan import Box, layer_plan
+from raytrain.models.tensor_plan import VOCAB_PARALLEL, Box, layer_plan
 from raytrain.worker.executor import cut_into_chunks
 from raytrain.worker.groups import Groups
 from raytrain.worker.gradsync import all_reduce_flat, squared_norms_by_split, sum_over_tp
@@ -53,6 +53,7 @@ STYLES = {
     "rowwise": RowwiseParallel,
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    VOCAB_PARALLEL: lambda: ColwiseParallel(use_local_output=False),  # logits stay a DTensor: loss_parallel's input
 }
 """raytrain.models.tensor_plan's split styles as torch's; the whole-module one needs no parallelising."""
 
@@ -65,7 +66,8 @@ def local_part(value: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
 def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh) -> list[nn.Module]:
     """Apply each layer's plan (raytrain.models.tensor_plan) over ``tp_mesh``, in place; the layers."""
     for layer in layers:
-        plan = {name: STYLES[style]() for name, (style, _) in layer_plan(layer).items() if style in STYLES}
+        plan = {name: STYLES[style]() for name, (style, _) in layer_plan(layer, tp_mesh.size()).items()
+                if style in STYLES}
         if plan:  # every rank holds the same (meta) values: no scatter from a source rank
             parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
     return layers
