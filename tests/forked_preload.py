@@ -13,10 +13,14 @@ import gc
 gc.disable()
 try:
     import torch._dynamo  # noqa: F401
-    import transformers.modeling_utils  # noqa: F401
 
     import raytrain.worker.stage  # noqa: F401
     import tests.forked_stages  # noqa: F401
+
+    try:
+        import transformers.modeling_utils  # noqa: F401
+    except ImportError:  # without transformers the Hugging Face tests skip themselves
+        pass
 finally:
     gc.freeze()
     gc.enable()

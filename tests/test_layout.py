@@ -159,7 +159,9 @@ def test_a_tp_rank_holds_its_heads_of_each_fused_part_and_the_ranks_tile_every_t
         assert sorted(cells) == [(i, j) for i in range(shape[0]) for j in range(shape[1])]
 
 
-def test_a_head_is_split_by_vocabulary_only_where_tp_divides_it():
+def test_a_head_is_split_by_vocabulary_only_where_tp_divides_it_and_it_is_not_tied():
+    from torch import nn
+
     from raytrain.config.schema import ModelConfig
     from raytrain.models.layers import Head
     from raytrain.models.tensor_plan import layer_plan, local_boxes, plan_problem
@@ -167,5 +169,10 @@ def test_a_head_is_split_by_vocabulary_only_where_tp_divides_it():
     head = Head(ModelConfig(d_model=8, n_head=2, vocab_size=258))
     assert layer_plan(head, 2) == {"lm_head": ("vocab_parallel", 1)}
     assert local_boxes(layer_plan(head, 2), "lm_head.weight", (258, 8), 2, 1) == [((129, 258), (0, 8))]
-    assert layer_plan(head, 4) == {} and plan_problem([head], 4) == "no layer declares a tensor-parallel plan (a tp_plan attribute)"
+    assert layer_plan(head, 4) == {} and "vocabulary tp=4 does not divide" in plan_problem([head], 4)
     assert plan_problem([head], 2) is None
+    head.tp_plan = {"lm_head": ("vocab_parallel", 2)}
+    assert "give ('vocab_parallel', 1)" in plan_problem([head], 2)
+    embedding, head.tp_plan = nn.Embedding(258, 8), Head.tp_plan
+    embedding.weight = head.lm_head.weight  # tied: the embedding needs it whole on every rank
+    assert "tied to another parameter" in plan_problem([embedding, head], 2)

@@ -36,10 +36,18 @@ def test_the_state_is_16_bytes_per_owned_parameter_and_fsdp_adds_the_gathered_la
     assert "checkpoint snapshot" in background.describe() and "snapshot" not in sharded.describe()
 
 
-def test_tensor_parallelism_divides_the_blocks_state_but_not_the_embedding_and_head():
-    # COUNTS' first and last layers are the built-in GPT's embedding and head: whole on every tp rank
+def test_tensor_parallelism_divides_the_blocks_state_and_a_head_split_by_vocabulary():
+    # COUNTS' first and last layers are an embedding (whole on every tp rank) and a head: whole too,
+    # unless split by vocabulary, which also splits its logits
     split = estimate(COUNTS, pp=1, fsdp=1, micro_batch=8, microbatches=1, schedule="1f1b", widths=None, tp=2)
     assert split.state == 16 * (COUNTS[0] + sum(COUNTS[1:-1]) / 2 + COUNTS[-1]) and split.unsharded == 0
+    head = estimate(COUNTS, pp=1, fsdp=1, micro_batch=8, microbatches=1, schedule="1f1b", widths=None, tp=2,
+                    head_split=True)
+    assert head.state == 16 * (COUNTS[0] + sum(COUNTS[1:]) / 2)
+    wide = Widths(width=64, heads=4, seq_len=16, vocab=50_000)  # logits dominate the activations
+    whole_logits, split_logits = (estimate(COUNTS, pp=1, fsdp=1, micro_batch=8, microbatches=1, schedule="1f1b",
+                                           widths=wide, tp=2, head_split=h).activations for h in (False, True))
+    assert whole_logits - split_logits == 4.0 * 2 * 8 * 16 * 50_000 / 2
 
 
 def test_activations_follow_the_schedule_and_activation_checkpointing():

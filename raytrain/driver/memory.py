@@ -35,14 +35,18 @@ def worker_memory_bytes(cfg: Config) -> Optional[float]:
 
 
 def layout_memory(cfg: Config, layout: Layout, layer_params: list[int]) -> WorkerMemory:
-    """The estimate for the fullest worker of ``layout`` (its cuts, if chosen) over these layers."""
+    """The estimate for the fullest worker of ``layout`` (its cuts, if chosen) over these layers. The
+    built-in GPT's head splits by vocabulary where tp divides it; a Hugging Face or model.factory head is
+    counted whole (an overestimate where it splits: an untied head, raytrain.models.tensor_plan)."""
     m = cfg.model
     widths = None if m.factory is not None else Widths(m.d_model, m.n_head, m.seq_len, m.vocab_size)
     micro_batch = max(1, cfg.train.global_batch // (layout.mesh.columns * layout.microbatches))
+    builtin = m.factory is None and m.hf is None
     return estimate(layer_params, pp=layout.pp, fsdp=layout.fsdp, micro_batch=micro_batch,
                     microbatches=layout.microbatches, schedule=layout.schedule, widths=widths,
                     recompute=cfg.train.activation_checkpointing, cuts=layout.cuts,
-                    async_save=cfg.checkpoint.async_save, tp=layout.tp, virtual_stages=layout.virtual_stages)
+                    async_save=cfg.checkpoint.async_save, tp=layout.tp, virtual_stages=layout.virtual_stages,
+                    head_split=builtin and layout.tp > 1 and m.vocab_size % layout.tp == 0)
 
 
 def check_run_memory(cfg: Config, layout: Layout) -> None:

@@ -101,15 +101,17 @@ def stage_bounds(layer_params: list[int], pp: int, cuts: Optional[tuple[int, ...
 def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, microbatches: int, schedule: str,
              widths: Optional[Widths], recompute: bool = False,
              cuts: Optional[tuple[int, ...]] = None, async_save: bool = False, tp: int = 1,
-             virtual_stages: int = 1) -> WorkerMemory:
+             virtual_stages: int = 1, head_split: bool = False) -> WorkerMemory:
     """The fullest worker's needs when the model's layers (their parameter counts, in order) are cut
     into ``pp`` x ``virtual_stages`` chunks, each worker holding ``virtual_stages`` of them, and each
     sharded ``fsdp`` ways; ``micro_batch`` rows per micro-batch. With ``tp`` > 1 each layer between the
-    first and the last (the built-in GPT's blocks; its embedding and head stay whole on every tp rank)
-    holds a ``1 / tp`` part."""
+    first and the last (the blocks) holds a ``1 / tp`` part; the embedding stays whole on every tp rank,
+    and so does the head unless ``head_split`` (split by vocabulary, with its logits)."""
     chunks = stage_bounds(layer_params, pp * virtual_stages, cuts)
     last_layer = len(layer_params) - 1
-    layer_params = [n if i in (0, last_layer) else n / tp for i, n in enumerate(layer_params)]
+    whole = (0,) if head_split else (0, last_layer)
+    layer_params = [n if i in whole else n / tp for i, n in enumerate(layer_params)]
+    logits_part = tp if head_split else 1
     worst = WorkerMemory(0.0, 0.0, 0.0)
     for index, held in enumerate(_worker_chunks(chunks, pp, virtual_stages, schedule)):
         params = [n for first, end in held for n in layer_params[first:end]]
@@ -120,7 +122,7 @@ def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, m
         live = _live_microbatches(pp, index, microbatches, schedule, virtual_stages)
         last = any(end == len(layer_params) for _, end in held)  # it computes the logits
         layers = max(end - first for first, end in held)
-        activations = _activations(widths, micro_batch, layers, recompute, last, live) if widths else 0.0
+        activations = _activations(widths, micro_batch, layers, recompute, last, live, logits_part) if widths else 0.0
         snapshot = SNAPSHOT_BYTES_PER_PARAM * sum(params) / fsdp if async_save else 0.0
         candidate = WorkerMemory(state, unsharded, activations, snapshot)
         worst = candidate if candidate.total > worst.total else worst
@@ -145,12 +147,14 @@ def _live_microbatches(pp: int, stage: int, microbatches: int, schedule: str, vi
     return microbatches if schedule == "gpipe" else min(microbatches, pp - stage)
 
 
-def _activations(w: Widths, micro_batch: int, layers: int, recompute: bool, last: bool, live: int) -> float:
+def _activations(w: Widths, micro_batch: int, layers: int, recompute: bool, last: bool, live: int,
+                 logits_part: int = 1) -> float:
     """fp32 bytes that ``live`` micro-batches leave for backward in ``layers`` transformer layers (the
-    embedding and the head count as layers: a slight overestimate)."""
+    embedding and the head count as layers: a slight overestimate); a worker holds 1 / ``logits_part`` of
+    the logits (a head split by vocabulary)."""
     tokens = micro_batch * w.seq_len
     full = ACTIVATION_VALUES_PER_TOKEN_WIDTH * tokens * w.width + 5 * w.heads * tokens * w.seq_len
-    logits = 2 * tokens * w.vocab if last else 0  # the logits and their gradient
+    logits = 2 * tokens * w.vocab / logits_part if last else 0  # the logits and their gradient
     if recompute:  # each layer's input is kept; backward rebuilds one layer of one micro-batch at a time
         return 4.0 * (live * (layers * tokens * w.width + logits) + full)
     return 4.0 * live * (layers * full + logits)

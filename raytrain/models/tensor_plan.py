@@ -27,6 +27,7 @@ worker's file, and a tp worker loads its boxes from any layout's. No torch.distr
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional
 
 from torch import nn
@@ -65,32 +66,47 @@ def _linear_width(layer, name: str) -> int:
 
 def plan_problem(layers: list[nn.Module], tp: int) -> Optional[str]:
     """Why ``tp`` ranks cannot split these layers by their ``tp_plan`` (None when they can): no layer
-    declares one, or one names a style it does not know, a split submodule that is not a linear, or
-    widths that 1/tp of each part does not divide."""
+    declares one (that applies at ``tp``), or one names a style it does not know, a split submodule that
+    is not a linear, widths that 1/tp of each part does not divide, or a vocab_parallel head that is
+    fused or tied to another parameter (an input embedding, which every rank holds whole)."""
     planned = [(i, layer_plan(layer, tp)) for i, layer in enumerate(layers) if layer_plan(layer, tp)]
     if not planned:
+        if any(getattr(layer, "tp_plan", None) for layer in layers):
+            return (f"the only plans declared are vocab_parallel heads, whose vocabulary tp={tp} does not divide: "
+                    "declare a tp_plan on the blocks, or pick a tp that divides the vocabulary")
         return "no layer declares a tensor-parallel plan (a tp_plan attribute)"
+    shared = Counter(id(p) for layer in layers for _, p in layer.named_parameters(remove_duplicate=False))
     for i, plan in planned:
         for name, entry in plan.items():
-            where = f"layer {i}'s tp_plan[{name!r}]"
-            if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0] in STYLES
-                    and isinstance(entry[1], int) and entry[1] >= 1):
-                return f"{where} is {entry!r}; give (one of {' | '.join(map(repr, STYLES))}, fused parts >= 1)"
-            try:
-                module = layers[i].get_submodule(name)
-            except AttributeError:
-                module = None
-            if entry[0] == GRAD_SUM:
-                if module is None:
-                    return f"{where} names no submodule of that layer"
-                continue
-            if not isinstance(module, nn.Linear):
-                return f"{where} names no nn.Linear of that layer"
-            style, parts = entry
-            width, what = ((module.out_features, "out_features") if style in COLWISE_STYLES
-                           else (module.in_features, "in_features"))
-            if width % (parts * tp):
-                return f"{where}: {name}.{what}={width} does not split into {parts} part(s) of tp={tp} slices"
+            problem = _entry_problem(layers[i], f"layer {i}'s tp_plan[{name!r}]", name, entry, tp, shared)
+            if problem is not None:
+                return problem
+    return None
+
+
+def _entry_problem(layer: nn.Module, where: str, name: str, entry, tp: int, shared: Counter) -> Optional[str]:
+    """Why one entry of a layer's plan cannot apply at ``tp`` ranks (None when it can)."""
+    if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0] in STYLES
+            and isinstance(entry[1], int) and entry[1] >= 1):
+        return f"{where} is {entry!r}; give (one of {' | '.join(map(repr, STYLES))}, fused parts >= 1)"
+    try:
+        module = layer.get_submodule(name)
+    except AttributeError:
+        module = None
+    if entry[0] == GRAD_SUM:
+        return f"{where} names no submodule of that layer" if module is None else None
+    if not isinstance(module, nn.Linear):
+        return f"{where} names no nn.Linear of that layer"
+    style, parts = entry
+    if style == VOCAB_PARALLEL and parts != 1:
+        return f"{where} is {entry!r}: a head split by vocabulary is one projection; give ({VOCAB_PARALLEL!r}, 1)"
+    if style == VOCAB_PARALLEL and shared[id(module.weight)] > 1:
+        return (f"{where}: {name}.weight is tied to another parameter (an input embedding, which every tp rank "
+                "holds whole); leave the entry out of that layer's tp_plan to keep the head whole")
+    width, what = ((module.out_features, "out_features") if style in COLWISE_STYLES
+                   else (module.in_features, "in_features"))
+    if width % (parts * tp):
+        return f"{where}: {name}.{what}={width} does not split into {parts} part(s) of tp={tp} slices"
     return None
 
 

@@ -14,7 +14,7 @@ the values and AdamW's state are plain tensors that survive a re-forming.
 
 Gradients: a split parameter's gradient is its DTensor gradient's local part (redistributed to the
 parameter's own placement first, should autograd leave it partial); a replicated parameter (norms,
-embedding, head, rowwise biases) sees the same full activations and output gradients on every tp rank
+embedding, a head tp cannot split by vocabulary, rowwise biases) sees the same full activations and output gradients on every tp rank
 (ColwiseParallel all-reduces its input's gradient), so its gradient is whole and identical there, but
 for a per-head norm's (``replicated_grad_sum``: each rank's covers its heads), summed over the tp
 group. With dp > 1 they are summed over the dp group (``TensorParallelGrads``). The global norm counts the split
