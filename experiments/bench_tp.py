@@ -15,6 +15,12 @@ worker, with ratios against raytrain's tp=2.
 
     python experiments/bench_tp.py                 # about 6 minutes on 2 cores
     python experiments/bench_tp.py --repeats 1 --steps 6
+
+``--vocab N`` measures the head split by vocabulary instead: tp=2 on the same blocks with a vocabulary
+of N (tp divides it: the head and its logits split, the loss in ``loss_parallel``) against N + 1 (tp
+does not divide it: the head stays whole on both ranks), the peer and the other layouts left out.
+
+    python experiments/bench_tp.py --vocab 65536 --repeats 1 --steps 5
 """
 
 from __future__ import annotations
@@ -40,11 +46,18 @@ WARM_UP_STEPS = 2
 """Steps not timed on the peer (raytrain's Result leaves out its first step, which pays for warm-up)."""
 
 
-def run_layout(name: str, steps: int, workdir: str) -> dict:
+def vocab_layouts(vocab: int) -> dict[str, list[str]]:
+    """tp=2 with the head split by vocabulary (``vocab``), and with it whole (``vocab`` + 1, which tp=2
+    does not divide)."""
+    return {"tp=2": [*LAYOUTS["tp=2"], f"model.vocab_size={vocab}"],
+            "tp=2, head whole": [*LAYOUTS["tp=2"], f"model.vocab_size={vocab + 1}"]}
+
+
+def run_layout(name: str, overrides: list[str], steps: int, workdir: str) -> dict:
     from raytrain import train
     from raytrain.config import load_config
 
-    cfg = load_config(None, MODEL + LAYOUTS[name] + [
+    cfg = load_config(None, MODEL + overrides + [
         f"train.steps={steps}", f"train.global_batch={BATCH}", "train.lr=1e-3", "run.trace_steps=0",
         f"run.dir={workdir}", "checkpoint.every=0", "resources.step_timeout_s=600"])
     result = train(cfg, stream=open(os.devnull, "w"))
@@ -107,21 +120,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peer", action="store_true", help="run as one process of the torchrun script")
+    parser.add_argument("--vocab", type=int, help="tp=2 with the head split by this vocabulary against it whole")
     args = parser.parse_args()
     if args.peer:
         peer_main(args.steps)
         return
     if args.steps <= WARM_UP_STEPS:
         parser.error(f"--steps must exceed the {WARM_UP_STEPS} warm-up steps")
+    if args.vocab is not None and (args.vocab < 256 or args.vocab % 2):
+        parser.error("--vocab must be even (tp=2 divides it) and at least 256 (the built-in corpus's bytes)")
+    layouts = vocab_layouts(args.vocab) if args.vocab else {**LAYOUTS, PEER: []}
     import ray
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as workdir:
         for _ in range(args.repeats):
-            for name in [*LAYOUTS, PEER]:
+            for name, overrides in layouts.items():
                 print(f"running {name} ...", file=sys.stderr, flush=True)
-                run = run_peer(args.steps) if name == PEER else run_layout(name, args.steps, workdir)
+                run = run_peer(args.steps) if name == PEER else run_layout(name, overrides, args.steps, workdir)
                 runs.setdefault(name, []).append(run)
     ray.shutdown()
     report(runs)
