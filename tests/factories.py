@@ -73,3 +73,11 @@ class PlansItsNorm(GatedMLP):
 def plan_names_a_norm(cfg):
     """A plan that names a LayerNorm, which tensor parallelism cannot split as a linear."""
     return [nn.Embedding(cfg.vocab_size, cfg.d_model), PlansItsNorm(cfg.d_model, 64), nn.Linear(cfg.d_model, cfg.vocab_size)]
+
+
+def sequence_parallel_block_after_a_plain_embedding(cfg):
+    """The built-in GPT's block, which runs on a tp rank's share of the tokens, after an embedding that
+    does not split them: sequence parallelism cannot apply."""
+    from raytrain.models.layers import Block, Head
+
+    return [nn.Embedding(cfg.vocab_size, cfg.d_model), Block(cfg), Head(cfg)]

@@ -72,7 +72,8 @@ def _run_worker(cfg, source, num_samples: int, stage_layers: list[list[list[int]
         held = dict(zip(stage.state.names, stage.state.params))  # all this worker holds, written or not
         torch.save(held, os.path.join(out_dir, f"stage{stage_index}-{shard}-{tp}-held.pt"))
         with open(os.path.join(out_dir, f"stage{stage_index}-{shard}-{tp}.json"), "w") as f:
-            json.dump({"peak_live": peak_live}, f)
+            tails = [list(chunk.input_tail) if chunk.input_tail else None for chunk in stage.gen.chunks]
+            json.dump({"peak_live": peak_live, "input_tails": tails}, f)
     stage.shutdown()
 
 

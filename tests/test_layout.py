@@ -163,16 +163,22 @@ def test_a_head_is_split_by_vocabulary_only_where_tp_divides_it_and_it_is_not_ti
     from torch import nn
 
     from raytrain.config.schema import ModelConfig
-    from raytrain.models.layers import Head
+    from raytrain.models.layers import Embedding, Head
     from raytrain.models.tensor_plan import layer_plan, local_boxes, plan_problem
 
-    head = Head(ModelConfig(d_model=8, n_head=2, vocab_size=258))
-    assert layer_plan(head, 2) == {"lm_head": ("vocab_parallel", 1)}
+    cfg = ModelConfig(d_model=8, n_head=2, vocab_size=258)
+    embedding, head = Embedding(cfg), Head(cfg)
+    assert layer_plan(head, 2) == {"ln": ("sequence_parallel", 1), "lm_head": ("vocab_parallel", 1)}
     assert local_boxes(layer_plan(head, 2), "lm_head.weight", (258, 8), 2, 1) == [((129, 258), (0, 8))]
-    assert layer_plan(head, 4) == {} and "vocabulary tp=4 does not divide" in plan_problem([head], 4)
-    assert plan_problem([head], 2) is None
-    head.tp_plan = {"lm_head": ("vocab_parallel", 2)}
-    assert "give ('vocab_parallel', 1)" in plan_problem([head], 2)
-    embedding, head.tp_plan = nn.Embedding(258, 8), Head.tp_plan
-    embedding.weight = head.lm_head.weight  # tied: the embedding needs it whole on every rank
-    assert "tied to another parameter" in plan_problem([embedding, head], 2)
+    # whole at tp=4, and taking every rank's tokens (its norm ran on this rank's)
+    assert layer_plan(head, 4) == {"ln": ("sequence_parallel", 1), "lm_head": ("sequence_gather", 1)}
+    assert plan_problem([embedding, head], 2) is None and plan_problem([embedding, head], 4) is None
+    assert "layer 0 takes the tokens split" in plan_problem([head], 2)  # no layer before it split them
+    bare = nn.Sequential()
+    bare.lm_head, bare.tp_plan = nn.Linear(8, 258), {"lm_head": ("vocab_parallel", 1)}
+    assert layer_plan(bare, 4) == {} and "vocabulary tp=4 does not divide" in plan_problem([bare], 4)
+    bare.tp_plan = {"lm_head": ("vocab_parallel", 2)}
+    assert "give ('vocab_parallel', 1)" in plan_problem([bare], 2)
+    embedding, bare.tp_plan = nn.Embedding(258, 8), {"lm_head": ("vocab_parallel", 1)}
+    embedding.weight = bare.lm_head.weight  # tied: the embedding needs it whole on every rank
+    assert "tied to another parameter" in plan_problem([embedding, bare], 2)

@@ -1,6 +1,7 @@
 """Tensor parallelism (parallel.tp: DTensor colwise/rowwise over each block of the built-in GPT): the
 same math as one process in every composition, layout-independent checkpoints, and bad input refused."""
 
+import json
 import os
 import subprocess
 import sys
@@ -56,6 +57,9 @@ def test_tensor_parallel_layouts_match_single_process(make_config, tmp_path, lay
             assert all(n.rsplit(".", 2)[1] in ("qkv", "proj", "fc", "out", "lm_head") for n in split), split
             every_split |= split
     assert any(n.endswith("lm_head.weight") for n in every_split), every_split
+    # sequence parallelism: between stages (and chunks) a tp rank holds its half of the tokens
+    tails = [t for s in range(cfg.parallel.pp) for t in json.loads((tmp_path / f"stage{s}-0-1.json").read_text())["input_tails"]]
+    assert [t for t in tails if t is not None] == [[16 // 2, 32]] * (cfg.parallel.pp * cfg.parallel.virtual_stages - 1)
 
 
 def test_bf16_autocast_runs_inside_the_tensor_parallel_layers_with_fp32_master_weights(make_config, tmp_path):

@@ -506,6 +506,9 @@ class Config:
             require(m.n_head % tp == 0, "parallel.tp", tp,
                     f"does not divide model.n_head={m.n_head} (each tp rank runs n_head / tp heads; model.d_model "
                     f"and the MLP width 4 x d_model then divide too); use a divisor of {m.n_head}")
+            require(m.seq_len % tp == 0, "parallel.tp", tp,
+                    f"does not divide model.seq_len={m.seq_len}: between its split layers each tp rank holds "
+                    "seq_len / tp of every sample's tokens (sequence parallelism); use a tp that divides it")
         require(self.resources.placement_strategy == "STRICT_PACK", "resources.placement_strategy",
                 self.resources.placement_strategy, f"parallel.tp={tp} needs its workers on one node (a tp group "
                 "talks on every layer); set resources.placement_strategy=STRICT_PACK")

@@ -30,6 +30,10 @@ def cross_entropy_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> to
 
 
 class Embedding(nn.Module):
+    tp_plan = {"": ("sequence_scatter", 1)}
+    """Under parallel.tp each rank keeps its share of the tokens (sequence parallelism: the blocks' norms
+    and residuals run on them, raytrain.models.tensor_plan)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -49,7 +53,8 @@ class Block(nn.Module):
     one contiguous third; ``forward`` reads the head count from what ``qkv`` returns, so a rank runs its
     n_head / tp heads and one process all of them, with the same arithmetic."""
 
-    tp_plan = {"qkv": ("colwise", 3), "proj": ("rowwise", 1), "fc": ("colwise", 1), "out": ("rowwise", 1)}
+    tp_plan = {"ln1": ("sequence_parallel", 1), "qkv": ("colwise", 3), "proj": ("rowwise", 1),
+               "ln2": ("sequence_parallel", 1), "fc": ("colwise", 1), "out": ("rowwise", 1)}
     """Submodule -> (style, fused parts): how parallel.tp splits this block's linears."""
 
     def __init__(self, cfg: ModelConfig):
@@ -63,8 +68,8 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x_BTD.shape
         qkv = self.qkv(self.ln1(x_BTD))  # (B, T, 3 * H * Dh): H is n_head / tp under tensor parallelism
+        B, T, _ = qkv.shape  # every token: under sequence parallelism x holds this rank's T / tp
         q, k, v = qkv.split(qkv.size(-1) // 3, dim=2)
         H = q.size(-1) // self.head_dim
         q, k, v = (t.view(B, T, H, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
@@ -74,7 +79,7 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    tp_plan = {"lm_head": ("vocab_parallel", 1)}
+    tp_plan = {"ln": ("sequence_parallel", 1), "lm_head": ("vocab_parallel", 1)}
     """Under parallel.tp the head is split by vocabulary and the loss computed on the split logits
     (raytrain.models.tensor_plan)."""
 

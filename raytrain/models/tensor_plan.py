@@ -17,6 +17,14 @@ the loss is computed on them where they lie (torch's ``loss_parallel``), so no r
 batch x sequence x vocabulary of logits. It is a preference, not a requirement: where tp does not divide
 the vocabulary, the head stays whole (``layer_plan`` drops it).
 
+Sequence parallelism (Megatron's, as torchtitan applies it): a layer whose plan has a ``sequence_*`` entry
+keeps its activations outside the split linears split by tokens, each rank holding seq_len / tp of every
+sample's. Its ``sequence_parallel`` norms run on the rank's tokens, its colwise linears all-gather their
+input and its rowwise ones reduce-scatter their output (instead of all-reducing it), ``sequence_scatter``
+(``""``: the layer itself) keeps the rank's tokens of a whole output (the embedding's) and
+``sequence_gather`` gathers a whole module's input (a head tp cannot split by vocabulary). A whole
+model's layers must agree (the built-in GPT's do), since pipeline stages pass the split activations on.
+
 A model.factory layer declares the same form (README: "Any model"); ``plan_problem`` checks it on the
 driver before any actor starts. Its ``forward`` must read its local widths from what its colwise
 linears return (a tp rank runs 1/tp of the heads), as ``Block.forward`` does.
@@ -42,7 +50,16 @@ COLWISE_STYLES = ("colwise", "colwise_gather_output", VOCAB_PARALLEL)
 ROWWISE_STYLES = ("rowwise", "rowwise_split_input")
 """Split by input features (a weight's dim 1; the bias whole)."""
 GRAD_SUM = "replicated_grad_sum"
-STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, GRAD_SUM)
+SEQUENCE_STYLES = ("sequence_parallel", "sequence_scatter", "sequence_gather")
+"""Whole on every rank, between split layers: a norm run on the rank's tokens, a layer (``""``) whose
+output each rank keeps only its tokens of, a module whose input is gathered from every rank's tokens."""
+STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, GRAD_SUM, *SEQUENCE_STYLES)
+
+
+def sequence_parallel(plan: Plan) -> bool:
+    """Whether a layer's activations between its split linears are split by tokens (its colwise linears
+    then gather their input, its rowwise ones reduce-scatter their output)."""
+    return any(style in SEQUENCE_STYLES for style, _ in plan.values())
 
 
 def layer_plan(layer, tp: int = 1) -> Plan:
@@ -52,6 +69,8 @@ def layer_plan(layer, tp: int = 1) -> Plan:
     for name, entry in list(plan.items()):
         if isinstance(entry, tuple) and entry[:1] == (VOCAB_PARALLEL,) and _linear_width(layer, name) % tp:
             del plan[name]
+            if sequence_parallel(plan):  # the whole head still takes every rank's tokens
+                plan[name] = ("sequence_gather", 1)
     return plan
 
 
@@ -81,6 +100,28 @@ def plan_problem(layers: list[nn.Module], tp: int) -> Optional[str]:
             problem = _entry_problem(layers[i], f"layer {i}'s tp_plan[{name!r}]", name, entry, tp, shared)
             if problem is not None:
                 return problem
+    return _token_split_problem([layer_plan(layer, tp) for layer in layers])
+
+
+def _token_split_problem(plans: list[Plan]) -> Optional[str]:
+    """Why the layers' sequence-parallel entries do not agree (None when they do): a layer that scatters the
+    tokens, then only sequence-parallel layers, the last of which gathers them again (a head)."""
+    split = False
+    for i, plan in enumerate(plans):
+        styles = {entry[0] for entry in plan.values()}
+        if "sequence_scatter" in styles:
+            if split:
+                return f"layer {i} scatters the tokens ('sequence_scatter') that an earlier layer already split"
+            split = True
+        elif split != sequence_parallel(plan):
+            return (f"layer {i} {'takes' if sequence_parallel(plan) else 'does not take'} the tokens split, but the "
+                    f"layers before it {'do not split' if not split else 'split'} them: a sequence-parallel model "
+                    "starts with a 'sequence_scatter' layer and every later layer declares sequence_* entries")
+        if split and styles & {"sequence_gather", VOCAB_PARALLEL}:
+            split = False  # a head: its input gathered from every rank's tokens
+    if split:
+        return ("the last layer leaves the tokens split: end a sequence-parallel model with a head that gathers "
+                "them (a 'vocab_parallel' or 'sequence_gather' entry)")
     return None
 
 
@@ -93,7 +134,7 @@ def _entry_problem(layer: nn.Module, where: str, name: str, entry, tp: int, shar
         module = layer.get_submodule(name)
     except AttributeError:
         module = None
-    if entry[0] == GRAD_SUM:
+    if entry[0] == GRAD_SUM or entry[0] in SEQUENCE_STYLES:
         return f"{where} names no submodule of that layer" if module is None else None
     if not isinstance(module, nn.Linear):
         return f"{where} names no nn.Linear of that layer"
@@ -121,7 +162,7 @@ def split_of(plan: Plan, param_name: str) -> Optional[tuple[str, int, int]]:
         return style, parts, 0
     if style in ROWWISE_STYLES:
         return (style, parts, 1) if leaf == "weight" else None
-    if style == GRAD_SUM:
+    if style == GRAD_SUM or style in SEQUENCE_STYLES:
         return None
     raise ValueError(f"unknown tensor-parallel style {style!r} for {module}")
 

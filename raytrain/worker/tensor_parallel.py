@@ -33,15 +33,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 
 from raytrain.checkpoint.assemble import slices_entry
 from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed
-from raytrain.models.tensor_plan import VOCAB_PARALLEL, Box, layer_plan
+from raytrain.models.tensor_plan import VOCAB_PARALLEL, Box, layer_plan, sequence_parallel
 from raytrain.worker.executor import cut_into_chunks
 from raytrain.worker.groups import Groups
 from raytrain.worker.gradsync import all_reduce_flat, squared_norms_by_split, sum_over_tp
@@ -56,6 +57,20 @@ STYLES = {
     VOCAB_PARALLEL: lambda: ColwiseParallel(use_local_output=False),  # logits stay a DTensor: loss_parallel's input
 }
 """raytrain.models.tensor_plan's split styles as torch's; the whole-module one needs no parallelising."""
+TOKENS = Shard(1)
+"""Activations split by tokens (batch, sequence, width): between the split linears of a sequence-parallel layer."""
+SEQUENCE_STYLES = {
+    "colwise": lambda: ColwiseParallel(input_layouts=TOKENS),
+    "rowwise": lambda: RowwiseParallel(output_layouts=TOKENS),
+    VOCAB_PARALLEL: lambda: ColwiseParallel(input_layouts=TOKENS, use_local_output=False),
+    "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
+    "sequence_scatter": lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=TOKENS,
+                                                    use_local_output=True),
+    "sequence_gather": lambda: PrepareModuleInput(input_layouts=TOKENS, desired_input_layouts=Replicate(),
+                                                  use_local_output=True),
+}
+"""The same styles in a sequence-parallel layer (raytrain.models.tensor_plan.sequence_parallel), as torchtitan
+applies them: colwise linears all-gather the tokens, rowwise ones reduce-scatter to them."""
 
 
 def local_part(value: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
@@ -66,10 +81,14 @@ def local_part(value: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
 def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh) -> list[nn.Module]:
     """Apply each layer's plan (raytrain.models.tensor_plan) over ``tp_mesh``, in place; the layers."""
     for layer in layers:
-        plan = {name: STYLES[style]() for name, (style, _) in layer_plan(layer, tp_mesh.size()).items()
-                if style in STYLES}
-        if plan:  # every rank holds the same (meta) values: no scatter from a source rank
-            parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
+        plan = layer_plan(layer, tp_mesh.size())
+        styles = SEQUENCE_STYLES if sequence_parallel(plan) else STYLES
+        parallel = {name: styles[style]() for name, (style, _) in plan.items() if style in styles}
+        whole = parallel.pop("", None)  # a style of the layer itself
+        if whole is not None:
+            parallelize_module(layer, tp_mesh, whole, src_data_rank=None)
+        if parallel:  # every rank holds the same (meta) values: no scatter from a source rank
+            parallelize_module(layer, tp_mesh, parallel, src_data_rank=None)
     return layers
 
 
