@@ -168,12 +168,14 @@ def test_a_head_is_split_by_vocabulary_only_where_tp_divides_it_and_it_is_not_ti
 
     cfg = ModelConfig(d_model=8, n_head=2, vocab_size=258)
     embedding, head = Embedding(cfg), Head(cfg)
-    assert layer_plan(head, 2) == {"ln": ("sequence_parallel", 1), "lm_head": ("vocab_parallel", 1)}
+    assert layer_plan(head, 2) == {"lm_head": ("vocab_parallel", 1)} and layer_plan(head, 4) == {}
     assert local_boxes(layer_plan(head, 2), "lm_head.weight", (258, 8), 2, 1) == [((129, 258), (0, 8))]
-    # whole at tp=4, and taking every rank's tokens (its norm ran on this rank's)
-    assert layer_plan(head, 4) == {"ln": ("sequence_parallel", 1), "lm_head": ("sequence_gather", 1)}
-    assert plan_problem([embedding, head], 2) is None and plan_problem([embedding, head], 4) is None
-    assert "layer 0 takes the tokens split" in plan_problem([head], 2)  # no layer before it split them
+    # with sequence parallelism its norm runs on the rank's tokens; whole at tp=4, it takes every rank's
+    assert layer_plan(head, 2, sequence=True) == {"ln": ("sequence_parallel", 1), "lm_head": ("vocab_parallel", 1)}
+    assert layer_plan(head, 4, sequence=True) == {"ln": ("sequence_parallel", 1), "lm_head": ("sequence_gather", 1)}
+    for tp in (2, 4):
+        assert plan_problem([embedding, head], tp, sequence=True) is None
+    assert "layer 0 takes the tokens split" in plan_problem([head], 2, sequence=True)  # nothing before split them
     bare = nn.Sequential()
     bare.lm_head, bare.tp_plan = nn.Linear(8, 258), {"lm_head": ("vocab_parallel", 1)}
     assert layer_plan(bare, 4) == {} and "vocabulary tp=4 does not divide" in plan_problem([bare], 4)

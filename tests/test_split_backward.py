@@ -121,7 +121,7 @@ def test_a_tensor_parallel_stage_splits_too(tmp_path):
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
         stage, loss_fn, x, y = _stage_and_batch()
         twin = copy.deepcopy(stage)
-        stage, twin = (nn.Sequential(*parallelize_layers(list(s), mesh)) for s in (stage, twin))
+        stage, twin = (nn.Sequential(*parallelize_layers(list(s), mesh, sequence=False)) for s in (stage, twin))
         inp = x.clone().requires_grad_()
         inp2 = x.clone().requires_grad_()
         weights = list(twin.parameters())

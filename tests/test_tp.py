@@ -21,25 +21,33 @@ TP = "resources.placement_strategy=STRICT_PACK"
 """A tp group stays on one node: parallel.tp > 1 needs it."""
 
 
+SP = "parallel.sequence_parallel=true"
+"""Norms and residuals on each tp rank's half of the tokens."""
+
+
 @pytest.mark.parametrize("layout", [
     ("parallel.tp=2",),
+    ("parallel.tp=2", SP),
     ("parallel.tp=2", "train.grad_clip=0.05"),  # every step clipped: the global norm counts each gradient once
     ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"),
+    ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", SP, "train.grad_clip=0.05"),
     ("parallel.dp=2", "parallel.tp=2", "train.grad_clip=0.05"),
-    ("parallel.tp=2", "train.activation_checkpointing=true"),
+    ("parallel.tp=2", "train.activation_checkpointing=true", SP),
     ("parallel.fsdp=2", "parallel.tp=2", "train.grad_clip=0.05"),  # 2-D: FSDP2 over the tp parts
+    ("parallel.fsdp=2", "parallel.tp=2", SP),
     ("parallel.dp=2", "parallel.fsdp=2", "parallel.tp=2"),  # HSDP over the tp parts: a (replicate, shard, tp) mesh
     ("parallel.fsdp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"),  # each stage 2-D
     # the B/W split over DTensor's graph (tests/test_split_backward.py checks that it splits)
-    ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=4", "parallel.split_backward=true"),
+    ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=4", "parallel.split_backward=true", SP),
     # two chunks per worker, each split over tp: the V's hand-off and its split backwards over DTensor
     # (on 8 layers: every worker holds a block)
     ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=4", "parallel.schedule=zbv", "parallel.virtual_stages=2",
-     "model.n_layer=6"),
+     "model.n_layer=6", SP),
     ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=interleaved_1f1b",
      "parallel.virtual_stages=2", "model.n_layer=6"),
-], ids=["tp2", "tp2-clipped", "tp2-pp2", "dp2-tp2-clipped", "tp2-recompute", "fsdp2-tp2-clipped", "dp2-fsdp2-tp2",
-        "fsdp2-tp2-pp2", "tp2-pp2-split-backward", "tp2-pp2-zbv", "tp2-pp2-interleaved"])
+], ids=["tp2", "tp2-sp", "tp2-clipped", "tp2-pp2", "tp2-pp2-sp-clipped", "dp2-tp2-clipped", "tp2-recompute-sp",
+        "fsdp2-tp2-clipped", "fsdp2-tp2-sp", "dp2-fsdp2-tp2", "fsdp2-tp2-pp2", "tp2-pp2-split-backward-sp",
+        "tp2-pp2-zbv-sp", "tp2-pp2-interleaved"])
 def test_tensor_parallel_layouts_match_single_process(make_config, tmp_path, layout):
     cfg = make_config(*layout, TP, "train.steps=3")
     model, _ = run_stages(cfg, str(tmp_path))
@@ -57,9 +65,10 @@ def test_tensor_parallel_layouts_match_single_process(make_config, tmp_path, lay
             assert all(n.rsplit(".", 2)[1] in ("qkv", "proj", "fc", "out", "lm_head") for n in split), split
             every_split |= split
     assert any(n.endswith("lm_head.weight") for n in every_split), every_split
-    # sequence parallelism: between stages (and chunks) a tp rank holds its half of the tokens
+    # between stages (and chunks) a tp rank holds its half of the tokens with sequence parallelism, else all
     tails = [t for s in range(cfg.parallel.pp) for t in json.loads((tmp_path / f"stage{s}-0-1.json").read_text())["input_tails"]]
-    assert [t for t in tails if t is not None] == [[16 // 2, 32]] * (cfg.parallel.pp * cfg.parallel.virtual_stages - 1)
+    tokens = 16 // 2 if cfg.parallel.sequence_parallel else 16
+    assert [t for t in tails if t is not None] == [[tokens, 32]] * (cfg.parallel.pp * cfg.parallel.virtual_stages - 1)
 
 
 def test_bf16_autocast_runs_inside_the_tensor_parallel_layers_with_fp32_master_weights(make_config, tmp_path):

@@ -148,6 +148,10 @@ class ParallelConfig:
     virtual_stages: int = 1
     """Model chunks each pipeline worker holds (stages pp apart, or the V's): interleaved_1f1b and zbv's smaller
     bubble, for more and smaller messages and more activations held."""
+    sequence_parallel: bool = False
+    """With parallel.tp: between its split linears each tp rank holds seq_len / tp of the tokens (norms and
+    residuals on them; all-gathers and reduce-scatters instead of all-reduces): less activation memory for
+    more, smaller messages (raytrain.models.tensor_plan)."""
     split_backward: bool = False
     """Stages after the first send their input gradient before computing weight gradients (W actions):
     a shorter cool-down per step for more memory and per-layer autograd overhead (experiments/RESULTS.md)."""
@@ -499,16 +503,21 @@ class Config:
 
     def _check_tensor_parallel(self):
         """parallel.tp splits the heads and MLP columns of the built-in GPT (or a plan's linears), on one node."""
-        tp, m = self.parallel.tp, self.model
+        tp, m, sequence = self.parallel.tp, self.model, self.parallel.sequence_parallel
+        require(not sequence or tp > 1, "parallel.sequence_parallel", True,
+                "it splits the tokens between tp ranks: set parallel.tp > 1, or leave it false")
+        require(not (sequence and m.hf is not None), "parallel.sequence_parallel", True,
+                "a Hugging Face decoder layer builds its mask and rotary from every token, so only the built-in "
+                "GPT and a model.factory's layers with sequence_* plan entries split them; leave it false")
         if tp == 1:
             return
         if m.hf is None and m.factory is None:  # the others' plans are checked when the driver builds them
             require(m.n_head % tp == 0, "parallel.tp", tp,
                     f"does not divide model.n_head={m.n_head} (each tp rank runs n_head / tp heads; model.d_model "
                     f"and the MLP width 4 x d_model then divide too); use a divisor of {m.n_head}")
-            require(m.seq_len % tp == 0, "parallel.tp", tp,
-                    f"does not divide model.seq_len={m.seq_len}: between its split layers each tp rank holds "
-                    "seq_len / tp of every sample's tokens (sequence parallelism); use a tp that divides it")
+            require(not sequence or m.seq_len % tp == 0, "parallel.tp", tp,
+                    f"does not divide model.seq_len={m.seq_len}: with parallel.sequence_parallel each tp rank holds "
+                    "seq_len / tp of every sample's tokens; use a tp that divides it, or sequence_parallel=false")
         require(self.resources.placement_strategy == "STRICT_PACK", "resources.placement_strategy",
                 self.resources.placement_strategy, f"parallel.tp={tp} needs its workers on one node (a tp group "
                 "talks on every layer); set resources.placement_strategy=STRICT_PACK")

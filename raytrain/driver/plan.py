@@ -234,7 +234,7 @@ def _check_factory_plan(cfg: Config, layers: list) -> None:
     """parallel.tp > 1 needs the factory's layers to declare a plan their linears fit."""
     from raytrain.models.tensor_plan import plan_problem
 
-    problem = plan_problem(layers, cfg.parallel.tp) if cfg.parallel.tp > 1 else None
+    problem = plan_problem(layers, cfg.parallel.tp, cfg.parallel.sequence_parallel) if cfg.parallel.tp > 1 else None
     if problem is not None:
         raise ValueError(f"parallel.tp={cfg.parallel.tp}: model.factory={cfg.model.factory!r} cannot be split: "
                          f"{problem}. Declare tp_plan on its layers (README: Any model) or use parallel.fsdp")

@@ -17,7 +17,8 @@ the loss is computed on them where they lie (torch's ``loss_parallel``), so no r
 batch x sequence x vocabulary of logits. It is a preference, not a requirement: where tp does not divide
 the vocabulary, the head stays whole (``layer_plan`` drops it).
 
-Sequence parallelism (Megatron's, as torchtitan applies it): a layer whose plan has a ``sequence_*`` entry
+Sequence parallelism (parallel.sequence_parallel; Megatron's, as torchtitan applies it): a layer whose
+plan has a ``sequence_*`` entry
 keeps its activations outside the split linears split by tokens, each rank holding seq_len / tp of every
 sample's. Its ``sequence_parallel`` norms run on the rank's tokens, its colwise linears all-gather their
 input and its rowwise ones reduce-scatter their output (instead of all-reducing it), ``sequence_scatter``
@@ -62,10 +63,12 @@ def sequence_parallel(plan: Plan) -> bool:
     return any(style in SEQUENCE_STYLES for style, _ in plan.values())
 
 
-def layer_plan(layer, tp: int = 1) -> Plan:
+def layer_plan(layer, tp: int = 1, sequence: bool = False) -> Plan:
     """A layer's tensor-parallel plan at ``tp`` ranks (empty: every parameter replicated), without the
-    ``vocab_parallel`` heads whose vocabulary ``tp`` does not divide: they stay whole."""
-    plan = dict(getattr(layer, "tp_plan", {}))
+    ``vocab_parallel`` heads whose vocabulary ``tp`` does not divide (they stay whole), and without its
+    ``sequence_*`` entries unless ``sequence`` (parallel.sequence_parallel)."""
+    plan = {name: entry for name, entry in getattr(layer, "tp_plan", {}).items()
+            if sequence or not (isinstance(entry, tuple) and entry[:1] and entry[0] in SEQUENCE_STYLES)}
     for name, entry in list(plan.items()):
         if isinstance(entry, tuple) and entry[:1] == (VOCAB_PARALLEL,) and _linear_width(layer, name) % tp:
             del plan[name]
@@ -83,12 +86,13 @@ def _linear_width(layer, name: str) -> int:
     return module.out_features if isinstance(module, nn.Linear) else 0
 
 
-def plan_problem(layers: list[nn.Module], tp: int) -> Optional[str]:
+def plan_problem(layers: list[nn.Module], tp: int, sequence: bool = False) -> Optional[str]:
     """Why ``tp`` ranks cannot split these layers by their ``tp_plan`` (None when they can): no layer
     declares one (that applies at ``tp``), or one names a style it does not know, a split submodule that
-    is not a linear, widths that 1/tp of each part does not divide, or a vocab_parallel head that is
-    fused or tied to another parameter (an input embedding, which every rank holds whole)."""
-    planned = [(i, layer_plan(layer, tp)) for i, layer in enumerate(layers) if layer_plan(layer, tp)]
+    is not a linear, widths that 1/tp of each part does not divide, a vocab_parallel head that is fused or
+    tied to another parameter (an input embedding, which every rank holds whole), or, with ``sequence``,
+    layers that do not agree on splitting the tokens."""
+    planned = [(i, layer_plan(layer, tp, sequence)) for i, layer in enumerate(layers) if layer_plan(layer, tp, sequence)]
     if not planned:
         if any(getattr(layer, "tp_plan", None) for layer in layers):
             return (f"the only plans declared are vocab_parallel heads, whose vocabulary tp={tp} does not divide: "
@@ -100,12 +104,14 @@ def plan_problem(layers: list[nn.Module], tp: int) -> Optional[str]:
             problem = _entry_problem(layers[i], f"layer {i}'s tp_plan[{name!r}]", name, entry, tp, shared)
             if problem is not None:
                 return problem
-    return _token_split_problem([layer_plan(layer, tp) for layer in layers])
+    return _token_split_problem([layer_plan(layer, tp, sequence) for layer in layers]) if sequence else None
 
 
 def _token_split_problem(plans: list[Plan]) -> Optional[str]:
     """Why the layers' sequence-parallel entries do not agree (None when they do): a layer that scatters the
     tokens, then only sequence-parallel layers, the last of which gathers them again (a head)."""
+    if not any(sequence_parallel(plan) for plan in plans):
+        return "no layer declares sequence_* entries (parallel.sequence_parallel splits the tokens by them)"
     split = False
     for i, plan in enumerate(plans):
         styles = {entry[0] for entry in plan.values()}

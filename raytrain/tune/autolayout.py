@@ -80,7 +80,7 @@ def splits_by_tp(cfg: Config, model: list, tp: int) -> bool:
     if cfg.model.factory is not None:
         from raytrain.models.tensor_plan import plan_problem
 
-        return plan_problem(model, tp) is None
+        return plan_problem(model, tp, cfg.parallel.sequence_parallel) is None
     from raytrain.models.hf_plan import check_tensor_parallel, resolve_cut, with_hf_architecture
 
     try:

@@ -140,7 +140,7 @@ class ShardedLayers:
         layers = copy.deepcopy(self.meta_layers)
         grid = device_mesh(groups, mesh, rank, self.device.type)
         if self.tp > 1:  # 2-D: split each layer over tp first, then shard the tp parts
-            layers = parallelize_layers(layers, grid["tp"])
+            layers = parallelize_layers(layers, grid["tp"], self.cfg.parallel.sequence_parallel)
             grid = grid["replicate", "shard"] if mesh.dp > 1 else grid["shard"]
         if self.cfg.train.activation_checkpointing:
             layers = [Recomputed(layer) for layer in layers]

@@ -78,10 +78,11 @@ def local_part(value: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
     return torch.cat([value[tuple(slice(a, b) for a, b in box)] for box in boxes]).clone()
 
 
-def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh) -> list[nn.Module]:
-    """Apply each layer's plan (raytrain.models.tensor_plan) over ``tp_mesh``, in place; the layers."""
+def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh, sequence: bool) -> list[nn.Module]:
+    """Apply each layer's plan (raytrain.models.tensor_plan; its sequence-parallel entries with ``sequence``)
+    over ``tp_mesh``, in place; the layers."""
     for layer in layers:
-        plan = layer_plan(layer, tp_mesh.size())
+        plan = layer_plan(layer, tp_mesh.size(), sequence)
         styles = SEQUENCE_STYLES if sequence_parallel(plan) else STYLES
         parallel = {name: styles[style]() for name, (style, _) in plan.items() if style in styles}
         whole = parallel.pop("", None)  # a style of the layer itself
@@ -125,7 +126,7 @@ class TensorParallelLayers:
         ``params`` and ``optimizer`` then step its local tensors. Collective-free."""
         assert mesh.tp == self.tp and mesh.tp_index(rank) == self.index, (mesh, rank, self.index)
         tp_mesh = DeviceMesh.from_group(groups.tp_group, self.device.type, mesh_dim_names=("tp",))
-        layers = parallelize_layers(copy.deepcopy(self.meta_layers), tp_mesh)
+        layers = parallelize_layers(copy.deepcopy(self.meta_layers), tp_mesh, self.cfg.parallel.sequence_parallel)
         if self.cfg.train.activation_checkpointing:
             layers = [Recomputed(layer) for layer in layers]
         module = nn.Sequential(*layers)
