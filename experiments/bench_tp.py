@@ -9,11 +9,13 @@ the out projections rowwise, everything else replicated) and steps AdamW on rand
 peer splits the fused qkv projection contiguously, as a plain ``ColwiseParallel`` does (raytrain
 splits it per head): the same shapes and arithmetic cost, another grouping of the heads, so it is a
 peer in speed and memory, not in values. raytrain also splits the head by vocabulary (its loss in
-``loss_parallel``); the peer keeps it whole, which at this vocabulary of 256 is 0.3% of the parameters. Runs are interleaved over ``--repeats`` rounds; the
-median is shown. Prints samples/s (steps after the first two) and the peak resident memory of each
-worker, with ratios against raytrain's tp=2.
+``loss_parallel``); the peer keeps it whole, which at this vocabulary of 256 is 0.3% of the
+parameters. "tp=2 sp" adds sequence parallelism (parallel.sequence_parallel). Runs are interleaved
+over ``--repeats`` rounds; the median is shown. Prints samples/s (steps after the first two) and the
+peak resident memory of each worker, with ratios against raytrain's tp=2.
 
-    python experiments/bench_tp.py                 # about 6 minutes on 2 cores
+    python experiments/bench_tp.py                 # about 8 minutes on 2 cores
+    python experiments/bench_tp.py --seq-len 256   # longer samples: activations grow, sequence parallelism splits more
     python experiments/bench_tp.py --repeats 1 --steps 6
 
 ``--vocab N`` measures the head split by vocabulary instead: tp=2 on the same blocks with a vocabulary
@@ -34,10 +36,12 @@ import sys
 import tempfile
 import time
 
-MODEL = ["model.n_layer=8", "model.d_model=768", "model.n_head=12", "model.seq_len=64", "model.vocab_size=256"]
+SEQ_LEN = 64
+MODEL = ["model.n_layer=8", "model.d_model=768", "model.n_head=12", f"model.seq_len={SEQ_LEN}", "model.vocab_size=256"]
 BATCH = 8
 LAYOUTS = {
     "tp=2": ["parallel.tp=2", "resources.placement_strategy=STRICT_PACK"],
+    "tp=2 sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "resources.placement_strategy=STRICT_PACK"],
     "dp=2": ["parallel.dp=2"],
     "fsdp=2": ["parallel.fsdp=2"],
 }
@@ -68,8 +72,9 @@ def run_layout(name: str, overrides: list[str], steps: int, workdir: str) -> dic
 def run_peer(steps: int) -> dict:
     """The torchrun script on two local processes; its rank 0 prints one JSON line."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    seq_len = next(item for item in MODEL if item.startswith("model.seq_len=")).split("=")[1]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          __file__, "--peer", "--steps", str(steps)],
+                          __file__, "--peer", "--steps", str(steps), "--seq-len", seq_len],
                          capture_output=True, text=True, timeout=1800, env=env, check=True)
     return {"name": PEER, **json.loads(out.stdout.strip().splitlines()[-1])}
 
@@ -121,7 +126,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peer", action="store_true", help="run as one process of the torchrun script")
     parser.add_argument("--vocab", type=int, help="tp=2 with the head split by this vocabulary against it whole")
+    parser.add_argument("--seq-len", type=int, help=f"tokens per sample (default {SEQ_LEN}): activations grow with it")
     args = parser.parse_args()
+    if args.seq_len is not None:
+        MODEL[MODEL.index(f"model.seq_len={SEQ_LEN}")] = f"model.seq_len={args.seq_len}"
     if args.peer:
         peer_main(args.steps)
         return

@@ -150,8 +150,8 @@ class ParallelConfig:
     bubble, for more and smaller messages and more activations held."""
     sequence_parallel: bool = False
     """With parallel.tp: between its split linears each tp rank holds seq_len / tp of the tokens (norms and
-    residuals on them; all-gathers and reduce-scatters instead of all-reduces): less activation memory for
-    more, smaller messages (raytrain.models.tensor_plan)."""
+    residuals on them; all-gathers and reduce-scatters instead of all-reduces: raytrain.models.tensor_plan).
+    Off by default: on CPU workers over gloo it measured slower and no smaller (experiments/RESULTS.md)."""
     split_backward: bool = False
     """Stages after the first send their input gradient before computing weight gradients (W actions):
     a shorter cool-down per step for more memory and per-layer autograd overhead (experiments/RESULTS.md)."""
