@@ -178,7 +178,7 @@ def test_a_head_is_split_by_vocabulary_only_where_tp_divides_it_and_it_is_not_ti
     assert "layer 0 takes the tokens split" in plan_problem([head], 2, sequence=True)  # nothing before split them
     bare = nn.Sequential()
     bare.lm_head, bare.tp_plan = nn.Linear(8, 258), {"lm_head": ("vocab_parallel", 1)}
-    assert layer_plan(bare, 4) == {} and "vocabulary tp=4 does not divide" in plan_problem([bare], 4)
+    assert layer_plan(bare, 4) == {} and "no entry of the layers' tp_plan splits a linear at tp=4" in plan_problem([bare], 4)
     bare.tp_plan = {"lm_head": ("vocab_parallel", 2)}
     assert "give ('vocab_parallel', 1)" in plan_problem([bare], 2)
     embedding, bare.tp_plan = nn.Embedding(258, 8), {"lm_head": ("vocab_parallel", 1)}

@@ -31,8 +31,8 @@ def cross_entropy_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> to
 
 class Embedding(nn.Module):
     tp_plan = {"": ("sequence_scatter", 1)}
-    """Under parallel.tp each rank keeps its share of the tokens (sequence parallelism: the blocks' norms
-    and residuals run on them, raytrain.models.tensor_plan)."""
+    """With parallel.sequence_parallel each tp rank keeps its share of the tokens: the blocks' norms and
+    residuals run on them (raytrain.models.tensor_plan)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -55,7 +55,8 @@ class Block(nn.Module):
 
     tp_plan = {"ln1": ("sequence_parallel", 1), "qkv": ("colwise", 3), "proj": ("rowwise", 1),
                "ln2": ("sequence_parallel", 1), "fc": ("colwise", 1), "out": ("rowwise", 1)}
-    """Submodule -> (style, fused parts): how parallel.tp splits this block's linears."""
+    """Submodule -> (style, fused parts): how parallel.tp splits this block's linears (and, with
+    parallel.sequence_parallel, runs its norms on the rank's tokens)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -81,7 +82,7 @@ class Block(nn.Module):
 class Head(nn.Module):
     tp_plan = {"ln": ("sequence_parallel", 1), "lm_head": ("vocab_parallel", 1)}
     """Under parallel.tp the head is split by vocabulary and the loss computed on the split logits
-    (raytrain.models.tensor_plan)."""
+    (raytrain.models.tensor_plan); with parallel.sequence_parallel its norm runs on the rank's tokens."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -18,13 +18,13 @@ batch x sequence x vocabulary of logits. It is a preference, not a requirement: 
 the vocabulary, the head stays whole (``layer_plan`` drops it).
 
 Sequence parallelism (parallel.sequence_parallel; Megatron's, as torchtitan applies it): a layer whose
-plan has a ``sequence_*`` entry
-keeps its activations outside the split linears split by tokens, each rank holding seq_len / tp of every
-sample's. Its ``sequence_parallel`` norms run on the rank's tokens, its colwise linears all-gather their
-input and its rowwise ones reduce-scatter their output (instead of all-reducing it), ``sequence_scatter``
-(``""``: the layer itself) keeps the rank's tokens of a whole output (the embedding's) and
-``sequence_gather`` gathers a whole module's input (a head tp cannot split by vocabulary). A whole
-model's layers must agree (the built-in GPT's do), since pipeline stages pass the split activations on.
+plan has a ``sequence_*`` entry keeps its activations outside the split linears split by tokens, each
+rank holding seq_len / tp of every sample's. Its ``sequence_parallel`` norms run on the rank's tokens,
+its colwise linears all-gather their input and its rowwise ones reduce-scatter their output (instead of
+all-reducing it), ``sequence_scatter`` (``""``: the layer itself) keeps the rank's tokens of a whole
+output (the embedding's) and ``sequence_gather`` gathers a whole module's input (a head tp cannot split
+by vocabulary). A whole model's layers must agree (the built-in GPT's do), since pipeline stages pass
+the split activations on. Without the setting, ``layer_plan`` leaves the ``sequence_*`` entries out.
 
 A model.factory layer declares the same form (README: "Any model"); ``plan_problem`` checks it on the
 driver before any actor starts. Its ``forward`` must read its local widths from what its colwise
@@ -95,8 +95,9 @@ def plan_problem(layers: list[nn.Module], tp: int, sequence: bool = False) -> Op
     planned = [(i, layer_plan(layer, tp, sequence)) for i, layer in enumerate(layers) if layer_plan(layer, tp, sequence)]
     if not planned:
         if any(getattr(layer, "tp_plan", None) for layer in layers):
-            return (f"the only plans declared are vocab_parallel heads, whose vocabulary tp={tp} does not divide: "
-                    "declare a tp_plan on the blocks, or pick a tp that divides the vocabulary")
+            return (f"no entry of the layers' tp_plan splits a linear at tp={tp} (a vocab_parallel head stays whole "
+                    "where tp does not divide its vocabulary; sequence_* entries need parallel.sequence_parallel and "
+                    "split no weight): declare colwise and rowwise entries on the blocks")
         return "no layer declares a tensor-parallel plan (a tp_plan attribute)"
     shared = Counter(id(p) for layer in layers for _, p in layer.named_parameters(remove_duplicate=False))
     for i, plan in planned:
