@@ -76,18 +76,18 @@ class Coordinator:
     """Owns one run. Contract: construct (it starts the workers at once), then ``run(store)`` once;
     the driver calls ``poll`` meanwhile, ``request_stop`` on a signal and ``shutdown`` at the end.
     ``worker_cls``: the workers' actor class (the driver's: control/ imports no worker code);
-    ``group`` replaces the Ray worker group (tests/helpers.FakeWorkerGroup)."""
+    ``group`` replaces the Ray worker group (tests/helpers.FakeWorkerGroup); ``corpus_path``: _worker_args."""
 
     def __init__(self, config: Config, source, num_samples: int, stage_layers: list[list[list[int]]],
                  placement, first_bundle: int, resume_from: Optional[str], worker_cls=None,
-                 extra_placements: tuple = (), corpus: Optional[list] = None, group: Optional[WorkerGroup] = None):
+                 extra_placements: tuple = (), corpus_path: Optional[str] = None, group: Optional[WorkerGroup] = None):
         self.cfg = config
         self.num_samples = num_samples
         self.stage_layers = stage_layers
         self.resume_from = resume_from
         assert group is not None or worker_cls is not None, "the Ray worker group needs the worker class"
-        group = group or RayWorkerGroup(worker_cls, _worker_options(config), lambda s, f, t: (
-            config, source, num_samples, s, stage_layers[s], corpus, f, t))
+        group = group or RayWorkerGroup(worker_cls, _worker_options(config),
+                                        _worker_args(config, source, num_samples, stage_layers, corpus_path))
         e = config.elastic
         self.policy = ElasticPolicy(min_dp=e.min_dp or config.parallel.dp, target_dp=e.max_dp or config.parallel.dp,
                                     max_failures=e.max_failures, capacity_wait_s=e.capacity_wait_s,
@@ -362,3 +362,16 @@ def _worker_options(cfg: Config) -> dict:
     if cfg.parallel.fsdp > 1 and not cfg.resources.use_gpu:
         options["runtime_env"] = {"env_vars": {"GLIBC_TUNABLES": SHARDED_CPU_MALLOC}}
     return options
+
+
+def _worker_args(config: Config, source, num_samples: int, stage_layers: list, corpus_path: Optional[str]) -> Callable:
+    """A StageWorker's constructor arguments by (stage, shard, tp rank). The built-in corpus the driver built on
+    this node (the coordinator's) goes into the object store for workers on other machines, owned here
+    rather than by the driver: an object the driver owns makes its process end (exit 1) the moment an
+    embedded Ray's object store goes with a signal to the whole process group, before it can report the
+    stop (tests/test_signals.py)."""
+    corpus = None
+    if corpus_path is not None:
+        with open(corpus_path, "rb") as f:
+            corpus = [ray.put(f.read())]
+    return lambda s, f, t: (config, source, num_samples, s, stage_layers[s], corpus, f, t)

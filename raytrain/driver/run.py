@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Optional
 
 import ray
@@ -157,8 +156,9 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
         extra += cfg.elastic.standby if placement is None else 0  # standby replicas beyond them
         growth = [request(cfg, 1) for _ in range(extra)]  # granted whenever capacity appears
         groups += growth
-        # The driver built the built-in corpus in its own cache; workers on other machines get its bytes.
-        corpus = [ray.put(Path(plan.source.train.paths[0]).read_bytes())] if cfg.data.path is None else None
+        # The driver built the built-in corpus in its own cache; workers on other machines get its bytes
+        # from the coordinator, which runs on this node.
+        corpus_path = plan.source.train.paths[0] if cfg.data.path is None else None
         here = ray.get_runtime_context().get_node_id()
         host = ray.util.get_node_ip_address()
         first_created = None
@@ -170,7 +170,7 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
                 num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
             ).remote(
                 cfg, plan.source, plan.num_samples, plan.stage_layers, pg, first_bundle, resume,
-                worker_cls=StageWorker, extra_placements=tuple(growth), corpus=corpus)
+                worker_cls=StageWorker, extra_placements=tuple(growth), corpus_path=corpus_path)
             try:
                 store = rendezvous.address(host, namespace=f"coordinator{restarts}")
                 summary = _drive(coordinator, store, reporter, on_rows, stop)
