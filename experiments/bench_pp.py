@@ -43,6 +43,8 @@ import time
 MODEL = ["model.n_layer=8", "model.d_model=256", "model.n_head=4", "model.seq_len=128", "model.vocab_size=256"]
 GLOBAL_BATCH = 32
 PP = 2
+V_SCHEDULES = ("zbv", "dualpipev")
+"""Schedules on the V placement, built on the B/W split (raytrain.pipeline.schedule.V_SCHEDULES)."""
 
 
 def bench_config(steps, extra=()):
@@ -123,7 +125,7 @@ TORCH_SCHEDULES = {  # raytrain's name -> (torch.pipelining's class, stages per 
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, False), "zbv": ("ScheduleZBVZeroBubble", 2, True),
     "dualpipev": ("ScheduleDualPipeV", 2, True),
 }
-CHUNKED = ("interleaved_1f1b", "zbv")
+CHUNKED = ("interleaved_1f1b", "zbv", "dualpipev")
 """raytrain's schedules with two chunks per worker (parallel.virtual_stages=2)."""
 
 
@@ -271,9 +273,9 @@ def theory_bubble(kind: str, m: int) -> float:
     from raytrain.pipeline import checker, schedule
     from raytrain.pipeline.actions import Placement
 
-    if kind in ("zbv", "dualpipev"):
-        finish, busy, _ = checker.simulate(schedule.build_plan("zbv", PP, m, True, 2), 1.0, 2.0, 1.0,
-                                           placement=Placement.of_schedule("zbv", PP, 2))
+    if kind in V_SCHEDULES:
+        finish, busy, _ = checker.simulate(schedule.build_plan(kind, PP, max(m, 2 * PP), True, 2), 1.0, 2.0, 1.0,
+                                           placement=Placement.of_schedule(kind, PP, 2))
         return 1.0 - sum(busy) / (finish * PP)
     return checker.bubble_formula(PP, m, 2 if kind == "interleaved_1f1b" else 1)
 
@@ -296,7 +298,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--microbatches", default="1,2,4,8")
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zbv,dualpipev",
-                        help="comma-separated subset of gpipe,1f1b,interleaved_1f1b,zbv,dualpipev (torch.pipelining only)")
+                        help="comma-separated subset of gpipe,1f1b,interleaved_1f1b,zbv,dualpipev")
     parser.add_argument("--repeats", type=int, default=1, help="runs per system and m, interleaved; the median is shown")
     parser.add_argument("--without-ray", action="store_true",
                         help="also run raytrain's executor in plain torchrun processes")
@@ -335,15 +337,15 @@ def main() -> None:
                     if not args.only_raytrain:
                         try_run(runs, skipped, f"torch.pipelining {kind}",
                                 lambda: run_torch_pipelining(args.steps, args.warmup, m, kind, workdir))
-                    if kind == "dualpipev" or (kind == "interleaved_1f1b" and m % PP):
-                        continue  # torch only; interleaved 1F1B runs rounds of PP micro-batches
-                    split = kind == "zbv"  # zero-bubble V always splits
+                    if (kind == "interleaved_1f1b" and m % PP) or (kind == "dualpipev" and m < 2 * PP):
+                        continue  # interleaved 1F1B runs rounds of PP micro-batches; DualPipeV fills a V of 2 PP
+                    split = kind in V_SCHEDULES  # the V schedules split as they are written to
                     runs.setdefault(f"raytrain {kind}", []).append(
                         run_raytrain(args.steps, args.warmup, m, kind, workdir, split=split))
                     if args.unfused:
                         runs.setdefault(f"raytrain {kind} unfused", []).append(
                             run_raytrain(args.steps, args.warmup, m, kind, workdir, fused=False, split=split))
-                    if args.split and kind != "zbv":
+                    if args.split and kind not in V_SCHEDULES:
                         runs.setdefault(f"raytrain {kind} split", []).append(
                             run_raytrain(args.steps, args.warmup, m, kind, workdir, split=True))
                     if args.without_ray:

@@ -48,12 +48,13 @@ def test_tp_candidates_stay_on_one_node_and_need_a_plan_that_splits_the_model():
 
 
 def test_chunked_schedules_are_probed_with_two_chunks_per_worker_where_the_layers_allow():
-    cfg = load_config(None, ["parallel.auto=true", "train.global_batch=8", "parallel.auto_microbatches=[1, 2]",
-                             "parallel.auto_schedules=[1f1b, interleaved_1f1b, zbv]"])
+    cfg = load_config(None, ["parallel.auto=true", "train.global_batch=8", "parallel.auto_microbatches=[1, 2, 4]",
+                             "parallel.auto_schedules=[1f1b, interleaved_1f1b, zbv, dualpipev]"])
     piped = [l for l in candidate_layouts(cfg, 2, 4) if l["parallel.pp"] == 2]
     assert [(l["parallel.microbatches"], l["parallel.schedule"], l.get("parallel.virtual_stages", 1)) for l in piped] == [
-        (1, "1f1b", 1), (1, "zbv", 2),  # interleaved 1F1B needs m a multiple of pp
-        (2, "1f1b", 1), (2, "interleaved_1f1b", 2), (2, "zbv", 2)]
+        (1, "1f1b", 1), (1, "zbv", 2),  # interleaved 1F1B needs m a multiple of pp, DualPipeV m >= 2 pp
+        (2, "1f1b", 1), (2, "interleaved_1f1b", 2), (2, "zbv", 2),
+        (4, "1f1b", 1), (4, "interleaved_1f1b", 2), (4, "zbv", 2), (4, "dualpipev", 2)]
     assert all(layout_of(l).num_chunks == 4 for l in piped if l.get("parallel.virtual_stages") == 2)
     # 3 layers cannot be cut into 2 x 2 chunks: only the one-chunk schedule is probed
     assert {l["parallel.schedule"] for l in candidate_layouts(cfg, 2, 3) if l["parallel.pp"] == 2} == {"1f1b"}

@@ -78,6 +78,8 @@ def test_with_virtual_stages_a_worker_holds_its_chunks_state_and_its_plans_peak_
     assert interleaved.activations == max(5 * 2 * layer, 3 * (2 * layer + logits))
     v_shape = estimate([10] * 8, schedule="zbv", **args)
     assert v_shape.activations == 4 * (2 * layer + logits)  # worker 0 holds the last stage: its logits
+    dual = estimate([10] * 8, schedule="dualpipev", **args)
+    assert dual.activations == 5 * (2 * layer + logits)  # DualPipeV: one chunk activation more than ZB-V
     one_chunk = estimate([10] * 8, pp=2, fsdp=1, micro_batch=4, microbatches=4, widths=WIDTHS, cuts=(4,),
                          schedule="1f1b")
     assert one_chunk.activations == 2 * 4 * layer  # 1F1B: 2 stages of 4 layers on worker 0

@@ -37,10 +37,13 @@ def test_executor_grid_matches_single_process(make_config, tmp_path, pp, kind, m
     assert peak_live == expected_peak_live(pp, kind, m)
 
 
-# Virtual stages: two chunks per worker, looped (interleaved 1F1B) or in a V (zero-bubble V, whose last
-# worker hands its first chunk's output to its second without a message); at pp=4 on 8 layers.
+# Virtual stages: two chunks per worker, looped (interleaved 1F1B) or in a V (zero-bubble V and DualPipeV,
+# whose last worker hands its first chunk's output to its second without a message); at pp=4 on 8 layers.
 CHUNK_CELLS = [(2, "interleaved_1f1b", 2, "false"), (2, "interleaved_1f1b", 4, "true"), (4, "interleaved_1f1b", 4, "true"),
-               (2, "zbv", 1, "true"), (2, "zbv", 4, "true"), (4, "zbv", 8, "true")]
+               (2, "zbv", 1, "true"), (2, "zbv", 4, "true"), (4, "zbv", 8, "true"),
+               (2, "dualpipev", 4, "false"), (4, "dualpipev", 8, "false")]
+CHUNK_BOUND = {"interleaved_1f1b": lambda pp: 2 * pp + pp - 1, "zbv": lambda pp: 2 * pp, "dualpipev": lambda pp: 2 * pp + 1}
+"""Each schedule's promise: the most chunk activations a worker holds."""
 
 
 def test_virtual_stages_with_fsdp_shard_each_chunk_as_its_own_root(make_config, tmp_path):
@@ -61,16 +64,17 @@ def test_virtual_stages_match_single_process(make_config, tmp_path, pp, kind, m,
     assert_same_params(model, reference_state(cfg))
     plan = build_plan(kind, pp, m, split == "true", 2)
     assert peak_live == [peak_live_activations(acts) for acts in plan]  # the executor holds what the plan says
-    assert max(peak_live) <= (2 * pp if kind == "zbv" else 2 * pp + pp - 1)  # each schedule's bound, in chunks
+    assert max(peak_live) <= CHUNK_BOUND[kind](pp)
 
 
-def test_zero_bubble_v_on_actors_matches_single_process(ray_session, make_config):
-    cfg = make_config("parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.microbatches=4",
-                      "train.steps=4")
+@pytest.mark.parametrize("kind", ["zbv", "dualpipev"])
+def test_v_schedules_on_actors_match_single_process(ray_session, make_config, kind):
+    cfg = make_config("parallel.pp=2", f"parallel.schedule={kind}", "parallel.virtual_stages=2",
+                      "parallel.microbatches=4", "train.steps=4")
     result = train(cfg)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
     peaks = result.metrics[-1]["peak_live_activations"]
-    assert [peaks[str(s)] for s in range(2)] == [peak_live_activations(a) for a in build_plan("zbv", 2, 4, True, 2)]
+    assert [peaks[str(s)] for s in range(2)] == [peak_live_activations(a) for a in build_plan(kind, 2, 4, True, 2)]
 
 
 @pytest.mark.parametrize("pp, kind, m", RAY_CELLS)

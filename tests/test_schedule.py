@@ -201,7 +201,68 @@ def test_zero_bubble_v_passes_the_checker_holds_2p_chunks_and_leaves_only_the_wa
     assert finish <= one_f_one_b
 
 
-@pytest.mark.parametrize("kind", ["interleaved_1f1b", "zbv"])
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("extra", [0, 1, 4, 8])
+def test_dualpipev_passes_the_checker_splits_only_its_cool_down_and_beats_zbv_when_splits_cost(p, extra):
+    m = 2 * p + extra
+    plan = build_plan("dualpipev", p, m, True, 2)
+    placement = Placement(p, 2, v_shape=True)
+    check_plan(plan, m, placement)
+    assert Placement.of_schedule("dualpipev", p, 2) == placement
+    # the first stage's backward is never split; a worker splits at most 2(p-1) backwards however many
+    # micro-batches (ZB-V: all 2m), those of its warm-up and cool-down, where a W fills a wait
+    assert not schedule.split_microbatches(plan[0], chunk=0)
+    for acts in plan:
+        assert len(schedule.split_keys(acts)) <= 2 * (p - 1)
+        steady = range(p, m - p)
+        assert not any(mb in steady for _, mb in schedule.split_keys(acts))
+    # one more chunk activation than ZB-V's 2p, for ZB-V's bubble with far fewer splits
+    assert max(schedule.peak_live_activations(acts) for acts in plan) <= 2 * p + 1
+    zbv = build_plan("zbv", p, m, True, 2)
+    free = schedule.simulate(plan, 1.0, 2.0, 1.0, placement=placement)[0]
+    assert free == pytest.approx(schedule.simulate(zbv, 1.0, 2.0, 1.0, placement=placement)[0])
+    costly = dict(forward_cost=1.0, backward_cost=2.0, weight_cost=1.0, split_cost=0.2, placement=placement)
+    assert schedule.simulate(plan, **costly)[0] < schedule.simulate(zbv, **costly)[0]
+
+
+def _compute_order(plan_or_order, p, worker):
+    """``(kind, global stage, micro-batch)`` of each compute action; a backward with a W later is "I"."""
+    stage = {0: worker, 1: 2 * p - 1 - worker}
+    split = {(a.chunk, a.mb) for a in plan_or_order if a.kind == "W"}
+    return [("I" if a.kind == "B" and (a.chunk, a.mb) in split else str(a.kind), stage[a.chunk], a.mb)
+            for a in plan_or_order if a.kind.is_compute]
+
+
+def _torch_compute_order(schedule_class, p, m, worker):
+    """torch.pipelining's order for the same worker, read from the schedule class's (private) per-rank
+    generator: a cross-check of the V schedules against the implementation the benchmark races."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    kinds = {T.FORWARD: "F", T.BACKWARD_INPUT: "I", T.FULL_BACKWARD: "B", T.BACKWARD_WEIGHT: "W"}
+    ops = schedule_class._calculate_single_rank_operations(
+        SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p), worker)
+    flat = [sub for a in ops if a is not None for sub in (a.sub_actions or (a,))]  # OVERLAP_F_B: F, then B
+    return [(kinds[a.computation_type], a.stage_index, a.microbatch_index) for a in flat]
+
+
+@pytest.mark.parametrize("kind, torch_class", [("zbv", "ScheduleZBVZeroBubble"), ("dualpipev", "ScheduleDualPipeV")])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_v_schedules_compute_in_torch_pipelinings_order(kind, torch_class, p):
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    for m in range(2 * p, 2 * p + 5):
+        plan = build_plan(kind, p, m, True, 2)
+        for worker in range(p):
+            theirs = _torch_compute_order(getattr(torch_schedules, torch_class), p, m, worker)
+            if worker == 0:  # the first stage's backward is whole here; torch splits it into I and an empty W
+                theirs = [("B", 0, mb) if (k, stage) == ("I", 0) else (k, stage, mb) for k, stage, mb in theirs
+                          if (k, stage) != ("W", 0)]
+            assert _compute_order(plan[worker], p, worker) == theirs
+
+
+@pytest.mark.parametrize("kind", ["interleaved_1f1b", "zbv", "dualpipev"])
 def test_without_a_pipeline_every_schedule_is_one_stages_order(kind):
     # parallel.schedule=zbv at pp=1 (the config lets it: nothing to chunk) runs as one stage
     assert build_plan(kind, 1, 4) == build_plan("1f1b", 1, 4)
@@ -215,6 +276,8 @@ def test_schedules_with_chunks_refuse_the_wrong_chunk_count():
         build_plan("1f1b", 2, 4, False, 2)
     with pytest.raises(AssertionError, match="multiple of the stages"):
         build_plan("interleaved_1f1b", 2, 3, False, 2)
+    with pytest.raises(AssertionError, match="at least 2 x stages"):
+        build_plan("dualpipev", 2, 3, True, 2)
 
 
 def test_checker_rejects_broken_chunked_plans():

@@ -116,7 +116,7 @@ class Layout:
 
     @property
     def placement(self) -> Placement:
-        """Which pipeline stage each worker's chunk is (looped, or V for zbv)."""
+        """Which pipeline stage each worker's chunk is (looped, or V for zbv and dualpipev)."""
         return Placement.of_schedule(self.schedule, self.pp, self.virtual_stages)
 
     def worker_chunks(self, stage: int) -> list[range]:

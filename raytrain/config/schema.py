@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 
 from raytrain.config.errors import require
 from raytrain.config.layout import Layout
-from raytrain.pipeline.schedule import SCHEDULES
+from raytrain.pipeline.schedule import SCHEDULES, V_SCHEDULES
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 BALANCE_MODES = ("params", "time")
@@ -143,10 +143,11 @@ class ParallelConfig:
     microbatches: int = 1
     """Micro-batches each replica splits its share of the global batch into."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (virtual_stages >= 2, microbatches a multiple of pp)
-    or zbv (zero-bubble V: virtual_stages = 2, backwards always split)."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (virtual_stages >= 2, microbatches a multiple of pp),
+    zbv (zero-bubble V: virtual_stages = 2, backwards always split) or dualpipev (virtual_stages = 2,
+    microbatches >= 2 pp, the cool-down's backwards split)."""
     virtual_stages: int = 1
-    """Model chunks each pipeline worker holds (stages pp apart, or the V's): interleaved_1f1b and zbv's smaller
+    """Model chunks each pipeline worker holds (stages pp apart, or the V's): the chunked schedules' smaller
     bubble, for more and smaller messages and more activations held."""
     sequence_parallel: bool = False
     """With parallel.tp: between its split linears each tp rank holds seq_len / tp of the tokens (norms and
@@ -193,24 +194,27 @@ class ParallelConfig:
 
     def _check_virtual_stages(self):
         """Which schedules take several chunks per worker, and what each needs."""
-        v, chunked = self.virtual_stages, self.schedule in ("interleaved_1f1b", "zbv")
+        v, chunked = self.virtual_stages, self.schedule in ("interleaved_1f1b", *V_SCHEDULES)
         require(v == 1 or self.pp > 1, "parallel.virtual_stages", v,
                 "chunks are pipeline stages of one worker: set parallel.pp > 1, or leave virtual_stages at 1")
         if self.pp == 1:
             return
         require(chunked or v == 1, "parallel.virtual_stages", v,
-                f"parallel.schedule={self.schedule} runs one chunk per worker: use interleaved_1f1b or zbv, "
+                f"parallel.schedule={self.schedule} runs one chunk per worker: use interleaved_1f1b, zbv or dualpipev, "
                 "or leave virtual_stages at 1")
         require(self.schedule != "interleaved_1f1b" or v >= 2, "parallel.virtual_stages", v,
                 "interleaved_1f1b needs >= 2 chunks per worker (with 1 it is 1f1b): set virtual_stages=2")
-        require(self.schedule != "zbv" or v == 2, "parallel.virtual_stages", v,
-                "zbv puts exactly 2 chunks on each worker (the V): set virtual_stages=2")
+        require(self.schedule not in V_SCHEDULES or v == 2, "parallel.virtual_stages", v,
+                f"{self.schedule} puts exactly 2 chunks on each worker (the V): set virtual_stages=2")
         require(self.schedule != "interleaved_1f1b" or self.microbatches % self.pp == 0, "parallel.microbatches",
                 self.microbatches, f"interleaved_1f1b runs micro-batches in rounds of parallel.pp={self.pp}: use a "
                 f"multiple of {self.pp}")
-        require(self.schedule != "zbv" or self.fsdp == 1, "parallel.schedule", self.schedule,
-                "zbv splits every backward, and sharded stages (parallel.fsdp > 1) reduce-scatter in the whole "
-                "backward: use interleaved_1f1b with parallel.fsdp")
+        require(self.schedule != "dualpipev" or self.microbatches >= 2 * self.pp, "parallel.microbatches",
+                self.microbatches, f"dualpipev fills its V with at least 2 x parallel.pp = {2 * self.pp} micro-batches: "
+                f"use >= {2 * self.pp}, or parallel.schedule=zbv")
+        require(self.schedule not in V_SCHEDULES or self.fsdp == 1, "parallel.schedule", self.schedule,
+                f"{self.schedule} splits backwards into input and weight halves, and sharded stages "
+                "(parallel.fsdp > 1) reduce-scatter in the whole backward: use interleaved_1f1b with parallel.fsdp")
 
     def _check_split_points(self):
         """Hand-set cuts: pp x virtual_stages - 1 layer indices, strictly increasing (their range needs the
@@ -467,9 +471,9 @@ class Config:
         p, t = self.parallel, self.train
         require(not (t.activation_checkpointing and p.split_backward), "train.activation_checkpointing", True,
                 "recomputed layers cannot be split into input and weight halves: turn off parallel.split_backward")
-        require(not (t.activation_checkpointing and p.schedule == "zbv" and p.pp > 1), "train.activation_checkpointing",
-                True, "recomputed layers cannot be split into input and weight halves, and zbv splits every backward: "
-                "use parallel.schedule=interleaved_1f1b")
+        require(not (t.activation_checkpointing and p.schedule in V_SCHEDULES and p.pp > 1),
+                "train.activation_checkpointing", True, "recomputed layers cannot be split into input and weight "
+                f"halves, and {p.schedule} splits backwards: use parallel.schedule=interleaved_1f1b")
         self._check_batch_division()
         self._check_tensor_parallel()
         if self.model.factory is None and self.model.hf is None:

@@ -142,7 +142,7 @@ def after_commit(ledger: Ledger, cfg: Config, evaluated: bool = False) -> State:
 def aggregate_step(step: int, results: list[StepReport], wall_s: float, cfg: Config, mesh: Mesh, layout: str) -> dict:
     """One metrics.jsonl row from every worker's report of a step; ``dp`` is its live replica count."""
     B = cfg.train.global_batch
-    # the workers holding the last stage report their loss (the last worker's, or with zbv the first's)
+    # the workers holding the last stage report their loss (the last worker's, or on the V the first's)
     loss = sum(r.loss_sum for r in results if r.loss_sum is not None) / B
     # Bubble: idle share of each replica's pipeline span (its stages x its slowest stage's span).
     bubbles = []

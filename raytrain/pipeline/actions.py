@@ -97,9 +97,9 @@ class Placement:
 
     @classmethod
     def of_schedule(cls, schedule: str, workers: int, chunks: int = 1) -> Placement:
-        """Where a schedule puts each worker's chunks: V for zero-bubble V (with its two chunks), looped
-        otherwise (a zbv run without a pipeline has one chunk)."""
-        return cls(workers, chunks, v_shape=schedule == "zbv" and chunks == 2)
+        """Where a schedule puts each worker's chunks: V for zero-bubble V and DualPipeV (with their two
+        chunks), looped otherwise (a zbv run without a pipeline has one chunk)."""
+        return cls(workers, chunks, v_shape=schedule in ("zbv", "dualpipev") and chunks == 2)
 
     @property
     def num_stages(self) -> int:

@@ -149,6 +149,68 @@ def _zbv_order(p: int, s: int, n: int) -> ComputeOrder:
     return order
 
 
+def dual_pipe_v(num_stages: int, num_microbatches: int) -> Plan:
+    """DualPipeV (DeepSeek-V3's DualPipe folded onto the V placement, in the order of torch's
+    ``ScheduleDualPipeV``): two chunks per worker at stages s and 2p-1-s, as zero-bubble V.
+
+    Where ZB-V splits every backward, DualPipeV splits only where a weight half fills a wait, in its
+    warm-up and cool-down (at most 2(p-1) per worker, however many micro-batches): its steady state
+    pairs a forward of one chunk with a whole backward of the other (on a GPU, DualPipe overlaps that
+    pair's compute with its messages; here they run one after the other). Each split costs a graph
+    walk and more autograd calls, so fewer splits are a shorter step for the same bubble. It holds one
+    chunk activation more than ZB-V (2p + 1). Needs m >= 2p micro-batches.
+    """
+    p, m = num_stages, num_microbatches
+    assert m >= 2 * p, f"dualpipev needs at least 2 x stages ({2 * p}) micro-batches, got {m}"
+    placement = Placement(p, 2, v_shape=True)
+    orders = []
+    for s in range(p):
+        order = _dual_pipe_v_order(p, s, m)
+        if placement.stage(s, 0) == 0:  # the first stage's backward is whole (no input gradient to send)
+            order = [a for a in order if not (a.kind == WEIGHT and a.chunk == 0)]
+        orders.append(order)
+    return lower(placement, orders)
+
+
+def _dual_pipe_v_order(p: int, s: int, m: int) -> ComputeOrder:
+    """Worker s's compute order in DualPipeV (see ``dual_pipe_v``): its eight phases, as DeepSeek's
+    reference and torch name them. ``"F1"`` is a forward of chunk 1, ``"B0"`` a whole backward of
+    chunk 0, ``"I0"`` its input half whose W joins a queue; ``"W"`` runs the oldest queued W."""
+    order: ComputeOrder = []
+    forwards, backwards, weights = [0, 0], [0, 0], []
+
+    def add(*units: str) -> None:
+        for unit in units:
+            if unit == "W":
+                if weights:
+                    order.append(weights.pop(0))
+                continue
+            chunk = int(unit[1])
+            if unit[0] == "F":
+                order.append(Action(FORWARD, forwards[chunk], chunk))
+                forwards[chunk] += 1
+                continue
+            order.append(Action(BACKWARD, backwards[chunk], chunk))
+            if unit[0] == "I":
+                weights.append(Action(WEIGHT, backwards[chunk], chunk))
+            backwards[chunk] += 1
+
+    add(*["F0"] * (2 * (p - s - 1)))
+    add(*["F0", "F1"] * (s + 1))
+    add(*["I1", "W", "F1"] * (p - s - 1))
+    add(*["F0", "B1", "F1", "B0"] * (m - 2 * p + s + 1))
+    add(*["B1", "F1", "B0"] * (p - s - 1))
+    split = False  # the second half of the last backwards splits, as in DeepSeek's reference
+    for i in range(s + 1):
+        split = split or (i == (s + 1) // 2 and s % 2 == 1)
+        add("I1" if split else "B1")
+        split = split or (i == (s + 1) // 2 and s % 2 == 0)
+        add("I0" if split else "B0")
+    add(*["W", "I0"] * (p - s - 1))
+    add(*["W"] * len(weights))
+    return order
+
+
 def forward_only(num_stages: int, num_microbatches: int, placement: Placement | None = None) -> Plan:
     """Every micro-batch's forward in order, no backward: the held-out loss (raytrain.control.evaluation).
     Not a training plan (``check_plan`` wants backwards); ``simulate`` runs it."""
@@ -217,8 +279,10 @@ def _remote(placement: Placement, worker: int, chunk: int, offset: int) -> bool:
     return placement.neighbour(worker, chunk, offset) is not None and not placement.is_local(worker, chunk, offset)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
-"""What parallel.schedule may name; the last two put several model chunks on each worker."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
+"""What parallel.schedule may name; the last three put several model chunks on each worker."""
+V_SCHEDULES = ("zbv", "dualpipev")
+"""The schedules on the V placement: two chunks per worker, at stages s and 2p-1-s."""
 
 
 def build_plan(kind: str, num_stages: int, num_microbatches: int, split_backward: bool = False,
@@ -227,12 +291,12 @@ def build_plan(kind: str, num_stages: int, num_microbatches: int, split_backward
     if kind not in SCHEDULES:
         raise ValueError(f"unknown schedule {kind!r}; use one of {', '.join(SCHEDULES)}")
     if num_stages == 1 and virtual_stages == 1:
-        kind = "1f1b" if kind in ("interleaved_1f1b", "zbv") else kind  # one stage: one chunk, nothing to interleave
+        kind = "1f1b" if kind in ("interleaved_1f1b", *V_SCHEDULES) else kind  # one stage: one chunk, nothing to interleave
     if kind == "interleaved_1f1b":
         plan = interleaved_one_f_one_b(num_stages, num_microbatches, split_backward, virtual_stages)
-    elif kind == "zbv":
-        assert virtual_stages == 2, "zero-bubble V has two chunks per worker"
-        plan = zero_bubble_v(num_stages, num_microbatches)
+    elif kind in V_SCHEDULES:
+        assert virtual_stages == 2, f"{kind} has two chunks per worker (the V)"
+        plan = {"zbv": zero_bubble_v, "dualpipev": dual_pipe_v}[kind](num_stages, num_microbatches)
     else:
         assert virtual_stages == 1, f"{kind} has one chunk per worker"
         plan = {"gpipe": gpipe, "1f1b": one_f_one_b}[kind](num_stages, num_microbatches, split_backward)

@@ -24,6 +24,7 @@ from raytrain.config.mesh import Mesh
 from raytrain.driver.memory import layout_memory, worker_memory_bytes
 from raytrain.driver.placement import worker_bundle
 from raytrain.models.memory import gib
+from raytrain.pipeline.schedule import V_SCHEDULES
 
 
 def candidate_layouts(cfg: Config, workers: int, layers: int) -> list[dict]:
@@ -56,7 +57,7 @@ def candidate_layouts(cfg: Config, workers: int, layers: int) -> list[dict]:
     return layouts
 
 
-CHUNKED_SCHEDULES = ("interleaved_1f1b", "zbv")
+CHUNKED_SCHEDULES = ("interleaved_1f1b", *V_SCHEDULES)
 
 
 def schedule_keys(schedule: str) -> dict:
