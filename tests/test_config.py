@@ -22,6 +22,15 @@ def _rejected(overrides, tmp_path) -> ValueError:
     return err.value
 
 
+def test_split_backwards_compose_with_sharded_stages():
+    # ShardedGrads reduces a chunk after its last weight half (tests/test_pipeline.py proves the math)
+    for keys in (["parallel.split_backward=true"],
+                 ["parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.microbatches=4"],
+                 ["parallel.schedule=dualpipev", "parallel.virtual_stages=2", "parallel.microbatches=4"]):
+        cfg = load_config(None, ["parallel.fsdp=2", "parallel.pp=2", *keys])
+        assert cfg.parallel.fsdp == 2
+
+
 @pytest.mark.parametrize(
     "overrides, must_mention",
     [
@@ -46,7 +55,6 @@ def _rejected(overrides, tmp_path) -> ValueError:
         (["parallel.fsdp=2", "parallel.dp=2", "parallel.microbatches=4"],
          ["parallel.microbatches=4", "per-replica batch 2", "parallel.fsdp"]),
         (["parallel.fsdp=1024", "train.global_batch=1024"], ["parallel.fsdp=1024", "rows", "parallel.fsdp <= 512"]),
-        (["parallel.fsdp=2", "parallel.split_backward=true"], ["parallel.split_backward", "parallel.fsdp > 1"]),
         (["parallel.tp=3", "resources.placement_strategy=STRICT_PACK"],
          ["parallel.tp=3", "model.n_head=4", "divisor of 4"]),
         (["parallel.tp=2"], ["resources.placement_strategy='PACK'", "STRICT_PACK"]),
@@ -79,8 +87,6 @@ def _rejected(overrides, tmp_path) -> ValueError:
          ["parallel.virtual_stages=3", "exactly 2 chunks"]),
         (["parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2", "parallel.microbatches=1"],
          ["parallel.microbatches=1", "rounds of parallel.pp=2", "multiple of 2"]),
-        (["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.fsdp=2"],
-         ["parallel.schedule='zbv'", "reduce-scatter in the whole backward", "interleaved_1f1b"]),
         (["parallel.pp=4", "parallel.schedule=zbv", "parallel.virtual_stages=2"],
          ["parallel.pp=4", "x parallel.virtual_stages=2 chunks exceeds the 6 layers", "parallel.virtual_stages"]),
         (["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.split_points=[2]"],
@@ -91,8 +97,6 @@ def _rejected(overrides, tmp_path) -> ValueError:
          ["parallel.virtual_stages=1", "dualpipev puts exactly 2 chunks"]),
         (["parallel.pp=2", "parallel.schedule=dualpipev", "parallel.virtual_stages=2", "parallel.microbatches=2"],
          ["parallel.microbatches=2", "at least 2 x parallel.pp = 4", "parallel.schedule=zbv"]),
-        (["parallel.pp=2", "parallel.schedule=dualpipev", "parallel.virtual_stages=2", "parallel.microbatches=4",
-          "parallel.fsdp=2"], ["parallel.schedule='dualpipev'", "reduce-scatter in the whole backward"]),
         (["parallel.pp=2", "parallel.schedule=dualpipev", "parallel.virtual_stages=2", "parallel.microbatches=4",
           "train.activation_checkpointing=true"], ["train.activation_checkpointing", "dualpipev splits backwards"]),
         (["model.vocab_size=128"], ["model.vocab_size=128", "built-in corpus", "bytes", ">= 256", "data.path"]),

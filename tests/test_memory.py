@@ -30,6 +30,11 @@ def test_the_state_is_16_bytes_per_owned_parameter_and_fsdp_adds_the_gathered_la
     assert piped.state == 16 * 5000  # balanced cut: 1000 + 4000 | 4000 + 1000
     cut = estimate(COUNTS, pp=2, fsdp=1, micro_batch=8, microbatches=2, schedule="1f1b", widths=None, cuts=(1,))
     assert cut.state == 16 * 9000  # the configured cut, not the balanced one
+    # a sharded stage whose backwards split keeps every layer gathered, with its gradient, until the
+    # reduction after its last weight half (raytrain.worker.sharded.ShardedGrads.keep_unsharded)
+    sharded_pipe = dict(pp=2, fsdp=2, micro_batch=4, microbatches=2, schedule="1f1b", widths=None)
+    assert estimate(COUNTS, **sharded_pipe).unsharded == 8 * 4000 + 4 * 5000
+    assert estimate(COUNTS, **sharded_pipe, split=True).unsharded == 8 * 5000
     background = estimate(COUNTS, pp=1, fsdp=2, micro_batch=8, microbatches=1, schedule="1f1b", widths=None,
                           async_save=True)
     assert background.snapshot == 12 * 5000 and background.total == sharded.total + 12 * 5000

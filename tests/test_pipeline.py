@@ -7,7 +7,7 @@ import pytest
 
 from raytrain import checkpoint, train
 from raytrain.testing.reference import train_reference
-from raytrain.pipeline.checker import peak_live_activations
+from raytrain.pipeline.checker import last_gradient_action, peak_live_activations
 from raytrain.pipeline.schedule import build_plan
 from tests.forked_stages import run_stages
 from tests.helpers import assert_same_params, reference_state
@@ -54,6 +54,27 @@ def test_virtual_stages_with_fsdp_shard_each_chunk_as_its_own_root(make_config, 
                           "parallel.microbatches=2", "train.steps=3", "model.n_layer=6", *layout)
         model, _ = run_stages(cfg, str(tmp_path / layout[-1]))
         assert_same_params(model, reference_state(cfg))
+
+
+SPLIT_FSDP_CELLS = {
+    "zbv": ["parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.microbatches=4"],
+    "dualpipev-hsdp": ["parallel.schedule=dualpipev", "parallel.virtual_stages=2", "parallel.microbatches=4",
+                       "parallel.dp=2", "train.global_batch=16"],
+    "1f1b-split": ["parallel.split_backward=true", "parallel.microbatches=4"],
+    "gpipe-split": ["parallel.schedule=gpipe", "parallel.split_backward=true", "parallel.microbatches=2"],
+}
+
+
+@pytest.mark.parametrize("cell", SPLIT_FSDP_CELLS)
+def test_split_backwards_on_sharded_stages_reduce_after_their_last_weight_half(make_config, tmp_path, cell):
+    # A chunk whose last gradients of the step come from a weight half (W) has no backward left to run
+    # FSDP2's reduce-scatter in: ShardedGrads.chunk_weights_done runs it after that W (and with HSDP the
+    # all-reduce across replicas). Without it these cells end far from one process's parameters.
+    cfg = make_config("parallel.fsdp=2", "parallel.pp=2", "train.steps=3", "model.n_layer=6", *SPLIT_FSDP_CELLS[cell])
+    plan = build_plan(cfg.parallel.schedule, 2, cfg.parallel.microbatches, True, cfg.parallel.virtual_stages)
+    assert any(acts[last_gradient_action(acts)].kind == "W" for acts in plan)  # the case this is about
+    model, _ = run_stages(cfg, str(tmp_path))
+    assert_same_params(model, reference_state(cfg))
 
 
 @pytest.mark.parametrize("pp, kind, m, split", CHUNK_CELLS)

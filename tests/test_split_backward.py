@@ -34,7 +34,7 @@ def test_halves_give_the_gradients_of_one_backward(bf16):
 
     inp2 = x.clone().requires_grad_()
     weights = list(twin.parameters())
-    grad, weight_half = backward_input(_loss(twin, loss_fn, inp2, y, bf16), None, inp2, weights)
+    grad, weight_half = backward_input(_loss(twin, loss_fn, inp2, y, bf16), None, inp2)
     torch.testing.assert_close(grad, inp.grad, rtol=0, atol=0)
     assert all(w.grad is None for w in weights), "the input half must not touch weight gradients"
     weight_half.run()
@@ -52,7 +52,7 @@ def test_weight_half_accumulates_and_fires_post_accumulate_hooks():
     halves = []
     for _ in range(2):  # two micro-batches accumulate
         inp = x.clone().requires_grad_()
-        halves.append(backward_input(_loss(stage, loss_fn, inp, y, False), None, inp, weights)[1])
+        halves.append(backward_input(_loss(stage, loss_fn, inp, y, False), None, inp)[1])
     assert fired == []
     for half in halves:
         half.run()
@@ -84,7 +84,7 @@ def test_a_weight_used_twice_falls_back_to_one_whole_backward():
     inp = x.clone().requires_grad_()
     model(inp).backward()
     inp2 = x.clone().requires_grad_()
-    grad, weight_half = backward_input(twin(inp2), None, inp2, list(twin.parameters()))
+    grad, weight_half = backward_input(twin(inp2), None, inp2)
     weight_half.run()  # nothing left to do, and harmless
     torch.testing.assert_close(grad, inp.grad)
     for p, q in zip(model.parameters(), twin.parameters()):
@@ -99,7 +99,7 @@ def test_seeded_by_the_next_stages_gradient():
     inp = x.clone().requires_grad_()
     body(inp).backward(seed)
     inp2 = x.clone().requires_grad_()
-    grad, weight_half = backward_input(twin(inp2), seed, inp2, list(twin.parameters()))
+    grad, weight_half = backward_input(twin(inp2), seed, inp2)
     weight_half.run()
     torch.testing.assert_close(grad, inp.grad, rtol=0, atol=0)
     for p, q in zip(body.parameters(), twin.parameters()):
@@ -127,7 +127,7 @@ def test_a_tensor_parallel_stage_splits_too(tmp_path):
         weights = list(twin.parameters())
         with loss_parallel():
             _loss(stage, loss_fn, inp, y, False).backward()
-            grad, weight_half = backward_input(_loss(twin, loss_fn, inp2, y, False), None, inp2, weights)
+            grad, weight_half = backward_input(_loss(twin, loss_fn, inp2, y, False), None, inp2)
             assert len(weight_half._calls) > 0 and all(w.grad is None for w in weights), "it fell back to one backward"
             weight_half.run()
         torch.testing.assert_close(grad, inp.grad, rtol=0, atol=0)

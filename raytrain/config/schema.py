@@ -183,8 +183,6 @@ class ParallelConfig:
         self._check_virtual_stages()
         if self.split_points is not None:
             self._check_split_points()
-        require(self.fsdp == 1 or not self.split_backward, "parallel.split_backward", True,
-                "sharded stages (parallel.fsdp > 1) reduce-scatter in the whole backward: turn it off")
         require(self.tp == 1 or not self.auto, "parallel.auto", True,
                 "chooses parallel.tp itself among its candidates (with resources.placement_strategy=STRICT_PACK): "
                 "leave parallel.tp=1")
@@ -212,9 +210,6 @@ class ParallelConfig:
         require(self.schedule != "dualpipev" or self.microbatches >= 2 * self.pp, "parallel.microbatches",
                 self.microbatches, f"dualpipev fills its V with at least 2 x parallel.pp = {2 * self.pp} micro-batches: "
                 f"use >= {2 * self.pp}, or parallel.schedule=zbv")
-        require(self.schedule not in V_SCHEDULES or self.fsdp == 1, "parallel.schedule", self.schedule,
-                f"{self.schedule} splits backwards into input and weight halves, and sharded stages "
-                "(parallel.fsdp > 1) reduce-scatter in the whole backward: use interleaved_1f1b with parallel.fsdp")
 
     def _check_split_points(self):
         """Hand-set cuts: pp x virtual_stages - 1 layer indices, strictly increasing (their range needs the

@@ -18,6 +18,7 @@ from raytrain.config import Config
 from raytrain.config.layout import Layout
 from raytrain.driver.plan import model_layers, shardable_rows
 from raytrain.models.memory import Widths, WorkerMemory, builtin_gpt_layers, estimate, gib
+from raytrain.pipeline.schedule import V_SCHEDULES
 from raytrain.models.user_code import wait_for_preload
 
 LARGEST_SUGGESTED_DEGREE = 64
@@ -46,7 +47,8 @@ def layout_memory(cfg: Config, layout: Layout, layer_params: list[int]) -> Worke
                     microbatches=layout.microbatches, schedule=layout.schedule, widths=widths,
                     recompute=cfg.train.activation_checkpointing, cuts=layout.cuts,
                     async_save=cfg.checkpoint.async_save, tp=layout.tp, virtual_stages=layout.virtual_stages,
-                    head_split=builtin and layout.tp > 1 and m.vocab_size % layout.tp == 0)
+                    head_split=builtin and layout.tp > 1 and m.vocab_size % layout.tp == 0,
+                    split=cfg.parallel.split_backward or layout.schedule in V_SCHEDULES)
 
 
 def check_run_memory(cfg: Config, layout: Layout) -> None:

@@ -8,7 +8,9 @@ Arithmetic on parameter counts and widths, no torch. The estimate of the fullest
 - **unsharded**: under fsdp, the largest layer's full parameters and gradients, which FSDP2 gathers
   for that layer's forward and backward (fp32, 8 bytes per parameter); with more than one micro-batch,
   also the whole stage's unsharded gradients, which FSDP2 accumulates until the last micro-batch's
-  backward reduce-scatters them (4 bytes per parameter of the stage);
+  backward reduce-scatters them (4 bytes per parameter of the stage); where the pipeline splits
+  backwards, every layer of the worker, gathered with its gradient from its first backward of the
+  step until its reduction after the last weight half (8 bytes per parameter of the stage);
 - **activations**: what backward needs of each micro-batch it holds at once (GPipe: all of them;
   1F1B: at most pp - stage; without a pipeline: one; with virtual stages the plan's own peak of chunk
   activations, each counted at the worker's largest chunk), per transformer layer about 34 x tokens x width + 5 x heads x tokens x seq_len
@@ -101,12 +103,13 @@ def stage_bounds(layer_params: list[int], pp: int, cuts: Optional[tuple[int, ...
 def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, microbatches: int, schedule: str,
              widths: Optional[Widths], recompute: bool = False,
              cuts: Optional[tuple[int, ...]] = None, async_save: bool = False, tp: int = 1,
-             virtual_stages: int = 1, head_split: bool = False) -> WorkerMemory:
+             virtual_stages: int = 1, head_split: bool = False, split: bool = False) -> WorkerMemory:
     """The fullest worker's needs when the model's layers (their parameter counts, in order) are cut
     into ``pp`` x ``virtual_stages`` chunks, each worker holding ``virtual_stages`` of them, and each
     sharded ``fsdp`` ways; ``micro_batch`` rows per micro-batch. With ``tp`` > 1 each layer between the
     first and the last (the blocks) holds a ``1 / tp`` part; the embedding stays whole on every tp rank,
-    and so does the head unless ``head_split`` (split by vocabulary, with its logits)."""
+    and so does the head unless ``head_split`` (split by vocabulary, with its logits). ``split``: the
+    plan splits backwards into input and weight halves (sharded layers then stay gathered)."""
     chunks = stage_bounds(layer_params, pp * virtual_stages, cuts)
     last_layer = len(layer_params) - 1
     whole = (0,) if head_split else (0, last_layer)
@@ -117,7 +120,9 @@ def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, m
         params = [n for first, end in held for n in layer_params[first:end]]
         state = STATE_BYTES_PER_PARAM * sum(params) / fsdp
         unsharded = UNSHARDED_BYTES_PER_PARAM * max(params) if fsdp > 1 else 0.0
-        if fsdp > 1 and microbatches > 1:
+        if fsdp > 1 and split and pp > 1:
+            unsharded = UNSHARDED_BYTES_PER_PARAM * sum(params)
+        elif fsdp > 1 and microbatches > 1:
             unsharded += ACCUMULATED_GRAD_BYTES_PER_PARAM * sum(params)
         live = _live_microbatches(pp, index, microbatches, schedule, virtual_stages)
         last = any(end == len(layer_params) for _, end in held)  # it computes the logits

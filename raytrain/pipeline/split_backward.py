@@ -14,6 +14,11 @@ autograd at those nodes (``GradientEdge`` roots) with the recorded gradients and
 ``inputs``, so each node now computes only its weight outputs, and the weights accumulate into
 ``.grad`` as usual (post-accumulate hooks fire: bucketed all-reduce still overlaps).
 
+The weights are the graph's own leaves (its ``AccumulateGrad`` nodes other than the input's): the
+tensors autograd accumulates into, whatever the module's ``parameters()`` return at the time. Under
+FSDP2 those are the unsharded parameters it swaps in for the forward, not the shards a module holds
+between layers.
+
 One autograd call per boundary node, with only the weights it reaches as ``inputs``: a call that
 also named a deeper node's weights would re-run the input path down to them. A weight reached from
 two boundary nodes (used at two depths of the stage) would do that too, so such a graph is not
@@ -41,10 +46,10 @@ class WeightGradients:
             torch.autograd.backward(roots, grads, retain_graph=True, inputs=weights)
 
 
-def backward_input(output: torch.Tensor, output_grad: Optional[torch.Tensor], inp: torch.Tensor,
-                   weights: list[torch.Tensor]) -> tuple[torch.Tensor, WeightGradients]:
+def backward_input(output: torch.Tensor, output_grad: Optional[torch.Tensor],
+                   inp: torch.Tensor) -> tuple[torch.Tensor, WeightGradients]:
     """Gradient of ``output`` (seeded by ``output_grad``) w.r.t. ``inp``, and its weight half, to run later."""
-    groups = _boundary_groups(output.grad_fn, inp, weights)
+    groups = _boundary_groups(output.grad_fn, inp)
     if groups is None:  # cannot split: one ordinary backward does both halves now
         output.backward(output_grad)
         grad, inp.grad = inp.grad, None
@@ -71,16 +76,16 @@ def _recorder(captured: dict, node: Node) -> Callable:
     return record
 
 
-def _boundary_groups(root: Optional[Node], inp: torch.Tensor, weights: list[torch.Tensor]):
+def _boundary_groups(root: Optional[Node], inp: torch.Tensor):
     """``[(boundary node, weights it reaches)]``, or None where the graph cannot be split.
 
     Walks the graph once from ``root``. A node is *on the input path* if ``inp`` is reachable from
-    it; a boundary node is on the path and has an edge leaving it towards weights.
+    it; a boundary node is on the path and has an edge leaving it towards weights (leaves other
+    than ``inp``: see the module docstring).
     """
     if root is None or not inp.requires_grad:
         return None
     target = get_gradient_edge(inp).node
-    weight_of = {get_gradient_edge(w).node: w for w in weights if w.requires_grad}
     # Post-order walk (iterative: graphs of deep stages exceed Python's recursion limit).
     on_path: dict[Node, bool] = {}
     reaches: dict[Node, frozenset] = {}  # weights reachable from a node off the input path
@@ -95,7 +100,8 @@ def _boundary_groups(root: Optional[Node], inp: torch.Tensor, weights: list[torc
             stack.extend((c, False) for c in children if c not in on_path)
             continue
         on_path[node] = node is target or any(on_path[c] for c in children)
-        own = {weight_of[node]} if node in weight_of else set()
+        leaf = getattr(node, "variable", None) if node is not target else None  # an AccumulateGrad's tensor
+        own = {leaf} if leaf is not None else set()
         reaches[node] = frozenset(own.union(*(reaches[c] for c in children if not on_path[c])))
     if not on_path[root]:
         return None

@@ -63,7 +63,6 @@ class PlanExecutor:
                  device: torch.device, autocast: Callable[[], Any], global_batch: int,
                  loss_context: Callable[[], ContextManager] = contextlib.nullcontext):
         self.module, self.chunks, self.loss_fn, self.grads = module, chunks, loss_fn, grads
-        self.chunk_params = [list(chunk.parameters()) for chunk in self.chunks]
         self.device, self.autocast, self.global_batch = device, autocast, global_batch
         self.loss_context = loss_context
         self._handlers = {
@@ -88,6 +87,8 @@ class PlanExecutor:
             if i == gen.last_grad_action:  # this action fills the step's last gradients: buckets reduce as they fill
                 self.grads.arm()
             self._handlers[action.kind](action, buf)
+            if action.kind == ActionKind.WEIGHT and i in gen.chunk_last_grad_actions:
+                self.grads.chunk_weights_done(gen.chunk_last_grad_actions.index(i))
             t1 = time.perf_counter()
             if action.kind in COMPUTE:
                 buf.busy_s += t1 - t0
@@ -151,8 +152,7 @@ class PlanExecutor:
         out_grad = None if place.is_last else buf.output_grads.pop(key)
         with self._around_loss(a.chunk, buf):
             if key in buf.gen.split:
-                input_grad, buf.weight_halves[key] = split_backward.backward_input(
-                    out, out_grad, buf.inputs.pop(key), self.chunk_params[a.chunk])
+                input_grad, buf.weight_halves[key] = split_backward.backward_input(out, out_grad, buf.inputs.pop(key))
             else:
                 out.backward(out_grad)
                 input_grad = None if place.is_first else buf.inputs.pop(key).grad

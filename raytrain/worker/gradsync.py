@@ -70,6 +70,9 @@ class GradientBuckets:
     def arm_chunk(self, chunk: int) -> None:
         """Nothing: a replicated worker's buckets span its chunks, so they wait for ``arm``."""
 
+    def chunk_weights_done(self, chunk: int) -> None:
+        """Nothing: the weight halves fire the post-accumulate hooks that fill the buckets."""
+
     def arm(self) -> None:
         """Call right before the last backward of the step: buckets then reduce as they fill."""
         self._armed = True

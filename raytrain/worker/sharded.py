@@ -10,9 +10,10 @@ copies ``params`` into its sharded parameters and re-points ``params`` and the o
 optimizer steps plain views of FSDP's own shards, so its state is plain tensors that survive a
 re-forming (a wrapping holds the groups of one generation only, and those die with it).
 
-Gradients: FSDP2 reduce-scatters (and, with dp > 1, all-reduces across replicas) in the last
-micro-batch's backward only; losses are scaled by their share of the global batch, so the
-reductions are SUMs (``ShardedGrads``, the sharded counterpart of raytrain.worker.gradsync).
+Gradients: FSDP2 reduce-scatters (and, with dp > 1, all-reduces across replicas) in each chunk's last
+backward of the step only, or after its last weight half where the plan splits that backward;
+losses are scaled by their share of the global batch, so the reductions are SUMs (``ShardedGrads``,
+the sharded counterpart of raytrain.worker.gradsync).
 
 A shard owns rows ``[start, stop)`` of dim 0 of every parameter (``shard_rows``: torch.chunk's cut,
 as FSDP2 makes it); checkpoints record them so any layout can reassemble or re-cut them.
@@ -42,6 +43,7 @@ from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed
 from raytrain.models.tensor_plan import rows_of_stack
+from raytrain.pipeline.schedule import V_SCHEDULES
 from raytrain.worker.groups import Groups
 from raytrain.worker.tensor_parallel import local_part, parallelize_layers
 from raytrain.worker.gradsync import squared_norms_by_split, sum_over_tp
@@ -148,7 +150,9 @@ class ShardedLayers:
         module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
         dparams = adopt(module, self.device, self.buffers, self.params, optimizer)
         self.module = module
-        return ShardedGrads(self.chunks, dparams, self.params, self.split, (self.summed, groups.tp_group))
+        splits = self.cfg.parallel.split_backward or self.cfg.parallel.schedule in V_SCHEDULES
+        return ShardedGrads(self.chunks, dparams, self.params, self.split, (self.summed, groups.tp_group),
+                            keep_unsharded=splits)
 
     def release(self) -> None:
         """Drop the wrapping (its groups are going); ``params`` keep the values and the prepared gradients.
@@ -193,27 +197,48 @@ def _fully_shard_stage(layers: list[nn.Module], mesh: DeviceMesh, owner: Sharded
 class ShardedGrads:
     """GradientBuckets' contract for a sharded stage: ``zero`` before a step, ``arm_chunk`` before each
     chunk's last backward (that FSDP2 root then reduces: earlier micro-batches accumulate unsharded
-    gradients locally),
-    ``finish`` after it, then the norm and scaling act on this shard's reduced gradients, which the
-    optimizer's plain ``params`` see as their ``.grad``."""
+    gradients locally), ``chunk_weights_done`` after a chunk's last gradient action when that was a
+    split backward's weight half, ``finish`` after it all, then the norm and scaling act on this
+    shard's reduced gradients, which the optimizer's plain ``params`` see as their ``.grad``."""
 
     def __init__(self, roots: list[nn.Module], dparams: list[nn.Parameter], params: list[torch.Tensor],
                  split: Optional[list[bool]] = None,
-                 summed_over_tp: tuple[list[bool], Optional[dist.ProcessGroup]] = ((), None)):
+                 summed_over_tp: tuple[list[bool], Optional[dist.ProcessGroup]] = ((), None),
+                 keep_unsharded: bool = False):
         self.roots, self.dparams, self.params = roots, dparams, params
         self.split = split or [False] * len(params)
         self.summed_over_tp = summed_over_tp
         """With tp > 1: which gradients FSDP reduced over the fsdp group alone still sum over tp too."""
+        self.keep_unsharded = keep_unsharded
+        """With split backwards: a chunk's layers stay gathered from its first backward of the step to its
+        reduction, as a weight half that runs after its input half accumulates into them (as in
+        torch.distributed.pipelining); otherwise each backward reshards them."""
 
     def zero(self) -> None:
         for p in self.dparams + self.params:
             p.grad = None
         for root in self.roots:
             self._sync(root, False)
+            root.set_reshard_after_backward(not self.keep_unsharded)
 
     def arm_chunk(self, chunk: int) -> None:
         """Before a chunk's last backward of the step: that root reduce-scatters in it."""
         self._sync(self.roots[chunk], True)
+        self.roots[chunk].set_reshard_after_backward(True)
+
+    def chunk_weights_done(self, chunk: int) -> None:
+        """The chunk's last gradients came from a weight half, after its last backward: FSDP2 reduces in
+        a backward's post-backward, and none is left to run it, so run it now (armed: it reduce-scatters).
+
+        FSDP2 has no public call for this; its root's post-backward callback is what
+        torch.distributed.pipelining's stages call for the same reason (``perform_reduce_grad``). Every
+        parameter group of the root is idle after its last backward, and the callback runs the
+        post-backward of each idle group: the unsharded gradients the weight halves accumulated are
+        reduce-scattered (and all-reduced across replicas with HSDP) into the shards."""
+        root = self.roots[chunk]
+        self._sync(root, True)
+        root.set_reshard_after_backward(True)
+        fully_shard.state(root)._root_post_backward_final_callback()
 
     def arm(self) -> None:
         """Nothing more: each chunk's root was armed before its own last backward."""

@@ -161,6 +161,9 @@ class TensorParallelGrads:
     def arm_chunk(self, chunk: int) -> None:
         pass
 
+    def chunk_weights_done(self, chunk: int) -> None:
+        pass
+
     def arm(self) -> None:
         pass
 
