@@ -13,6 +13,11 @@ dp=2 x fsdp=2 runs 4 workers: on a machine with fewer than 4 cores its speed is 
 
     python experiments/bench_memory.py              # about 5 minutes on 2 cores
     python experiments/bench_memory.py --repeats 1 --steps 6
+    python experiments/bench_memory.py --repeats 1 --steps 6 --layouts dp=2 "fsdp=2 x pp=2 interleaved" "fsdp=2 x pp=2 zbv"
+
+The last two layouts (4 workers, not run by default) show what a split backward costs a sharded stage:
+its layers stay gathered from their first backward of the step to their reduction after the last
+weight half.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ LAYOUTS = {
     "fsdp=2": ["parallel.fsdp=2"],
     "dp=2 x fsdp=2": ["parallel.dp=2", "parallel.fsdp=2"],
     "pp=2": ["parallel.pp=2", "parallel.microbatches=2"],
+    "fsdp=2 x pp=2 interleaved": ["parallel.fsdp=2", "parallel.pp=2", "parallel.microbatches=4",
+                                  "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2"],
+    "fsdp=2 x pp=2 zbv": ["parallel.fsdp=2", "parallel.pp=2", "parallel.microbatches=4", "parallel.schedule=zbv",
+                          "parallel.virtual_stages=2"],
 }
 STATE_BYTES_PER_PARAM = 16  # fp32 parameter, gradient, AdamW exp_avg and exp_avg_sq
 
@@ -53,8 +62,8 @@ def state_mb_per_worker(name: str) -> list[float]:
     cfg = load_config(None, MODEL + LAYOUTS[name] + ["train.global_batch=8", f"run.dir={tempfile.gettempdir()}"])
     layout = prepare(cfg).layout
     counts = _layer_params(cfg)
-    stages = [sum(counts[i] for i in r) for r in layout.stage_ranges]
-    per_stage = [STATE_BYTES_PER_PARAM * n / layout.fsdp / 2**20 for n in stages]
+    workers = [sum(counts[i] for chunk in layout.worker_chunks(s) for i in chunk) for s in range(layout.pp)]
+    per_stage = [STATE_BYTES_PER_PARAM * n / layout.fsdp / 2**20 for n in workers]  # a worker's chunks
     return [per_stage[s] for _ in range(layout.dp) for _ in range(layout.fsdp) for s in range(layout.pp)]
 
 
@@ -76,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS)[:4], choices=list(LAYOUTS))
     args = parser.parse_args()
     import ray
 
