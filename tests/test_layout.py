@@ -184,3 +184,27 @@ def test_a_head_is_split_by_vocabulary_only_where_tp_divides_it_and_it_is_not_ti
     embedding, bare.tp_plan = nn.Embedding(258, 8), {"lm_head": ("vocab_parallel", 1)}
     embedding.weight = bare.lm_head.weight  # tied: the embedding needs it whole on every rank
     assert "tied to another parameter" in plan_problem([embedding, bare], 2)
+
+
+def test_the_token_table_splits_by_vocabulary_where_tp_divides_it():
+    from torch import nn
+
+    from raytrain.config.schema import ModelConfig
+    from raytrain.models.layers import Embedding
+    from raytrain.models.tensor_plan import layer_plan, local_boxes, plan_problem
+
+    embedding = Embedding(ModelConfig(d_model=8, n_head=2, vocab_size=258))
+    assert layer_plan(embedding, 2) == {"tok": ("vocab_embedding", 1)} and layer_plan(embedding, 4) == {}
+    assert local_boxes(layer_plan(embedding, 2), "tok.weight", (258, 8), 2, 1) == [((129, 258), (0, 8))]
+    assert local_boxes(layer_plan(embedding, 2), "pos.weight", (32, 8), 2, 1) == [((0, 32), (0, 8))]  # positions whole
+    assert layer_plan(embedding, 2, sequence=True) == {"tok": ("vocab_embedding", 1), "": ("sequence_scatter", 1)}
+    table = nn.Sequential()
+    table.tok, table.tp_plan = nn.Linear(8, 258), {"tok": ("vocab_embedding", 1)}
+    assert "names no nn.Embedding of that layer" in plan_problem([table], 2)
+    table.tok, table.tp_plan = nn.Embedding(258, 8), {"tok": ("vocab_embedding", 2)}
+    assert "give ('vocab_embedding', 1)" in plan_problem([table], 2)
+    head = nn.Sequential()
+    head.lm_head = nn.Linear(8, 258, bias=False)
+    head.lm_head.weight = table.tok.weight  # tied to the head: both stay whole
+    table.tp_plan = {"tok": ("vocab_embedding", 1)}
+    assert "tied to another parameter" in plan_problem([table, head], 2)

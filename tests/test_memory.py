@@ -42,13 +42,17 @@ def test_the_state_is_16_bytes_per_owned_parameter_and_fsdp_adds_the_gathered_la
 
 
 def test_tensor_parallelism_divides_the_blocks_state_and_a_head_split_by_vocabulary():
-    # COUNTS' first and last layers are an embedding (whole on every tp rank) and a head: whole too,
-    # unless split by vocabulary, which also splits its logits
+    # COUNTS' first and last layers are an embedding and a head: whole on every tp rank unless split by
+    # vocabulary (the head's split also splits its logits)
     split = estimate(COUNTS, pp=1, fsdp=1, micro_batch=8, microbatches=1, schedule="1f1b", widths=None, tp=2)
     assert split.state == 16 * (COUNTS[0] + sum(COUNTS[1:-1]) / 2 + COUNTS[-1]) and split.unsharded == 0
     head = estimate(COUNTS, pp=1, fsdp=1, micro_batch=8, microbatches=1, schedule="1f1b", widths=None, tp=2,
                     head_split=True)
     assert head.state == 16 * (COUNTS[0] + sum(COUNTS[1:]) / 2)
+    # the embedding's token table (800 of its 1000 parameters here) split by vocabulary too
+    table = estimate(COUNTS, pp=1, fsdp=1, micro_batch=8, microbatches=1, schedule="1f1b", widths=None, tp=2,
+                     head_split=True, table_split=800)
+    assert table.state == 16 * (200 + 800 / 2 + sum(COUNTS[1:]) / 2)
     wide = Widths(width=64, heads=4, seq_len=16, vocab=50_000)  # logits dominate the activations
     whole_logits, split_logits = (estimate(COUNTS, pp=1, fsdp=1, micro_batch=8, microbatches=1, schedule="1f1b",
                                            widths=wide, tp=2, head_split=h).activations for h in (False, True))

@@ -52,8 +52,9 @@ def test_tensor_parallel_layouts_match_single_process(make_config, tmp_path, lay
     cfg = make_config(*layout, TP, "train.steps=3")
     model, _ = run_stages(cfg, str(tmp_path))
     assert_same_params(model, reference_state(cfg))
-    # the parameters every tp rank holds the same part of (norms, embedding, rowwise biases) stayed
-    # identical; only tp rank 0 writes them. The head is split by vocabulary (its loss is vocab-parallel).
+    # the parameters every tp rank holds the same part of (norms, positions, rowwise biases) stayed
+    # identical; only tp rank 0 writes them. The head and the token table are split by vocabulary (the
+    # loss is vocab-parallel, the lookup summed over the tp group).
     every_split = set()
     for stage in range(cfg.parallel.pp):
         for shard in range(cfg.parallel.fsdp):
@@ -62,9 +63,9 @@ def test_tensor_parallel_layouts_match_single_process(make_config, tmp_path, lay
             split, same = set(files[1]["model"]), set(held[1]) - set(files[1]["model"])
             assert set(files[0]["model"]) == set(held[0]) == split | same and split and same
             assert all(torch.equal(held[0][n], held[1][n]) for n in same)
-            assert all(n.rsplit(".", 2)[1] in ("qkv", "proj", "fc", "out", "lm_head") for n in split), split
+            assert all(n.rsplit(".", 2)[1] in ("qkv", "proj", "fc", "out", "lm_head", "tok") for n in split), split
             every_split |= split
-    assert any(n.endswith("lm_head.weight") for n in every_split), every_split
+    assert {"0.tok.weight", f"{cfg.model.n_layer + 1}.lm_head.weight"} <= every_split, every_split
     # between stages (and chunks) a tp rank holds its half of the tokens with sequence parallelism, else all
     tails = [t for s in range(cfg.parallel.pp) for t in json.loads((tmp_path / f"stage{s}-0-1.json").read_text())["input_tails"]]
     tokens = 16 // 2 if cfg.parallel.sequence_parallel else 16
@@ -129,10 +130,12 @@ def test_tp2_on_actors_checkpoints_slices_that_every_layout_resumes(ray_session,
     assert shard["slices"]["1.qkv.weight"] == [[[16, 32, 96], [0, 32, 32]], [[48, 64, 96], [0, 32, 32]],
                                                [[80, 96, 96], [0, 32, 32]]]  # its head of each of q, k and v
     assert shard["slices"]["3.lm_head.weight"] == [[128, 256, 256], [0, 32, 32]]  # its half of the vocabulary
-    # what both ranks hold whole (norms, embedding, rowwise biases) is in rank 0's file alone
-    assert "1.ln1.weight" not in shard["model"] and "0.tok.weight" not in shard["optim"]
+    assert shard["slices"]["0.tok.weight"] == [[128, 256, 256], [0, 32, 32]]  # ... of the token table's too
+    # what both ranks hold whole (norms, positions, rowwise biases) is in rank 0's file alone
+    assert "1.ln1.weight" not in shard["model"] and "0.pos.weight" not in shard["optim"]
     rank0 = torch.load(os.path.join(first.checkpoint, "stage-0-shard-0.pt"), weights_only=True)
-    assert rank0["slices"]["1.ln1.weight"] == [[0, 32, 32]] and rank0["model"]["0.tok.weight"].shape == (256, 32)
+    assert rank0["slices"]["1.ln1.weight"] == [[0, 32, 32]] and rank0["model"]["0.pos.weight"].shape == (16, 32)
+    assert rank0["model"]["0.tok.weight"].shape == (128, 32)
     assert_same_params(checkpoint.load_state_dict(first.checkpoint), reference_state(cfg))
     want = reference_state(make_config("train.steps=6", rows))
     # on actors as dp=1 (whole stages load the reassembled boxes) ...
@@ -196,7 +199,7 @@ built-in GPT are held to 1e-5."""
 def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_process(make_config, tmp_path, family,
                                                                                   layout):
     # the family's base_model_tp_plan (q/k/v, gate/up colwise; o/down rowwise) on each decoder layer, and
-    # the output head split by vocabulary (a vocab-parallel loss) on the stage that holds it
+    # the token table and output head (untied here) split by vocabulary on the stages that hold them
     path = write_hf_model(tmp_path / "model", family)
     cfg = make_config(f"model.hf={path}", *layout, TP, "train.steps=3", LONG_RUN_LR)
     model, _ = run_stages(cfg, str(tmp_path / "run"))
@@ -207,7 +210,8 @@ def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_proce
                if style != GRAD_SUM}  # whole on each rank: rank 0 writes them
     last = torch.load(tmp_path / "run" / f"stage{cfg.parallel.pp - 1}-0-1.pt", weights_only=True)
     assert any(n.endswith(".head.weight") for n in last["model"]), set(last["model"])  # split by vocabulary
-    assert split and {n.rsplit(".", 2)[1] for n in split} - {"head"} == planned, split
+    assert "0.embed.weight" in split
+    assert split and {n.rsplit(".", 2)[1] for n in split} - {"head", "embed"} == planned, split
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -37,17 +37,19 @@ def worker_memory_bytes(cfg: Config) -> Optional[float]:
 
 def layout_memory(cfg: Config, layout: Layout, layer_params: list[int]) -> WorkerMemory:
     """The estimate for the fullest worker of ``layout`` (its cuts, if chosen) over these layers. The
-    built-in GPT's head splits by vocabulary where tp divides it; a Hugging Face or model.factory head is
-    counted whole (an overestimate where it splits: an untied head, raytrain.models.tensor_plan)."""
+    built-in GPT's head and token table split by vocabulary where tp divides it; a Hugging Face or
+    model.factory head and table are counted whole (an overestimate where they split: untied ones,
+    raytrain.models.tensor_plan)."""
     m = cfg.model
     widths = None if m.factory is not None else Widths(m.d_model, m.n_head, m.seq_len, m.vocab_size)
     micro_batch = max(1, cfg.train.global_batch // (layout.mesh.columns * layout.microbatches))
     builtin = m.factory is None and m.hf is None
+    by_vocabulary = builtin and layout.tp > 1 and m.vocab_size % layout.tp == 0
     return estimate(layer_params, pp=layout.pp, fsdp=layout.fsdp, micro_batch=micro_batch,
                     microbatches=layout.microbatches, schedule=layout.schedule, widths=widths,
                     recompute=cfg.train.activation_checkpointing, cuts=layout.cuts,
                     async_save=cfg.checkpoint.async_save, tp=layout.tp, virtual_stages=layout.virtual_stages,
-                    head_split=builtin and layout.tp > 1 and m.vocab_size % layout.tp == 0,
+                    head_split=by_vocabulary, table_split=m.vocab_size * m.d_model if by_vocabulary else 0,
                     split=cfg.parallel.split_backward or layout.schedule in V_SCHEDULES)
 
 

@@ -237,6 +237,9 @@ class HFEmbedding(nn.Module):
     def __init__(self, parts: DecoderParts):
         super().__init__()
         self.embed, self.position, self.dropout = parts.embed, parts.position, parts.dropout
+        tied = getattr(parts.head, "weight", None) is getattr(parts.embed, "weight", False)
+        self.tp_plan = {} if tied or not isinstance(parts.embed, nn.Embedding) else {"embed": ("vocab_embedding", 1)}
+        """Under parallel.tp the token table is split by vocabulary, unless the head shares it."""
 
     def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
         h_BTD = self.embed(ids_BT)
@@ -286,7 +289,7 @@ def _attention_type(layer: nn.Module, config, index: int) -> str:
 class HFHead(nn.Module):
     """Hidden states -> logits: the final norm and the output head. Under parallel.tp the head is split by
     vocabulary and the loss computed on the split logits (raytrain.models.tensor_plan), unless it is tied
-    to the input embedding, which every rank holds whole."""
+    to the input embedding (both then stay whole on every rank)."""
 
     def __init__(self, parts: DecoderParts):
         super().__init__()

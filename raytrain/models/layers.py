@@ -30,9 +30,10 @@ def cross_entropy_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> to
 
 
 class Embedding(nn.Module):
-    tp_plan = {"": ("sequence_scatter", 1)}
-    """With parallel.sequence_parallel each tp rank keeps its share of the tokens: the blocks' norms and
-    residuals run on them (raytrain.models.tensor_plan)."""
+    tp_plan = {"tok": ("vocab_embedding", 1), "": ("sequence_scatter", 1)}
+    """Under parallel.tp each rank holds its rows of the token table (where tp divides the vocabulary); with
+    parallel.sequence_parallel each rank keeps its share of the tokens: the blocks' norms and residuals run
+    on them (raytrain.models.tensor_plan)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

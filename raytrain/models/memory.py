@@ -103,17 +103,20 @@ def stage_bounds(layer_params: list[int], pp: int, cuts: Optional[tuple[int, ...
 def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, microbatches: int, schedule: str,
              widths: Optional[Widths], recompute: bool = False,
              cuts: Optional[tuple[int, ...]] = None, async_save: bool = False, tp: int = 1,
-             virtual_stages: int = 1, head_split: bool = False, split: bool = False) -> WorkerMemory:
+             virtual_stages: int = 1, head_split: bool = False, table_split: int = 0,
+             split: bool = False) -> WorkerMemory:
     """The fullest worker's needs when the model's layers (their parameter counts, in order) are cut
     into ``pp`` x ``virtual_stages`` chunks, each worker holding ``virtual_stages`` of them, and each
     sharded ``fsdp`` ways; ``micro_batch`` rows per micro-batch. With ``tp`` > 1 each layer between the
-    first and the last (the blocks) holds a ``1 / tp`` part; the embedding stays whole on every tp rank,
-    and so does the head unless ``head_split`` (split by vocabulary, with its logits). ``split``: the
+    first and the last (the blocks) holds a ``1 / tp`` part; the embedding and the head stay whole on
+    every tp rank, but for ``table_split`` of the embedding's parameters (its token table) and, with
+    ``head_split``, the head (with its logits), split by vocabulary. ``split``: the
     plan splits backwards into input and weight halves (sharded layers then stay gathered)."""
     chunks = stage_bounds(layer_params, pp * virtual_stages, cuts)
     last_layer = len(layer_params) - 1
     whole = (0,) if head_split else (0, last_layer)
     layer_params = [n if i in whole else n / tp for i, n in enumerate(layer_params)]
+    layer_params[0] -= table_split - table_split / tp
     logits_part = tp if head_split else 1
     worst = WorkerMemory(0.0, 0.0, 0.0)
     for index, held in enumerate(_worker_chunks(chunks, pp, virtual_stages, schedule)):

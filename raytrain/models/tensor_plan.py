@@ -15,7 +15,11 @@ but the first gathers its output whole on every rank and the second takes a whol
 ``vocab_parallel`` splits an output head by vocabulary as ``colwise`` does and leaves its logits split:
 the loss is computed on them where they lie (torch's ``loss_parallel``), so no rank holds a whole
 batch x sequence x vocabulary of logits. It is a preference, not a requirement: where tp does not divide
-the vocabulary, the head stays whole (``layer_plan`` drops it).
+the vocabulary, the head stays whole (``layer_plan`` drops it). ``vocab_embedding`` splits an input
+embedding's table the same way (its weight's dim 0, the vocabulary): each rank looks up the tokens its
+rows hold and an all-reduce sums the parts (torch's ``RowwiseParallel`` on an ``nn.Embedding``), so no
+rank holds the whole table; it too is dropped where tp does not divide the vocabulary, and refused for
+a table tied to a head.
 
 Sequence parallelism (parallel.sequence_parallel; Megatron's, as torchtitan applies it): a layer whose
 plan has a ``sequence_*`` entry keeps its activations outside the split linears split by tokens, each
@@ -46,6 +50,7 @@ Box = tuple[tuple[int, int], ...]
 Plan = dict[str, tuple[str, int]]
 """Submodule name -> (one of STYLES, fused parts)."""
 VOCAB_PARALLEL = "vocab_parallel"
+VOCAB_EMBEDDING = "vocab_embedding"
 COLWISE_STYLES = ("colwise", "colwise_gather_output", VOCAB_PARALLEL)
 """Split by output features (a weight's dim 0, with its bias)."""
 ROWWISE_STYLES = ("rowwise", "rowwise_split_input")
@@ -54,7 +59,9 @@ GRAD_SUM = "replicated_grad_sum"
 SEQUENCE_STYLES = ("sequence_parallel", "sequence_scatter", "sequence_gather")
 """Whole on every rank, between split layers: a norm run on the rank's tokens, a layer (``""``) whose
 output each rank keeps only its tokens of, a module whose input is gathered from every rank's tokens."""
-STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, GRAD_SUM, *SEQUENCE_STYLES)
+STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, VOCAB_EMBEDDING, GRAD_SUM, *SEQUENCE_STYLES)
+BY_VOCABULARY = (VOCAB_PARALLEL, VOCAB_EMBEDDING)
+"""Preferences, not requirements: a table or head whose vocabulary tp does not divide stays whole."""
 
 
 def sequence_parallel(plan: Plan) -> bool:
@@ -65,33 +72,37 @@ def sequence_parallel(plan: Plan) -> bool:
 
 def layer_plan(layer, tp: int = 1, sequence: bool = False) -> Plan:
     """A layer's tensor-parallel plan at ``tp`` ranks (empty: every parameter replicated), without the
-    ``vocab_parallel`` heads whose vocabulary ``tp`` does not divide (they stay whole), and without its
-    ``sequence_*`` entries unless ``sequence`` (parallel.sequence_parallel)."""
+    ``vocab_parallel`` heads and ``vocab_embedding`` tables whose vocabulary ``tp`` does not divide (they
+    stay whole), and without its ``sequence_*`` entries unless ``sequence`` (parallel.sequence_parallel)."""
     plan = {name: entry for name, entry in getattr(layer, "tp_plan", {}).items()
             if sequence or not (isinstance(entry, tuple) and entry[:1] and entry[0] in SEQUENCE_STYLES)}
     for name, entry in list(plan.items()):
-        if isinstance(entry, tuple) and entry[:1] == (VOCAB_PARALLEL,) and _linear_width(layer, name) % tp:
+        if isinstance(entry, tuple) and entry[:1] and entry[0] in BY_VOCABULARY and _vocabulary(layer, name) % tp:
             del plan[name]
-            if sequence_parallel(plan):  # the whole head still takes every rank's tokens
+            if entry[0] == VOCAB_PARALLEL and sequence_parallel(plan):  # the whole head still takes every rank's tokens
                 plan[name] = ("sequence_gather", 1)
     return plan
 
 
-def _linear_width(layer, name: str) -> int:
-    """The out_features of the linear ``name`` of ``layer`` (0 when it names none: plan_problem says so)."""
+def _vocabulary(layer, name: str) -> int:
+    """The out_features of the linear, or the rows of the embedding, ``name`` of ``layer`` (0 when it names
+    neither: plan_problem says so)."""
     try:
         module = layer.get_submodule(name)
     except AttributeError:
         return 0
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings
     return module.out_features if isinstance(module, nn.Linear) else 0
 
 
 def plan_problem(layers: list[nn.Module], tp: int, sequence: bool = False) -> Optional[str]:
     """Why ``tp`` ranks cannot split these layers by their ``tp_plan`` (None when they can): no layer
     declares one (that applies at ``tp``), or one names a style it does not know, a split submodule that
-    is not a linear, widths that 1/tp of each part does not divide, a vocab_parallel head that is fused or
-    tied to another parameter (an input embedding, which every rank holds whole), or, with ``sequence``,
-    layers that do not agree on splitting the tokens."""
+    is not a linear (an embedding, for vocab_embedding), widths that 1/tp of each part does not divide, a
+    vocab_parallel head or vocab_embedding table that is fused or tied to another parameter (a head and
+    its input embedding, which then stay whole), or, with ``sequence``, layers that do not agree on
+    splitting the tokens."""
     planned = [(i, layer_plan(layer, tp, sequence)) for i, layer in enumerate(layers) if layer_plan(layer, tp, sequence)]
     if not planned:
         if any(getattr(layer, "tp_plan", None) for layer in layers):
@@ -143,14 +154,16 @@ def _entry_problem(layer: nn.Module, where: str, name: str, entry, tp: int, shar
         module = None
     if entry[0] == GRAD_SUM or entry[0] in SEQUENCE_STYLES:
         return f"{where} names no submodule of that layer" if module is None else None
-    if not isinstance(module, nn.Linear):
-        return f"{where} names no nn.Linear of that layer"
     style, parts = entry
-    if style == VOCAB_PARALLEL and parts != 1:
-        return f"{where} is {entry!r}: a head split by vocabulary is one projection; give ({VOCAB_PARALLEL!r}, 1)"
-    if style == VOCAB_PARALLEL and shared[id(module.weight)] > 1:
-        return (f"{where}: {name}.weight is tied to another parameter (an input embedding, which every tp rank "
-                "holds whole); leave the entry out of that layer's tp_plan to keep the head whole")
+    if not isinstance(module, nn.Embedding if style == VOCAB_EMBEDDING else nn.Linear):
+        return f"{where} names no {'nn.Embedding' if style == VOCAB_EMBEDDING else 'nn.Linear'} of that layer"
+    if style in BY_VOCABULARY and parts != 1:
+        return f"{where} is {entry!r}: a table or head split by vocabulary is one piece; give ({style!r}, 1)"
+    if style in BY_VOCABULARY and shared[id(module.weight)] > 1:
+        return (f"{where}: {name}.weight is tied to another parameter (a head and its input embedding share "
+                "it); leave the entry out of that layer's tp_plan to keep it whole")
+    if style == VOCAB_EMBEDDING:
+        return None  # layer_plan kept it: tp divides its vocabulary
     width, what = ((module.out_features, "out_features") if style in COLWISE_STYLES
                    else (module.in_features, "in_features"))
     if width % (parts * tp):
@@ -165,7 +178,7 @@ def split_of(plan: Plan, param_name: str) -> Optional[tuple[str, int, int]]:
     if module not in plan:
         return None
     style, parts = plan[module]
-    if style in COLWISE_STYLES:
+    if style in COLWISE_STYLES or style == VOCAB_EMBEDDING:
         return style, parts, 0
     if style in ROWWISE_STYLES:
         return (style, parts, 1) if leaf == "weight" else None

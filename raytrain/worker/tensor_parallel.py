@@ -14,7 +14,7 @@ the values and AdamW's state are plain tensors that survive a re-forming.
 
 Gradients: a split parameter's gradient is its DTensor gradient's local part (redistributed to the
 parameter's own placement first, should autograd leave it partial); a replicated parameter (norms,
-embedding, a head tp cannot split by vocabulary, rowwise biases) sees the same full activations and output gradients on every tp rank
+positions, a table or head tp cannot split by vocabulary, rowwise biases) sees the same full activations and output gradients on every tp rank
 (ColwiseParallel all-reduces its input's gradient), so its gradient is whole and identical there, but
 for a per-head norm's (``replicated_grad_sum``: each rank's covers its heads), summed over the tp
 group. With dp > 1 they are summed over the dp group (``TensorParallelGrads``). The global norm counts the split
@@ -42,7 +42,7 @@ from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed
-from raytrain.models.tensor_plan import VOCAB_PARALLEL, Box, layer_plan, sequence_parallel
+from raytrain.models.tensor_plan import VOCAB_EMBEDDING, VOCAB_PARALLEL, Box, layer_plan, sequence_parallel
 from raytrain.worker.executor import cut_into_chunks
 from raytrain.worker.groups import Groups
 from raytrain.worker.gradsync import all_reduce_flat, squared_norms_by_split, sum_over_tp
@@ -55,6 +55,7 @@ STYLES = {
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     VOCAB_PARALLEL: lambda: ColwiseParallel(use_local_output=False),  # logits stay a DTensor: loss_parallel's input
+    VOCAB_EMBEDDING: lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
 }
 """raytrain.models.tensor_plan's split styles as torch's; the whole-module one needs no parallelising."""
 TOKENS = Shard(1)
@@ -63,6 +64,7 @@ SEQUENCE_STYLES = {
     "colwise": lambda: ColwiseParallel(input_layouts=TOKENS),
     "rowwise": lambda: RowwiseParallel(output_layouts=TOKENS),
     VOCAB_PARALLEL: lambda: ColwiseParallel(input_layouts=TOKENS, use_local_output=False),
+    VOCAB_EMBEDDING: STYLES[VOCAB_EMBEDDING],  # summed whole; the layer's sequence_scatter keeps the rank's tokens
     "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
     "sequence_scatter": lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=TOKENS,
                                                     use_local_output=True),
