@@ -8,9 +8,9 @@ same ``parallelize_module`` plan to each block (attention q/k/v and the MLP's up
 the out projections rowwise, everything else replicated) and steps AdamW on random tokens. The
 peer splits the fused qkv projection contiguously, as a plain ``ColwiseParallel`` does (raytrain
 splits it per head): the same shapes and arithmetic cost, another grouping of the heads, so it is a
-peer in speed and memory, not in values. raytrain also splits the head by vocabulary (its loss in
-``loss_parallel``); the peer keeps it whole, which at this vocabulary of 256 is 0.3% of the
-parameters. "tp=2 sp" adds sequence parallelism (parallel.sequence_parallel). Runs are interleaved
+peer in speed and memory, not in values. raytrain also splits the head and the token table by
+vocabulary (the loss in ``loss_parallel``); the peer keeps them whole, which at this vocabulary of 256
+is 0.7% of the parameters. "tp=2 sp" adds sequence parallelism (parallel.sequence_parallel). Runs are interleaved
 over ``--repeats`` rounds; the median is shown. Prints samples/s (steps after the first two) and the
 peak resident memory of each worker, with ratios against raytrain's tp=2.
 
@@ -18,9 +18,10 @@ peak resident memory of each worker, with ratios against raytrain's tp=2.
     python experiments/bench_tp.py --seq-len 256   # longer samples: activations grow, sequence parallelism splits more
     python experiments/bench_tp.py --repeats 1 --steps 6
 
-``--vocab N`` measures the head split by vocabulary instead: tp=2 on the same blocks with a vocabulary
-of N (tp divides it: the head and its logits split, the loss in ``loss_parallel``) against N + 1 (tp
-does not divide it: the head stays whole on both ranks), the peer and the other layouts left out.
+``--vocab N`` measures the split by vocabulary instead: tp=2 on the same blocks with a vocabulary of N
+(tp divides it: the head and its logits split, the loss in ``loss_parallel``, the token table split)
+against N + 1 (tp does not divide it: head and table stay whole on both ranks), the peer and the other
+layouts left out.
 
     python experiments/bench_tp.py --vocab 65536 --repeats 1 --steps 5
 """
@@ -51,10 +52,10 @@ WARM_UP_STEPS = 2
 
 
 def vocab_layouts(vocab: int) -> dict[str, list[str]]:
-    """tp=2 with the head split by vocabulary (``vocab``), and with it whole (``vocab`` + 1, which tp=2
+    """tp=2 with the head and token table split by vocabulary (``vocab``), and whole (``vocab`` + 1, which tp=2
     does not divide)."""
     return {"tp=2": [*LAYOUTS["tp=2"], f"model.vocab_size={vocab}"],
-            "tp=2, head whole": [*LAYOUTS["tp=2"], f"model.vocab_size={vocab + 1}"]}
+            "tp=2, whole by vocabulary": [*LAYOUTS["tp=2"], f"model.vocab_size={vocab + 1}"]}
 
 
 def run_layout(name: str, overrides: list[str], steps: int, workdir: str) -> dict:
@@ -125,7 +126,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peer", action="store_true", help="run as one process of the torchrun script")
-    parser.add_argument("--vocab", type=int, help="tp=2 with the head split by this vocabulary against it whole")
+    parser.add_argument("--vocab", type=int, help="tp=2 with head and table split by this vocabulary against whole")
     parser.add_argument("--seq-len", type=int, help=f"tokens per sample (default {SEQ_LEN}): activations grow with it")
     args = parser.parse_args()
     if args.seq_len is not None:
