@@ -1,5 +1,5 @@
 """Tiny Hugging Face causal LMs (FAMILIES, and the families tensor parallelism and the conversion mapping
-add: Qwen3, Gemma 3, Mixtral, GPT-NeoX), written to a directory as ``save_pretrained`` does."""
+add: Qwen3, Gemma 3, Mixtral, GPT-NeoX, DeepSeek-V2), written to a directory as ``save_pretrained`` does."""
 
 import logging
 
@@ -39,6 +39,12 @@ def hf_config(family: str, tied: bool = False, layers: int = 2):
         return T.GPTNeoXConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=tied,
                                hidden_dropout=0.0, attention_dropout=0.0)
+    if family == "deepseek_v2":  # latent attention (its rotary key shared by every head), experts and shared experts
+        return T.DeepseekV2Config(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2, kv_lora_rank=16,
+                                  q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                                  max_position_embeddings=64, tie_word_embeddings=tied)
     return {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config}[family](**common)
 
 

@@ -14,7 +14,7 @@ from raytrain.testing.reference import reference_eval_loss, train_reference
 from tests.forked_stages import run_stages
 from tests.helpers import LONG_RUN_LR, assert_same_params, reference_state, relative_error
 from raytrain.models.hf_tensor_plan import decoder_layer_plan
-from raytrain.models.tensor_plan import GRAD_SUM
+from raytrain.models.tensor_plan import GRAD_SUM, TAIL_GRAD_SUM
 from tests.hf_models import assert_same_hf_params, hf_config, write_hf_model
 
 TP = "resources.placement_strategy=STRICT_PACK"
@@ -193,9 +193,11 @@ built-in GPT are held to 1e-5."""
     ("phi", ("parallel.fsdp=2", "parallel.tp=2")),  # a half-head rotary
     ("olmo2", ("parallel.tp=2", "train.grad_clip=0.05")),  # gathered q/k/v around its whole-width q/k norms
     ("phi3", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),  # gathered fused projections
+    # latent attention: the rotary key's slice of kv_a_proj_with_mqa has its gradient summed over tp
+    ("deepseek_v2", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.split_backward=true")),
 ], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-fsdp2-tp2", "llama-dp2-tp2", "llama-tp2-pp2-split", "qwen2-tp2", "qwen3-tp2-clipped",
         "qwen3-fsdp2-tp2", "gemma3-tp2-pp2", "mixtral-tp2", "gpt_neox-tp2", "phi-fsdp2-tp2", "olmo2-tp2-clipped",
-        "phi3-tp2-pp2"])
+        "phi3-tp2-pp2", "deepseek_v2-tp2-pp2-split"])
 def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_process(make_config, tmp_path, family,
                                                                                   layout):
     # the family's base_model_tp_plan (q/k/v, gate/up colwise; o/down rowwise) on each decoder layer, and
@@ -206,8 +208,14 @@ def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_proce
     assert_same_hf_params(model, reference_state(cfg), rtol=ADAM_EPS_RTOL.get(family, 1e-5))
     files = [torch.load(tmp_path / "run" / f"stage0-0-{t}.pt", weights_only=True) for t in (0, 1)]
     split = set(files[1]["model"])
-    planned = {name.rsplit(".", 1)[1] for name, (style, _) in decoder_layer_plan(hf_config(family)).items()
-               if style != GRAD_SUM}  # whole on each rank: rank 0 writes them
+    import transformers
+
+    from raytrain.models.hf_model import find_parts
+
+    config = hf_config(family)
+    one_layer = find_parts(transformers.AutoModelForCausalLM.from_config(config)).layers[0]  # q_b_proj is optional
+    planned = {name.rsplit(".", 1)[1] for name, (style, _) in decoder_layer_plan(config, one_layer).items()
+               if style not in (GRAD_SUM, TAIL_GRAD_SUM)}  # whole on each rank: rank 0 writes them
     last = torch.load(tmp_path / "run" / f"stage{cfg.parallel.pp - 1}-0-1.pt", weights_only=True)
     assert any(n.endswith(".head.weight") for n in last["model"]), set(last["model"])  # split by vocabulary
     assert "0.embed.weight" in split
@@ -229,23 +237,18 @@ def test_a_hugging_face_tp_that_cannot_split_its_layers_is_refused_before_any_ac
     assert words in str(e.value) and "use parallel.fsdp" in str(e.value)
 
 
-def test_a_family_whose_plan_needs_a_style_raytrain_does_not_apply_is_refused_naming_it(tmp_path):
-    # DeepSeek-V2's latent attention splits kv_a_proj_with_mqa by its own style (mla_kv_a_proj)
+def test_a_family_whose_plan_needs_a_style_raytrain_does_not_apply_is_refused_naming_it():
+    # Granite SWA's attention sinks are split by a style of transformers' own (local_params). (The refusal's
+    # path through prepare is the kv-heads case above: this family cannot be cut, so it trains whole.)
     import transformers as T
 
-    from raytrain.config import load_config
-    from raytrain.driver.plan import prepare
+    from raytrain.models.hf_tensor_plan import tp_problem
 
-    config = T.DeepseekV2Config(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                                num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
-                                qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=64)
-    T.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "deepseek")
-    cfg = load_config(None, [f"model.hf={tmp_path / 'deepseek'}", TP, "parallel.tp=2", "train.global_batch=8",
-                             f"run.dir={tmp_path}/runs"])
-    with pytest.raises(ValueError, match=r"parallel.tp=2: model.hf=.*self_attn.kv_a_proj_with_mqa as 'mla_kv_a_proj'"
-                                         r".*use parallel.fsdp"):
-        prepare(cfg)
+    config = T.GraniteSWAConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                sliding_window=8)
+    layer = T.AutoModelForCausalLM.from_config(config).model.layers[0]
+    assert "its plan splits self_attn as 'local_params', and raytrain applies only" in tp_problem(config, layer, 2)
 
 
 def test_a_family_without_a_tensor_parallel_plan_is_refused(tmp_path):

@@ -3,7 +3,8 @@
 transformers declares per family which projections of a decoder layer split by columns or by rows
 (``"layers.*.self_attn.q_proj": "colwise"``). raytrain maps the plain styles, the gathered ones
 (``colwise_gather_output``, ``rowwise_split_input``: OLMo 2, Phi-3) and ``replicated_with_grad_allreduce``
-(a per-head norm: Qwen3's, Gemma 3's q_norm and k_norm) onto its own plan (raytrain.models.tensor_plan) for each cut decoder layer. A mixture of experts (Mixtral's
+(a per-head norm: Qwen3's, Gemma 3's q_norm and k_norm) and ``mla_kv_a_proj`` (DeepSeek-V2's latent
+attention: ``tail_grad_sum``) onto its own plan (raytrain.models.tensor_plan) for each cut decoder layer. A mixture of experts (Mixtral's
 ``moe_tp_experts``) keeps its experts whole on every tp rank, its router too: their input is the same
 on every rank, so are their gradients, and only attention is split. A family whose layers need any
 other style (packed projections outside experts, sequence-parallel layouts) is refused for
@@ -16,12 +17,13 @@ from typing import Optional
 
 from torch import nn
 
-from raytrain.models.tensor_plan import GRAD_SUM, Plan
+from raytrain.models.tensor_plan import GRAD_SUM, TAIL_GRAD_SUM, Plan
 
 LAYER_PREFIX = "layers.*."
 """How a base-model plan names a submodule of every decoder layer."""
 STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "colwise_gather_output",
-          "rowwise_split_input": "rowwise_split_input", "replicated_with_grad_allreduce": GRAD_SUM}
+          "rowwise_split_input": "rowwise_split_input", "replicated_with_grad_allreduce": GRAD_SUM,
+          "mla_kv_a_proj": TAIL_GRAD_SUM}
 """transformers' style -> raytrain's, for the styles raytrain applies."""
 EXPERTS = "moe_tp_experts"
 """transformers' style for a module of experts: raytrain keeps it, and the entries under it, whole."""
@@ -42,8 +44,13 @@ def decoder_layer_plan(config, decoder_layer: Optional[nn.Module] = None) -> Pla
     the styles it applies, one part each (transformers' plain styles split unfused projections), for
     the submodules ``decoder_layer`` has when given (a plan names optional ones: DeepSeek-V2's q_proj
     or q_b_proj, by q_lora_rank)."""
-    return {f"layer.{name}": (STYLES[style], 1) for name, style in declared_plan(config).items()
+    return {f"layer.{name}": (STYLES[style], _second_field(config, style)) for name, style in declared_plan(config).items()
             if style in STYLES and (decoder_layer is None or _submodule(decoder_layer, name) is not None)}
+
+
+def _second_field(config, style: str) -> int:
+    """One part for every style, but the latent attention's: the width of its rotary key (tail_grad_sum)."""
+    return getattr(config.get_text_config(), "qk_rope_head_dim", 0) if STYLES[style] == TAIL_GRAD_SUM else 1
 
 
 def _submodule(module: nn.Module, name: str) -> Optional[nn.Module]:
@@ -62,6 +69,8 @@ def tp_problem(config, decoder_layer: nn.Module, tp: int) -> Optional[str]:
         if style not in STYLES:
             return (f"its plan splits {name} as {style!r}, and raytrain applies only "
                     f"{', '.join(map(repr, STYLES))}")
+        if STYLES[style] == TAIL_GRAD_SUM and not _second_field(config, style):
+            return f"its plan splits {name} as {style!r}, which needs the config's qk_rope_head_dim"
         module = _submodule(decoder_layer, name)
         if module is None or STYLES[style] == GRAD_SUM:
             continue  # a submodule this configuration leaves out; a whole one needs no linear

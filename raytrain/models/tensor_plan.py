@@ -8,6 +8,11 @@ fuses ``parts`` projections (q, k and v in one weight) is split per part, so ran
 each part: several boxes, stacked along dim 0 in the rank's local tensor in that order.
 ``replicated_grad_sum`` keeps a module whole on every rank but sums its gradient over the tp group: a
 norm applied to each head (Qwen3's q_norm) sees only the rank's heads, so each rank's gradient is a part.
+``tail_grad_sum`` keeps a linear whole on every rank and sums, over the tp group, the gradient of the
+last n of its output features (the entry's second field, not a count of parts): DeepSeek-V2's latent
+attention projects the keys' rotary part once for every head (``kv_a_proj_with_mqa``), so each rank's
+heads give a part of that slice's gradient, while the rest of its output feeds a colwise linear whose
+input gradient is already whole (transformers' ``mla_kv_a_proj``).
 ``colwise_gather_output`` and ``rowwise_split_input`` split a linear as ``colwise`` and ``rowwise`` do,
 but the first gathers its output whole on every rank and the second takes a whole input and splits it
 (transformers' styles of the same names): for a layer whose code between them needs whole activations
@@ -56,10 +61,11 @@ COLWISE_STYLES = ("colwise", "colwise_gather_output", VOCAB_PARALLEL)
 ROWWISE_STYLES = ("rowwise", "rowwise_split_input")
 """Split by input features (a weight's dim 1; the bias whole)."""
 GRAD_SUM = "replicated_grad_sum"
+TAIL_GRAD_SUM = "tail_grad_sum"
 SEQUENCE_STYLES = ("sequence_parallel", "sequence_scatter", "sequence_gather")
 """Whole on every rank, between split layers: a norm run on the rank's tokens, a layer (``""``) whose
 output each rank keeps only its tokens of, a module whose input is gathered from every rank's tokens."""
-STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, VOCAB_EMBEDDING, GRAD_SUM, *SEQUENCE_STYLES)
+STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, VOCAB_EMBEDDING, GRAD_SUM, TAIL_GRAD_SUM, *SEQUENCE_STYLES)
 BY_VOCABULARY = (VOCAB_PARALLEL, VOCAB_EMBEDDING)
 """Preferences, not requirements: a table or head whose vocabulary tp does not divide stays whole."""
 
@@ -164,6 +170,8 @@ def _entry_problem(layer: nn.Module, where: str, name: str, entry, tp: int, shar
                 "it); leave the entry out of that layer's tp_plan to keep it whole")
     if style == VOCAB_EMBEDDING:
         return None  # layer_plan kept it: tp divides its vocabulary
+    if style == TAIL_GRAD_SUM:
+        return None if parts <= module.out_features else f"{where}: {name} has only {module.out_features} outputs"
     width, what = ((module.out_features, "out_features") if style in COLWISE_STYLES
                    else (module.in_features, "in_features"))
     if width % (parts * tp):
@@ -182,7 +190,7 @@ def split_of(plan: Plan, param_name: str) -> Optional[tuple[str, int, int]]:
         return style, parts, 0
     if style in ROWWISE_STYLES:
         return (style, parts, 1) if leaf == "weight" else None
-    if style == GRAD_SUM or style in SEQUENCE_STYLES:
+    if style in (GRAD_SUM, TAIL_GRAD_SUM) or style in SEQUENCE_STYLES:
         return None
     raise ValueError(f"unknown tensor-parallel style {style!r} for {module}")
 

@@ -42,7 +42,8 @@ from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed
-from raytrain.models.tensor_plan import VOCAB_EMBEDDING, VOCAB_PARALLEL, Box, layer_plan, sequence_parallel
+from raytrain.models.tensor_plan import (TAIL_GRAD_SUM, VOCAB_EMBEDDING, VOCAB_PARALLEL, Box, layer_plan,
+                                         sequence_parallel)
 from raytrain.worker.executor import cut_into_chunks
 from raytrain.worker.groups import Groups
 from raytrain.worker.gradsync import all_reduce_flat, squared_norms_by_split, sum_over_tp
@@ -92,7 +93,35 @@ def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh, sequence: b
             parallelize_module(layer, tp_mesh, whole, src_data_rank=None)
         if parallel:  # every rank holds the same (meta) values: no scatter from a source rank
             parallelize_module(layer, tp_mesh, parallel, src_data_rank=None)
+        for name, (style, features) in plan.items():
+            if style == TAIL_GRAD_SUM:
+                layer.get_submodule(name).register_forward_hook(_tail_grad_sum(features, tp_mesh.get_group()))
     return layers
+
+
+def _tail_grad_sum(features: int, group: dist.ProcessGroup):
+    """A forward hook: the last ``features`` of the output pass through unchanged, their gradient summed
+    over ``group`` (raytrain.models.tensor_plan: tail_grad_sum)."""
+    def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        head, tail = output.split([output.shape[-1] - features, features], dim=-1)
+        return torch.cat([head, _SumGradient.apply(tail, group)], dim=-1)
+
+    return hook
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; the gradient summed over a process group in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class TensorParallelLayers:
