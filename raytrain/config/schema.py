@@ -145,7 +145,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (virtual_stages >= 2, microbatches a multiple of pp),
     zbv (zero-bubble V: virtual_stages = 2, backwards always split) or dualpipev (virtual_stages = 2,
-    microbatches >= 2 pp, the cool-down's backwards split)."""
+    microbatches >= 2 pp, only its warm-up's and cool-down's backwards split)."""
     virtual_stages: int = 1
     """Model chunks each pipeline worker holds (stages pp apart, or the V's): the chunked schedules' smaller
     bubble, for more and smaller messages and more activations held."""
