@@ -53,7 +53,7 @@ from torch import nn
 Box = tuple[tuple[int, int], ...]
 """[start, stop) per dim of the whole tensor."""
 Plan = dict[str, tuple[str, int]]
-"""Submodule name -> (one of STYLES, fused parts)."""
+"""Submodule name -> (one of STYLES, fused parts; for tail_grad_sum, the count of output features)."""
 VOCAB_PARALLEL = "vocab_parallel"
 VOCAB_EMBEDDING = "vocab_embedding"
 COLWISE_STYLES = ("colwise", "colwise_gather_output", VOCAB_PARALLEL)
@@ -171,7 +171,8 @@ def _entry_problem(layer: nn.Module, where: str, name: str, entry, tp: int, shar
     if style == VOCAB_EMBEDDING:
         return None  # layer_plan kept it: tp divides its vocabulary
     if style == TAIL_GRAD_SUM:
-        return None if parts <= module.out_features else f"{where}: {name} has only {module.out_features} outputs"
+        return None if parts <= module.out_features else (f"{where}: {name} has only {module.out_features} outputs; "
+                                                          f"give a count of features <= {module.out_features}")
     width, what = ((module.out_features, "out_features") if style in COLWISE_STYLES
                    else (module.in_features, "in_features"))
     if width % (parts * tp):

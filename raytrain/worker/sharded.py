@@ -234,11 +234,9 @@ class ShardedGrads:
         torch.distributed.pipelining's stages call for the same reason (``perform_reduce_grad``). Every
         parameter group of the root is idle after its last backward, and the callback runs the
         post-backward of each idle group: the unsharded gradients the weight halves accumulated are
-        reduce-scattered (and all-reduced across replicas with HSDP) into the shards."""
-        root = self.roots[chunk]
-        self._sync(root, True)
-        root.set_reshard_after_backward(True)
-        fully_shard.state(root)._root_post_backward_final_callback()
+        reduce-scattered (and all-reduced across replicas with HSDP) into the shards. ``arm_chunk`` ran
+        before that W (it is the chunk's last gradient action), so the root already reduces and reshards."""
+        fully_shard.state(self.roots[chunk])._root_post_backward_final_callback()  # armed by arm_chunk before the W
 
     def arm(self) -> None:
         """Nothing more: each chunk's root was armed before its own last backward."""
