@@ -1,7 +1,8 @@
 """Recovery from a lost worker: raytrain repair in place vs Ray Train V2 elastic restart.
 
 One worker process is SIGKILLed from outside once the run passes a fixed step, or sent SIGTERM (a
-preemption notice: raytrain drains it at a step boundary); one raytrain run has a standby worker
+preemption notice: raytrain drains it at a step boundary, once a replacement started at the notice
+is up, or at once with elastic.replace_at_notice=false); one raytrain run has a standby worker
 (elastic.standby=1) to take the killed one's place. For raytrain (the dp=2 GPT of bench_dp,
 and a dp=2 x pp=2 run) this reports detection time, repair time, seconds from the fault to the next
 committed step, committed steps lost or redone, and the run's goodput (the share of its wall time in
@@ -9,8 +10,8 @@ committed steps, raytrain.control.goodput). Ray Train V2 runs the same dp=2 mode
 ScalingConfig(num_workers=(1, 2)) and a checkpoint every 10 steps; on a failure it restarts its
 worker group from the last checkpoint; its goodput is derived from its workers' step times (the
 steps it kept) over the trainer process's wall time. For a drain, "fault -> commit" is the notice to
-the next committed step (the boundary where the worker leaves); the row also says when the first
-step without it committed.
+the next committed step; the row also says when the boundary where the worker left came, and the
+first step without it committed.
 
     python experiments/bench_recovery.py              # the 30-step table, about 8 minutes on 2 cores
     python experiments/bench_recovery.py --only drain # some of its rows
@@ -90,10 +91,14 @@ def raytrain_recovery(name: str, extra: list[str], workdir: str, sig: int = sign
                 "layout_after": "no fault"}
     if sig == signal.SIGTERM:  # drained: no failure to detect
         drain = next(e for e in result.events if e["event"] == "drain")
+        next_commit = min(r["time"] for r in result.metrics if r["time"] > drain["noticed_at"])
+        narrowest = min(r["dp"] for r in result.metrics)
+        how = (f"replaced at the notice, narrowest dp={narrowest}" if drain["replaced_at_notice"]
+               else f"{drain['new_layout']}")
         return {**common, "detect_s": 0.0, "repair_s": drain["reform_s"],
-                "kill_to_commit_s": drain["notice_to_boundary_s"],
-                "layout_after": f"{drain['new_layout']}, first step without it {drain['notice_to_step_s']:.2f} s "
-                                "after the notice"}
+                "kill_to_commit_s": next_commit - drain["noticed_at"],
+                "layout_after": f"{how}; first step without it {drain['notice_to_step_s']:.2f} s after the notice "
+                                f"(boundary at {drain['notice_to_boundary_s']:.2f} s)"}
     repair = next(e for e in result.events if e["event"] == "repair")
     next_commit = min(r["time"] for r in result.metrics if r.get("time", 0) > repair["detected_at"])
     return {**common, "detect_s": repair["detected_at"] - state["killed_at"], "repair_s": repair["repair_s"],
@@ -176,7 +181,7 @@ def ray_train_worker_loop(loop_config):
     if ckpt:
         with ckpt.as_directory() as d:
             state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
-            model.module.load_state_dict(state["model"])
+            unwrapped(model).load_state_dict(state["model"])
             opt.load_state_dict(state["optim"])
             start = state["step"]
     ds = data.TokenDataset(data.resolve_data_path(cfg), "tokens", cfg.model.seq_len)
@@ -196,12 +201,18 @@ def ray_train_worker_loop(loop_config):
         checkpoint = None
         if (step + 1) % 10 == 0 and rank == 0:
             d = tf.mkdtemp()
-            torch.save({"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step + 1},
+            torch.save({"model": unwrapped(model).state_dict(), "optim": opt.state_dict(), "step": step + 1},
                        os.path.join(d, "state.pt"))
             checkpoint = ray.train.Checkpoint.from_directory(d)
         ray.train.report({"loss": loss.item(), "step": step + 1}, checkpoint=checkpoint)
         log.write(json.dumps({"event": "step", "rank": rank, "pid": os.getpid(), "step": step + 1, "time": time.time()}) + "\n")
         log.flush()
+
+
+def unwrapped(model):
+    """The model inside Ray Train's DDP wrapper; a one-worker group's model is not wrapped (until this
+    was seen, every restart of the node run at one worker failed on ``model.module``)."""
+    return getattr(model, "module", model)
 
 
 def run_ray_train(workdir: str, progress: str, steps: int, address: Optional[str] = None) -> None:
@@ -217,7 +228,8 @@ def run_ray_train(workdir: str, progress: str, steps: int, address: Optional[str
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     TorchTrainer(
         ray_train_worker_loop, train_loop_config={"progress": progress, "steps": steps},
-        scaling_config=ScalingConfig(num_workers=(1, 2), use_gpu=False, resources_per_worker={"CPU": 1},
+        scaling_config=ScalingConfig(num_workers=(1, 2), use_gpu=False,
+                                     resources_per_worker={"CPU": 1, TRAINER_SLOT: 1} if address else {"CPU": 1},
                                      placement_strategy="STRICT_SPREAD" if address else "PACK"),
         run_config=RunConfig(storage_path=workdir, name=os.path.splitext(os.path.basename(progress))[0],
                              failure_config=FailureConfig(max_failures=3)),
@@ -268,12 +280,18 @@ def ray_train_recovery(workdir: str, sig: int = signal.SIGKILL, fault_steps: tup
 def ray_train_node_lost_then_added(workdir: str, steps: int) -> dict:
     """Ray Train V2 under raytrain_node_lost_then_added's faults: its two workers on two nodes of a
     Cluster, the second node removed after KILL_STEP, another added a second after the group restarted.
-    Grow-back: the node added -> the first step of a two-worker group."""
+    Grow-back: the node added -> the first step of a two-worker group.
+
+    Every node has one TRAINER_SLOT, which each worker also asks for: Ray Train's elastic policy sizes
+    a new group by the resources each node has, not by the placement strategy, so without it the
+    head's two CPUs count as room for two workers, the STRICT_SPREAD group of two it then asks for
+    cannot be placed on one node, and the run never restarts (what this benchmark measured before)."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                            "resources": {TRAINER_SLOT: 1},
                                                             "_system_config": FAST_NODE_DEATH})
-    node = cluster.add_node(num_cpus=1)
+    node = cluster.add_node(num_cpus=1, resources={TRAINER_SLOT: 1})
     progress = os.path.join(workdir, f"progress-nodes-{steps}.jsonl")
     launched, state = time.time(), {}
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--ray-train", workdir, "--progress", progress,
@@ -292,7 +310,7 @@ def ray_train_node_lost_then_added(workdir: str, steps: int) -> dict:
             if not restarts and time.time() > state.get("lost_at", float("inf")) + RESTART_WAIT_S:
                 break  # it did not come back (seen once: its group hung on the lost node's worker)
             if restarts and "added_at" not in state and time.time() > restarts[0]["time"] + 1.0:
-                cluster.add_node(num_cpus=1)
+                cluster.add_node(num_cpus=1, resources={TRAINER_SLOT: 1})
                 state["added_at"] = time.time()
         if proc.poll() is None and "added_at" in state:
             proc.wait(timeout=600)
@@ -341,6 +359,8 @@ LONG_STEPS = 300
 
 RESTART_WAIT_S = 300.0
 """How long Ray Train's run may take to restart after its node is lost before the benchmark gives up on it."""
+TRAINER_SLOT = "trainer_slot"
+"""A custom resource, one per node of Ray Train's node run (ray_train_node_lost_then_added says why)."""
 NODE_STEPS_RAY_TRAIN = 200
 """Ray Train's node run is longer than raytrain's: it grows back only at its resize check (every 60 s)."""
 
@@ -359,7 +379,10 @@ def short_runs(workdir: str, only: set) -> None:
                                              ["parallel.dp=2", "elastic.min_dp=2", "elastic.standby=1"], workdir),
         "pp": lambda: raytrain_recovery("raytrain dp=2 x pp=2",
                                         ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"], workdir),
-        "drain": lambda: raytrain_recovery("raytrain dp=2 SIGTERM (drain)", ["parallel.dp=2"], workdir, signal.SIGTERM),
+        "drain": lambda: raytrain_recovery("raytrain dp=2 SIGTERM (drain)",
+                                           ["parallel.dp=2", "elastic.replace_at_notice=false"], workdir, signal.SIGTERM),
+        "drain-replace": lambda: raytrain_recovery("raytrain dp=2 SIGTERM (replaced)", ["parallel.dp=2"], workdir,
+                                                   signal.SIGTERM),
         "fault-free": lambda: raytrain_recovery("raytrain dp=2 fault-free", ["parallel.dp=2"], workdir, signal.SIGCONT),
     }
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -382,9 +405,11 @@ def goodput_runs(workdir: str) -> None:
     one, three = (150,), (75, 150, 225)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     base = show(raytrain_recovery("raytrain fault-free", ["parallel.dp=2"], workdir, signal.SIGCONT, steps=LONG_STEPS))
-    for name, sig, faults in (("raytrain 1 kill", signal.SIGKILL, one), ("raytrain 3 kills", signal.SIGKILL, three),
-                              ("raytrain 1 drain", signal.SIGTERM, one)):
-        show(raytrain_recovery(name, ["parallel.dp=2"], workdir, sig, faults, LONG_STEPS), base)
+    for name, sig, faults, extra in (("raytrain 1 kill", signal.SIGKILL, one, []),
+                                     ("raytrain 3 kills", signal.SIGKILL, three, []),
+                                     ("raytrain 1 drain", signal.SIGTERM, one, ["elastic.replace_at_notice=false"]),
+                                     ("raytrain 1 drain (replaced)", signal.SIGTERM, one, [])):
+        show(raytrain_recovery(name, ["parallel.dp=2", *extra], workdir, sig, faults, LONG_STEPS), base)
     ray.shutdown()
     base = show(ray_train_recovery(workdir, signal.SIGCONT, (), LONG_STEPS))
     show(ray_train_recovery(workdir, signal.SIGKILL, one, LONG_STEPS), base)
@@ -394,7 +419,8 @@ def goodput_runs(workdir: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated rows of the 30-step table: shrink, replace, "
-                        "standby, pp, drain, fault-free, ray-train (default: all); with --nodes: raytrain")
+                        "standby, pp, drain, drain-replace, fault-free, ray-train (default: all); with --nodes: "
+                        "raytrain or ray-train")
     parser.add_argument("--repeats", type=int, default=1, help="with --nodes: raytrain's runs (default 1)")
     parser.add_argument("--goodput", action="store_true", help=f"the {LONG_STEPS}-step goodput runs instead")
     parser.add_argument("--nodes", action="store_true", help="a node lost, then another added (grow-back) instead")
@@ -403,8 +429,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.nodes and args.only not in ("", "raytrain"):
-        parser.error(f"--only {args.only} with --nodes: give --only raytrain (its runs alone), or no --only")
+    if args.nodes and args.only not in ("", "raytrain", "ray-train"):
+        parser.error(f"--only {args.only} with --nodes: give --only raytrain or --only ray-train (that system's "
+                     "runs alone), or no --only")
     if args.repeats < 1 or (args.repeats > 1 and not args.nodes):
         parser.error(f"--repeats {args.repeats}: give a count >= 1, with --nodes (the other tables run once)")
     if args.ray_train:
@@ -417,20 +444,21 @@ def main() -> None:
         if args.goodput:
             goodput_runs(workdir)
         elif args.nodes:
-            node_runs(workdir, args.repeats, with_ray_train=args.only != "raytrain")
+            node_runs(workdir, args.repeats, systems={args.only} if args.only else {"raytrain", "ray-train"})
         else:
             short_runs(workdir, {n for n in args.only.split(",") if n})
 
 
-def node_runs(workdir: str, repeats: int, with_ray_train: bool) -> None:
+def node_runs(workdir: str, repeats: int, systems: set) -> None:
     """A node lost, then another added: raytrain ``repeats`` times (the median grow-back printed after
-    more than one), then Ray Train V2 once."""
+    more than one), then Ray Train V2 once; ``systems`` says which of the two run."""
     header()
-    grow_backs = [show(raytrain_node_lost_then_added(workdir, 2 * STEPS))["grow_back_s"] for _ in range(repeats)]
-    if repeats > 1:
+    grow_backs = [show(raytrain_node_lost_then_added(workdir, 2 * STEPS))["grow_back_s"]
+                  for _ in range(repeats if "raytrain" in systems else 0)]
+    if len(grow_backs) > 1:
         print(f"raytrain grow-back, node added -> first step at dp=2: median {statistics.median(grow_backs):.2f} s, "
               f"max {max(grow_backs):.2f} s, runs {' '.join(f'{g:.2f}' for g in grow_backs)}", flush=True)
-    if with_ray_train:
+    if "ray-train" in systems:
         show(ray_train_node_lost_then_added(workdir, NODE_STEPS_RAY_TRAIN))
 
 
