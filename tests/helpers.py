@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -88,16 +88,21 @@ class FakeWorkerGroup(WorkerGroup):
 
     def __init__(self, pp: int, initial: int, capacity: Optional[int] = None, nonfinite_steps=(),
                  init_error: Optional[str] = None, hangs_in: Optional[str] = None, oom_in: Optional[str] = None,
-                 oom_times: int = 1):
+                 oom_times: int = 1, notice_s: float = 30.0):
         """``hangs_in``: the first call of that protocol method (on any worker) never answers, as a hung
         process would: the caller sees it silent. ``oom_in``: in the first ``oom_times`` calls of that method,
-        Ray's memory monitor kills the worker (as do ``oom`` faults in a step)."""
+        Ray's memory monitor kills the worker (as do ``oom`` faults in a step). ``notice_s``: the time a
+        ``sigterm`` fault's notice gives (elastic.drain_grace_s)."""
         self.pp, self.initial, self.capacity, self.hangs_in, self.oom_in = pp, initial, capacity, hangs_in, oom_in
-        self.oom_left = oom_times
+        self.oom_left, self.notice_s = oom_times, notice_s
         self.nonfinite_steps, self.init_error = set(nonfinite_steps), init_error
         self.workers: list[FakeWorker] = []
         self.granted_tokens: set = set()
         self.spawned = 0
+        self.elsewhere = 0  # workers started by spawn_elsewhere
+        self.closed = False
+        self.cancelled = 0  # spawn_elsewhere workers cancelled
+        self.holds: list[tuple[int, bool]] = []  # (step, hold) of every send_step
 
     # --- starting and ending workers ----------------------------------------------------------
 
@@ -108,6 +113,17 @@ class FakeWorkerGroup(WorkerGroup):
         worker.started = self.spawned <= self.initial or self.capacity is None or replacements < self.capacity
         self.workers.append(worker)
         return Member(worker, stage, placement, bundle, ready=worker, shard=shard, tp=tp)
+
+    def spawn_elsewhere(self, stage: int, shard: int = 0, tp: int = 0) -> Member:
+        self.elsewhere += 1
+        return self.spawn(stage, FakePlacement(f"elsewhere-{self.elsewhere}"), 0, shard=shard, tp=tp)
+
+    def cancel_elsewhere(self, member: Member) -> None:
+        self.kill(member)
+        self.cancelled += 1
+
+    def close(self) -> None:
+        self.closed = True
 
     def started(self, members: list[Member], timeout: float) -> list[Member]:
         return [m for m in members if m.handle.started]
@@ -168,8 +184,9 @@ class FakeWorkerGroup(WorkerGroup):
 
     # --- calls whose replies are collected later ----------------------------------------------
 
-    def send_step(self, members: list[Member], step: int, trace: bool) -> list:
-        batch = {}
+    def send_step(self, members: list[Member], step: int, trace: bool, hold: bool = False) -> list:
+        self.holds.append((step, hold))
+        batch = {"hold": hold}
         return [FakeReply(lambda m, b=batch: self._step_outcome(m, members, step, b)) for _ in members]
 
     def send_commit_prepared(self, members: list[Member], step: int) -> list:
@@ -282,10 +299,10 @@ class FakeWorkerGroup(WorkerGroup):
     def _step_outcome(self, member: Member, members: list[Member], step: int, batch: dict) -> Outcome:
         """One member's outcome of ``step``; the fate of the whole step is decided on first use."""
         if "fate" not in batch:
-            batch["fate"] = self._step_fate(members, step)
+            batch["fate"] = self._step_fate(members, step, batch["hold"])
         return batch["fate"][id(member)]
 
-    def _step_fate(self, members: list[Member], step: int) -> dict:
+    def _step_fate(self, members: list[Member], step: int, hold: bool) -> dict:
         for m in members:  # a background save's write ends while the step runs (or kills its writer)
             if m.handle.alive:
                 try:
@@ -296,11 +313,11 @@ class FakeWorkerGroup(WorkerGroup):
         runnable = [m for m in live if m.handle.joined and m.handle.committed == step]
         for m in runnable:
             if m.handle.fault(step, "sigterm") and m.handle.draining is None:
-                m.handle.draining = DrainNotice("SIGTERM", time.time(), time.time() + 30.0)
+                m.handle.draining = DrainNotice("SIGTERM", time.time(), time.time() + self.notice_s)
         if runnable and all(m.handle.drain_boundary == step for m in runnable):  # the vote before said so
             return {id(m): Outcome(m, dead=True) if not m.handle.alive else
                     Outcome(m, self._report(m.handle, step, ok=False, drain_skipped=True)) for m in members}
-        leaving = any(m.handle.draining is not None for m in runnable)  # counted in the step's vote
+        leaving = not hold and any(m.handle.draining is not None for m in runnable)  # counted in the step's vote
         dying = {id(m): phase for m in runnable for phase in ("forward", "backward", "allreduce", "optimizer", "oom")
                  if m.handle.fault(step, phase)}
         broken = len(runnable) < len(members)  # a peer was already gone: the collective fails
@@ -523,6 +540,20 @@ def _descends_from_us(pid: int, parents: dict[int, int]) -> bool:
             return True
         pid = parents.get(pid, 0)
     return False
+
+
+def hold_at_the_notice_until_its_replacement_starts(seen: dict) -> Callable[[list[dict]], None]:
+    """An ``on_rows`` callback: at the ``notice`` event (a worker told to leave trains on while its
+    replacement starts), pause rank 0's worker (not the one told, in the tests that use it) until that
+    replacement has started (its pid goes in ``seen["new"]``), so that a run of tiny steps cannot end
+    before a fresh process has imported torch."""
+    def on_rows(rows: list[dict]) -> None:
+        for row in rows:
+            if row.get("event") == "started":
+                seen["first"], seen["known"] = row["pids"][:1], stage_worker_pids()
+            if row.get("event") == "notice" and "new" not in seen:
+                seen["new"] = hold_until_a_new_worker_starts(seen["first"], seen["known"])
+    return on_rows
 
 
 def hold_until_a_new_worker_starts(running: list[int], known: set[int], timeout_s: float = 120.0) -> int:

@@ -248,6 +248,7 @@ BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give 
     ("elastic.grow_poll_s=0", "> 0"),
     ("elastic.drain_grace_s=0", "> 0"),
     ("elastic.standby=-1", ">= 0"),
+    ("elastic.replace_at_notice=3", "true or false"),
     ("elastic.detect_timeout_s=-5", "> 0"),
     ("elastic.capacity_wait_s=0", "> 0"),
     ("elastic.max_failures=-1", ">= 0"),

@@ -248,7 +248,9 @@ def test_a_worker_told_to_leave_goes_at_the_step_boundary_with_no_step_redone(tm
     # the boundary; the step sent ahead of its reply is skipped by both workers, then run by the
     # re-formed dp=1 run
     coordinator, group, summary, rows = run(tmp_path, "elastic.min_dp=1", "elastic.faults=['1:0@3:sigterm']",
+                                            "elastic.replace_at_notice=false",
                                             group=FakeWorkerGroup(1, initial=2, capacity=0))
+    assert not any(hold for _, hold in group.holds) and group.elsewhere == 0
     drain = events(rows, "drain")[0]
     assert drain["step"] == 4 and drain["workers"] == ["replica 1 stage 0"] and drain["why"] == ["SIGTERM"]
     assert drain["new_layout"] == "dp=1 pp=1" and drain["deadline_s"] == 30.0
@@ -259,21 +261,76 @@ def test_a_worker_told_to_leave_goes_at_the_step_boundary_with_no_step_redone(tm
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 
-def test_a_drain_with_replacements_waits_for_one_and_a_last_copy_saves_first(tmp_path):
-    # dp=1 x pp=2: stage 1's only copy leaves: it saves at the boundary, its replacement reloads that
-    coordinator, group, summary, rows = run(tmp_path, "elastic.faults=['0:1@2:sigterm']", dp=1, pp=2)
+def test_a_worker_told_to_leave_trains_on_until_its_replacement_is_up_and_the_run_never_narrows(tmp_path):
+    # elastic.replace_at_notice (the default): replica 1's worker is told in step 2 and does not vote to
+    # go; a replacement starts in a placement of its own, and once it is up the coordinator makes the
+    # boundary itself (step 3, sent ahead, runs with the leaver): the run re-forms at dp=2 at step 4
+    coordinator, group, summary, rows = run(tmp_path, "elastic.faults=['1:0@2:sigterm']")
+    assert [e["worker"] for e in events(rows, "notice")] == ["replica 1 stage 0"]
+    drain = events(rows, "drain")[0]
+    assert (drain["step"], drain["new_layout"], drain["replaced_at_notice"]) == (4, "dp=2 pp=1", 1)
+    assert group.cancelled == 0
+    assert [r["dp"] for r in rows if "loss" in r and "event" not in r] == [2] * 6
+    assert group.elsewhere == 1 and group.spawned == 3  # nothing started on the leaver's bundle
+    assert all(hold for _, hold in group.holds)
+    assert events(rows, "repair") == [] and summary.failures == 0 and summary.committed_steps == list(range(6))
+    leaver = next(w for w in group.workers[:2] if w.draining is not None)
+    assert not leaver.alive and leaver.pid not in summary.final_pids
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+    coordinator.shutdown()
+    assert group.closed  # the replacement's own placement group is given back
+
+
+def test_a_replacement_not_up_before_the_deadline_nears_lets_the_worker_go_without_it(tmp_path):
+    # no capacity for the replacement, and a notice shorter than the margin: the worker goes at the next
+    # boundary the coordinator makes (the run shrinks, as elastic.min_dp=1 allows); the replacement
+    # that did not start is cancelled, and one starts on the leaver's bundle instead, as without a notice
+    coordinator, group, summary, rows = run(tmp_path, "elastic.min_dp=1", "elastic.faults=['1:0@3:sigterm']",
+                                            group=FakeWorkerGroup(1, initial=2, capacity=0, notice_s=1.0))
+    drain = events(rows, "drain")[0]
+    assert (drain["step"], drain["new_layout"], drain["replaced_at_notice"]) == (5, "dp=1 pp=1", 0)
+    assert [r["dp"] for r in rows if "loss" in r and "event" not in r] == [2, 2, 2, 2, 2, 1]
+    assert (group.elsewhere, group.cancelled, group.spawned) == (1, 1, 4)
+    assert summary.committed_steps == list(range(6))
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+def test_a_worker_told_to_leave_goes_at_once_when_a_standby_waits(tmp_path):
+    # a standby replica takes the slot at the boundary its vote makes: no step is held, nothing started
+    group = FakeWorkerGroup(1, initial=3, capacity=0)
+    group.granted_tokens.add("standby")
+    coordinator, group, summary, rows = run(tmp_path, "elastic.standby=1", "elastic.faults=['1:0@2:sigterm']",
+                                            group=group, extra=(FakePlacement("standby"),))
+    drain = events(rows, "drain")[0]
+    assert (drain["step"], drain["new_layout"], drain["replaced_at_notice"]) == (3, "dp=2 pp=1", 0)
+    assert not any(hold for step, hold in group.holds if step <= 2) and group.elsewhere == 0
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+@pytest.mark.parametrize("replace_at_notice, boundary", [(False, 3), (True, 4)])
+def test_a_drain_with_replacements_waits_for_one_and_a_last_copy_saves_first(tmp_path, replace_at_notice, boundary):
+    # dp=1 x pp=2: stage 1's only copy leaves: it saves at the boundary, its replacement reloads that;
+    # the boundary is the end of the step it was told in, or (its replacement started at the notice)
+    # of the step sent ahead, which it runs
+    coordinator, group, summary, rows = run(tmp_path, "elastic.faults=['0:1@2:sigterm']",
+                                            f"elastic.replace_at_notice={str(replace_at_notice).lower()}", dp=1, pp=2)
     drain = events(rows, "drain")[0]
     assert drain["workers"] == ["replica 0 stage 1"] and drain["new_layout"] == "dp=1 pp=2"
-    assert [e["step"] for e in events(rows, "checkpoint")][:1] == [3]  # at the end of the step it was told in
-    assert [(e["step"], e["steps_lost"]) for e in events(rows, "reload")] == [(3, 0)]
+    assert drain["replaced_at_notice"] == int(replace_at_notice) and group.elsewhere == int(replace_at_notice)
+    assert [e["step"] for e in events(rows, "checkpoint")][:1] == [boundary]
+    assert [(e["step"], e["steps_lost"]) for e in events(rows, "reload")] == [(boundary, 0)]
     assert summary.committed_steps == list(range(6)) and summary.failures == 0 and group.spawned == 3
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 
-def test_when_every_worker_is_told_to_leave_the_run_saves_and_stops(tmp_path):
-    coordinator, _, summary, rows = run(tmp_path, "elastic.faults=['0:0@2:sigterm', '1:0@2:sigterm']")
-    assert summary.stopped == "SIGTERM" and summary.steps == 3  # the step they were told in, not the next
-    assert checkpoint.read_manifest(summary.checkpoint)["step"] == 3
+@pytest.mark.parametrize("replace_at_notice, steps", [(False, 3), (True, 4)])
+def test_when_every_worker_is_told_to_leave_the_run_saves_and_stops(tmp_path, replace_at_notice, steps):
+    # without replace_at_notice their vote makes the step they were told in the last; with it, the
+    # step sent ahead (held) runs too, and no replacement starts
+    coordinator, group, summary, rows = run(tmp_path, "elastic.faults=['0:0@2:sigterm', '1:0@2:sigterm']",
+                                            f"elastic.replace_at_notice={str(replace_at_notice).lower()}")
+    assert summary.stopped == "SIGTERM" and summary.steps == steps and group.elsewhere == 0
+    assert checkpoint.read_manifest(summary.checkpoint)["step"] == steps
     assert "checkpoint and stop" in events(rows, "drain")[0]["reason"]
 
 

@@ -11,7 +11,8 @@ import pytest
 from raytrain import checkpoint, train
 from raytrain.control.coordinator import may_send_ahead
 from tests.helpers import (TEST_RAY_CPUS, WhenPaused, assert_replicas_identical, assert_same_params,
-                           hold_until_a_new_worker_starts, pid_alive, reference_state)
+                           hold_at_the_notice_until_its_replacement_starts, hold_until_a_new_worker_starts, pid_alive,
+                           reference_state)
 from tests.test_loggers import tensorboard_scalars
 
 
@@ -180,7 +181,7 @@ def test_a_sigtermed_worker_drains_at_a_step_boundary_with_no_step_redone(ray_se
     # the run shrinks without it at the boundary (its replica's other workers wait as spares), and
     # nothing is retried, counted as a failure or waited for.
     cfg = make_config(*layout, "train.steps=8", "elastic.min_dp=1", "run.record_samples=true",
-                      "elastic.faults=['1:0@3:sigterm']")
+                      "elastic.replace_at_notice=false", "elastic.faults=['1:0@3:sigterm']")
     result = train(cfg)
     pp = cfg.parallel.pp
     (drain,) = [e for e in result.events if e["event"] == "drain"]
@@ -192,6 +193,34 @@ def test_a_sigtermed_worker_drains_at_a_step_boundary_with_no_step_redone(ray_se
     _assert_exactly_once(result, 8, 8, pp=pp)
     assert [r["dp"] for r in result.metrics] == [2] * 4 + [1] * 4
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
+def test_a_sigtermed_worker_trains_on_until_its_replacement_is_up_and_the_run_never_narrows(ray_session, make_config,
+                                                                                          fast_driver_poll):
+    # elastic.replace_at_notice (the default) at dp=2: replica 1's worker, told in step 3, keeps training
+    # while a replacement starts in a placement group of its own; once that is up the worker goes at a
+    # step boundary and the replacement takes its place with replica 0's state: every step at dp=2, no
+    # repair, replica 0 never restarted, and the replacement's placement group given back at the end
+    from ray.util import placement_group_table
+
+    def live_placements() -> int:
+        return sum(1 for pg in placement_group_table().values() if pg["state"] != "REMOVED")
+
+    before = live_placements()
+    steps, seen = 40, {}
+    cfg = make_config("parallel.dp=2", f"train.steps={steps}", "run.record_samples=true", "run.trace_steps=0",
+                      "elastic.faults=['1:0@3:sigterm']")
+    result = train(cfg, on_rows=hold_at_the_notice_until_its_replacement_starts(seen))
+    (notice,) = [e for e in result.events if e["event"] == "notice"]
+    (drain,) = [e for e in result.events if e["event"] == "drain"]
+    assert notice["worker"] == "replica 1 stage 0" and notice["step"] == 4
+    assert drain["replaced_at_notice"] == 1 and drain["new_layout"] == "dp=2 pp=1" and drain["step"] > 4
+    assert not [e for e in result.events if e["event"] in ("repair", "reload")] and result.failures == 0
+    assert [r["dp"] for r in result.metrics] == [2] * steps
+    assert result.worker_pids[0] == result.final_pids[0] and result.final_pids[1] == seen["new"]
+    _assert_exactly_once(result, steps, 8)
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+    assert live_placements() == before
 
 
 def test_a_notice_shorter_than_a_step_leaves_at_once_and_the_run_repairs_it(ray_session, make_config):

@@ -15,7 +15,8 @@ from raytrain import checkpoint, data, train
 from raytrain.api import prepare
 from raytrain.control.coordinator import CapacityLost
 from tests.helpers import (LONG_RUN_LR, WhenPaused, assert_replicas_identical, assert_same_params,
-                           hold_until_a_new_worker_starts, pid_alive, reference_state, stage_worker_pids)
+                           hold_at_the_notice_until_its_replacement_starts, hold_until_a_new_worker_starts, pid_alive,
+                           reference_state, stage_worker_pids)
 
 
 @pytest.fixture
@@ -172,27 +173,33 @@ def drain_node(node, deadline_s: float = 30.0) -> None:
     assert accepted, why
 
 
-def test_the_workers_on_a_draining_node_leave_at_a_step_boundary(ray_cluster, worker_node, make_config,
+def test_the_worker_on_a_draining_node_trains_until_its_replacement_is_up(ray_cluster, worker_node, make_config,
                                                                 fast_driver_poll):
     # replica 1 runs on the added node; Ray is told to drain it (a preemption with a 60 s deadline): the
-    # worker sees it after a step, the run drops that replica at the boundary, and nothing is redone
+    # worker sees it after a step and trains on while a replacement starts on the head (Ray places
+    # nothing new on a draining node); once it is up the worker goes at a boundary and the replacement
+    # takes its place: the run never narrows, and nothing is redone
     from raytrain.compat import draining_nodes
 
     steps = 300  # seconds of steps: a worker asks Ray about its node every second
     cfg = make_config("parallel.dp=2", "elastic.min_dp=1", f"train.steps={steps}", LONG_RUN_LR, "run.trace_steps=0",
                       "resources.placement_strategy=STRICT_SPREAD", "run.record_samples=true")
-    drained = []
+    drained, seen = [], {}
+    hold = hold_at_the_notice_until_its_replacement_starts(seen)
 
     def on_rows(rows):
+        hold(rows)
         if not drained and any(r.get("step", 0) >= 3 and "loss" in r for r in rows):
             drain_node(worker_node, deadline_s=60)
             drained.append(draining_nodes())
 
     result = train(cfg, on_rows=on_rows)
     assert drained and worker_node.node_id in drained[0]  # raytrain.compat reads Ray's draining nodes
+    assert seen["new"] in result.final_pids
     (event,) = [e for e in result.events if e["event"] == "drain"]
     assert event["why"] == ["node drain"] and event["workers"] == ["replica 1 stage 0"], event
-    assert 50 < event["deadline_s"] <= 60 and event["new_layout"] == "dp=1 pp=1"
+    assert 50 < event["deadline_s"] <= 60 and event["new_layout"] == "dp=2 pp=1" and event["replaced_at_notice"] == 1
+    assert {r["dp"] for r in result.metrics} == {2}
     assert not [e for e in result.events if e["event"] in ("repair", "reload")] and result.failures == 0
     assert result.worker_pids[0] in result.final_pids and result.committed_steps == list(range(steps))
     ids = [i for r in result.metrics for i in r["sample_ids"]]
@@ -212,7 +219,8 @@ def test_a_draining_node_takes_its_pipeline_worker_and_the_rest_of_its_replica_w
     node = add_node()
     steps = 150
     cfg = make_config("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2", "elastic.min_dp=1",
-                      f"train.steps={steps}", LONG_RUN_LR, "run.trace_steps=0", "run.record_samples=true")
+                      f"train.steps={steps}", LONG_RUN_LR, "run.trace_steps=0", "run.record_samples=true",
+                      "elastic.replace_at_notice=false")  # no room for a replacement: it would wait out the deadline
     drained = []
 
     def on_rows(rows):

@@ -343,6 +343,12 @@ class ElasticConfig:
     """Replicas' worth of workers (fsdp x tp x pp each) started with the run, beyond elastic.max_dp, that
     wait as spares: a lost or drained worker's slot is taken at once, without a worker's start-up;
     the replacement started for it becomes the next standby."""
+    replace_at_notice: bool = True
+    """A worker told to leave (SIGTERM, its node draining) keeps training while a replacement starts in
+    a placement group of its own; it goes at the first step boundary after the replacement is up (or in
+    time for its deadline, should none start), so the run keeps its width and the start-up costs no
+    step. Not with a standby waiting (it takes the slot at once) nor with parallel.tp > 1 (a tp group
+    stays on one node); off: it goes at the next boundary."""
     drain_grace_s: float = 30.0
     """How long a worker told to leave (SIGTERM) waits for the coordinator to let it go before it exits
     on its own (GKE's grace period; AWS spot gives 120 s)."""
@@ -362,6 +368,8 @@ class ElasticConfig:
         for name in ("detect_timeout_s", "capacity_wait_s", "grow_poll_s", "drain_grace_s"):
             value = getattr(self, name)
             require(value > 0, f"elastic.{name}", value, "a duration must be > 0 seconds")
+        require(isinstance(self.replace_at_notice, bool), "elastic.replace_at_notice", self.replace_at_notice,
+                "true or false")
         require(isinstance(self.standby, int) and self.standby >= 0, "elastic.standby", self.standby,
                 "a count of standby replicas >= 0 (0: a lost worker waits for a replacement's start)")
         for name in ("min_dp", "max_dp"):

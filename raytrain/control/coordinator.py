@@ -37,7 +37,7 @@ from raytrain.config.mesh import StoreAddress
 from raytrain.control import steps
 from raytrain.control.crew import Crew
 from raytrain.control.drain import Drains
-from raytrain.control.evaluation import evaluate
+from raytrain.control.evaluation import evaluating
 from raytrain.control.ledger import Ledger
 from raytrain.control.membership import Member
 from raytrain.control.policy import Action, Decision, ElasticPolicy
@@ -94,8 +94,9 @@ class Coordinator:
                                     skip_nonfinite=config.train.skip_nonfinite)
         self.crew = Crew(group, Layout.of(config.parallel), config.train.global_batch, e.faults, extra_placements)
         self.ledger = Ledger(last_checkpoint=resume_from)
-        self.drains = Drains()
-        """Workers told to leave (a SIGTERM): they go at the next step boundary."""
+        self.drains = Drains(self.crew, self.ledger, config, lambda: self.stopping)
+        """Workers told to leave (a SIGTERM): they go at a step boundary, once their replacements are up."""
+        self.step_s = 0.0  # how long the last committed step took
         self.repairs = Repairs(self.crew, self.ledger, self.policy, config, num_samples, lambda: self.stopping,
                                self.drains, self.request_stop)
         self.state: State = Starting()
@@ -158,7 +159,7 @@ class Coordinator:
         if isinstance(state, Running):
             return self._running()
         if isinstance(state, Evaluating):
-            return self._evaluating()
+            return evaluating(self.crew, self.ledger, self.cfg)
         if isinstance(state, Checkpointing):
             return self._checkpointing()
         if isinstance(state, Repairing):
@@ -204,7 +205,7 @@ class Coordinator:
         if self.in_flight is None:
             if self.stopping:
                 return Stopping()
-            if self.drains:
+            if self.drains.due(self.step_s):
                 return self.drains.state()
             growth = self.repairs.growth()
             if growth.action is Action.GROW:
@@ -229,12 +230,13 @@ class Coordinator:
             ledger.time.charge("work_redone", time.perf_counter() - call.started)  # computed, not applied
             self._wait_out(ahead)
             return self._skip_nonfinite(bad)
-        row = steps.aggregate_step(ledger.step, reports, time.perf_counter() - call.started, self.cfg,
-                                   self.team.mesh(), self.layout())
+        self.step_s = time.perf_counter() - call.started
+        row = steps.aggregate_step(ledger.step, reports, self.step_s, self.cfg, self.team.mesh(), self.layout())
         ledger.commit(ledger.step, row)
-        drained = self.drains.committed(reports, self.team)
+        drained = self.drains.committed()
         if drained is not None:
             ledger.emit(drained)
+        self.drains.noticed(reports, call.hold)
         self.checkpoints.publish_if_written()
         if ahead is not None:
             ahead.started = time.perf_counter()
@@ -243,11 +245,12 @@ class Coordinator:
 
     def _send(self, step: int, started: Optional[float]) -> StepCall:
         trace = step - self.ledger.first_step < self.cfg.run.trace_steps  # a resumed run traces its own first steps
-        return steps.send(self.crew.group, self.team.members(), step, trace, started)
+        return steps.send(self.crew.group, self.team.members(), step, trace, started, self.drains.holds())
 
     def _may_send_ahead(self, step: int) -> bool:
         return may_send_ahead(step, self.cfg.train.steps, self.cfg.checkpoint.every,
-                              self.crew.changing(self.policy.target_dp) or self.stopping or bool(self.drains),
+                              self.crew.changing(self.policy.target_dp) or self.stopping
+                              or self.drains.due(self.step_s),
                               self.cfg.eval.every)
 
     def _wait_out(self, call: Optional[StepCall]) -> list[Member]:
@@ -269,19 +272,6 @@ class Coordinator:
         return steps.after_commit(self.ledger, self.cfg)
 
     # --- evaluating, checkpointing and stopping -----------------------------------------------------
-
-    def _evaluating(self) -> State:
-        """Every member evaluates; the held step row gets the loss; then a checkpoint, if one is due."""
-        t0, ledger = time.perf_counter(), self.ledger
-        try:
-            held_out = evaluate(self.crew.group, self.team.members(), self.team.mesh().columns,
-                                self.cfg.resources.step_timeout_s, ledger.step, self.layout())
-        except WorkersLost as lost:
-            return Repairing(tuple(lost.dead), Interrupted.EVAL)
-        assert ledger.held_row is not None, "an evaluation follows a committed step"
-        ledger.held_row.update(eval_loss=held_out.loss, eval_rows=held_out.rows,
-                               eval_s=round(time.perf_counter() - t0, 3))
-        return steps.after_commit(ledger, self.cfg, evaluated=True)
 
     def _checkpointing(self) -> State:
         """Save every stage's shard (each fsdp shard's rows by its own worker) into a new directory and

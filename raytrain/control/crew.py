@@ -81,14 +81,31 @@ class Crew:
 
     # --- losses and replacements ------------------------------------------------------------------
 
-    def replace(self, dead: list[Member]) -> None:
-        """Drop the dead (their replicas leave the generation), start a replacement on each one's
-        bundle, and have the spares close their broken groups' connections now."""
+    def replace(self, dead: list[Member], respawn: Optional[list[Member]] = None) -> None:
+        """Drop the dead (their replicas leave the generation), start a replacement on the bundle of each
+        of ``respawn`` (default: every one of them), and have the spares close their broken groups'
+        connections now."""
         dead = list({id(m): m for m in dead}.values())  # a worker can be reported lost twice
         self.team.drop_dead(dead)
         self.team.add_pending([self.group.spawn(m.stage, m.placement, m.bundle, shard=m.shard, tp=m.tp)
-                               for m in dead])
+                               for m in (dead if respawn is None else respawn)])
         self.group.send_leave(self.team.spares)
+
+    def start_replacement(self, leaving: Member) -> Member:
+        """Start a worker for ``leaving``'s slot in a placement group of its own while ``leaving`` still
+        holds its bundle (it was told to leave); it waits in ``pending``."""
+        replacement = self.group.spawn_elsewhere(leaving.stage, shard=leaving.shard, tp=leaving.tp)
+        self.team.add_pending([replacement])
+        return replacement
+
+    def cancel_replacement(self, replacement: Member) -> None:
+        """End a replacement started by ``start_replacement`` that is not needed (or not up in time)."""
+        self.group.cancel_elsewhere(replacement)
+        self.team.drop_dead([replacement])
+
+    def is_up(self, member: Member) -> bool:
+        """Whether a worker started (or failed to) or was admitted already; it does not wait."""
+        return member not in self.team.pending or bool(self.group.started([member], 0))
 
     def admit_started(self, wait_s: float, target_dp: int) -> None:
         """Move started replacements to the spares (restarting any that died while starting), and
@@ -150,3 +167,4 @@ class Crew:
         for m in self.team.everyone():
             self.group.kill(m)
         self.team.clear()
+        self.group.close()

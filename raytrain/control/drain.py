@@ -3,6 +3,11 @@ step boundary where they go, and the ``drain`` event that reports it. The bounda
 the step whose world-wide vote counted them (or, should the notice come after the vote, of the
 next); a step sent ahead of it comes back skipped by every worker (steps.DrainBoundary).
 
+While the run holds notices (elastic.replace_at_notice), a worker told to leave does not vote to go:
+it trains on while a replacement starts in a placement group of its own, and the coordinator makes
+the boundary itself (sending no step ahead) once every replacement is up, or when a deadline comes
+nearer than the boundary and a re-form could take (``Drains.due``).
+
 At that boundary there are three moves: every worker is leaving, so the run saves and stops (exit
 143, as a SIGTERM'd run: resume from the checkpoint); some slot would have no live copy without
 them, so they save a checkpoint first, which the re-formed run then reloads (no step lost); else
@@ -13,12 +18,21 @@ from __future__ import annotations
 
 import time
 from enum import Enum
-from typing import Optional
+from typing import Callable, Optional
 
+from raytrain.config import Config
 from raytrain.config.mesh import place_of
+from raytrain.control.crew import Crew
+from raytrain.control.ledger import Ledger
 from raytrain.control.membership import Member, Membership
 from raytrain.control.runstate import Draining
 from raytrain.reports import DrainNotice, StepReport
+
+
+DEADLINE_MARGIN_STEPS = 3
+DEADLINE_MARGIN_S = 2.0
+"""A worker whose replacement is not up yet goes at the boundary after which its deadline is still
+this many steps and seconds away: the step in flight, the one to the boundary, the re-form."""
 
 
 class DrainMove(str, Enum):
@@ -28,24 +42,78 @@ class DrainMove(str, Enum):
 
 
 class Drains:
-    """The members whose replies said they were told to leave, until the boundary where they go; then
-    the ``drain`` event, until the first step without them commits."""
+    """The members whose replies said they were told to leave, until the boundary where they go (and
+    the replacements started for them at the notice); then the ``drain`` event, until the first step
+    without them commits."""
 
-    def __init__(self):
+    def __init__(self, crew: Crew, ledger: Ledger, cfg: Config, stopping: Callable[[], bool]):
+        self.crew, self.ledger, self.stopping = crew, ledger, stopping
+        self.replace_at_notice = cfg.elastic.replace_at_notice and cfg.parallel.tp == 1
+        self.no_deadline_wait_s = cfg.elastic.capacity_wait_s
+        """How long a notice with no deadline (a node drain without one) waits for a replacement."""
         self._noted: dict[int, tuple[Member, DrainNotice]] = {}
+        self._replacements: dict[int, Member] = {}
+        """By id of a noted member: the replacement started for it at its notice."""
         self._event: Optional[dict] = None
 
     def __bool__(self) -> bool:
         return bool(self._noted)
 
-    def note(self, reports: list[StepReport], team: Membership) -> None:
-        """Remember the members whose step reply carries a notice (per step: nothing to do without one)."""
+    def holds(self) -> bool:
+        """Whether a worker told to leave in the next step trains on while its replacement starts
+        (elastic.replace_at_notice): not with a standby replica waiting, nor while the run stops."""
+        return self.replace_at_notice and self.crew.team.formable() == 0 and not self.stopping()
+
+    def noticed(self, reports: list[StepReport], held: bool) -> None:
+        """Note the members whose reply to a step (sent with ``held``) carries a notice for the first
+        time; if it held, and some member stays, start a replacement for each and say so (a ``notice``
+        event)."""
         if not any(r.draining is not None for r in reports):
             return
-        by_rank = dict(team.ranked())
-        for r in reports:
-            if r.draining is not None and r.rank in by_rank:
-                self._noted.setdefault(id(by_rank[r.rank]), (by_rank[r.rank], r.draining))
+        team = self.crew.team
+        by_rank, mesh = dict(team.ranked()), team.mesh()
+        new = [(r, by_rank[r.rank]) for r in reports
+               if r.draining is not None and r.rank in by_rank and id(by_rank[r.rank]) not in self._noted]
+        for r, m in new:
+            self._noted[id(m)] = (m, r.draining)
+        if not held or self.stopping() or len(self._noted) >= len(team.members()):
+            return  # the run stops, or every worker goes (it saves and stops): none is replaced
+        for r, m in new:
+            self._replacements[id(m)] = self.crew.start_replacement(m)
+            self.ledger.emit({"event": "notice", "step": r.step + 1, "worker": place_of(mesh.label(r.rank)),
+                              "why": r.draining.why, "reason": "told to leave: it trains on while a replacement "
+                              "starts, and goes once that is up (elastic.replace_at_notice)"})
+
+    def due(self, step_s: float) -> bool:
+        """Whether the noted members go at the next boundary: one has no replacement starting, every
+        member of the run is leaving, every replacement is up, or a deadline (with none, the notice's
+        no_deadline_wait_s) is nearer than DEADLINE_MARGIN_STEPS steps of ``step_s`` and DEADLINE_MARGIN_S."""
+        if not self._noted:
+            return False
+        unreplaced = any(key not in self._replacements for key in self._noted)
+        if unreplaced or len(self._noted) >= len(self.crew.team.members()):
+            return True
+        if all(self.crew.is_up(r) for r in self._replacements.values()):
+            return True
+        now, margin = time.time(), DEADLINE_MARGIN_STEPS * step_s + DEADLINE_MARGIN_S
+        return any(self._ends(notice) - now < margin for _, notice in self._noted.values())
+
+    def _ends(self, notice: DrainNotice) -> float:
+        return notice.deadline if notice.deadline is not None else notice.noticed_at + self.no_deadline_wait_s
+
+    def needing_replacement(self, leaving: list[Member]) -> list[Member]:
+        """The members of ``leaving`` (or lost) whose replacement started at their notice is not up: it
+        is cancelled, and they need one on their own bundle (which the cluster keeps for them, unlike
+        capacity elsewhere). They are no longer awaited."""
+        needing = []
+        for m in leaving:
+            self._noted.pop(id(m), None)
+            replacement = self._replacements.pop(id(m), None)
+            if replacement is None or not self.crew.is_up(replacement):
+                if replacement is not None:
+                    self.crew.cancel_replacement(replacement)
+                needing.append(m)
+        return needing
 
     def state(self) -> Draining:
         members, notices = zip(*self._noted.values())
@@ -54,12 +122,12 @@ class Drains:
     def gone(self, event: Optional[dict]) -> None:
         """They left; ``event`` goes out with the first step without them (None: the run stops)."""
         self._noted.clear()
+        self._replacements.clear()
         self._event = event
 
-    def committed(self, reports: list[StepReport], team: Membership) -> Optional[dict]:
-        """After a commit: note who its replies say was told to leave; returns the held ``drain`` event
-        (if this is the first step without them), with the seconds from the notice to this commit."""
-        self.note(reports, team)
+    def committed(self) -> Optional[dict]:
+        """After a commit: the held ``drain`` event (if this is the first step without them), with the
+        seconds from the notice to this commit."""
         event, self._event = self._event, None
         if event is not None:
             event["notice_to_step_s"] = round(time.time() - event["noticed_at"], 3)

@@ -16,10 +16,16 @@ does their evaluation.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+from raytrain.config import Config
+from raytrain.control import steps
+from raytrain.control.crew import Crew
+from raytrain.control.ledger import Ledger
 from raytrain.control.membership import Member
-from raytrain.control.protocol import StepFailed, WorkerGroup
+from raytrain.control.protocol import StepFailed, WorkerGroup, WorkersLost
+from raytrain.control.runstate import Interrupted, Repairing, State
 
 
 @dataclass(frozen=True)
@@ -44,3 +50,17 @@ def evaluate(group: WorkerGroup, members: list[Member], columns: int, timeout_s:
     assert len(last) == columns, (len(last), columns)
     rows = sum(r.rows for r in last)
     return HeldOutLoss(sum(r.loss_sum for r in last) / rows, rows)
+
+
+def evaluating(crew: Crew, ledger: Ledger, cfg: Config) -> State:
+    """EVALUATING: every member evaluates; the held step row gets the loss; then a checkpoint, if one is
+    due (a worker lost meanwhile: REPAIRING, which comes back here)."""
+    t0, team = time.perf_counter(), crew.team
+    try:
+        held_out = evaluate(crew.group, team.members(), team.mesh().columns, cfg.resources.step_timeout_s,
+                            ledger.step, crew.label())
+    except WorkersLost as lost:
+        return Repairing(tuple(lost.dead), Interrupted.EVAL)
+    assert ledger.held_row is not None, "an evaluation follows a committed step"
+    ledger.held_row.update(eval_loss=held_out.loss, eval_rows=held_out.rows, eval_s=round(time.perf_counter() - t0, 3))
+    return steps.after_commit(ledger, cfg, evaluated=True)

@@ -64,6 +64,19 @@ class WorkerGroup(ABC):
         background."""
 
     @abstractmethod
+    def spawn_elsewhere(self, stage: int, shard: int = 0, tp: int = 0) -> Member:
+        """Start a worker for that slot in a placement group of its own (one bundle), reserved now: a
+        replacement that starts while the worker it replaces still holds its bundle."""
+
+    @abstractmethod
+    def cancel_elsewhere(self, member: Member) -> None:
+        """End a ``spawn_elsewhere`` worker, started or not, and give its placement group back."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Give back what the group reserved itself (``spawn_elsewhere``'s placement groups)."""
+
+    @abstractmethod
     def started(self, members: list[Member], timeout: float) -> list[Member]:
         """The members whose actor is up (or failed to start) within ``timeout``."""
 
@@ -126,8 +139,9 @@ class WorkerGroup(ABC):
     # --- calls whose replies are collected later ----------------------------------------------
 
     @abstractmethod
-    def send_step(self, members: list[Member], step: int, trace: bool) -> list:
-        """Send ``run_step``; its replies (raytrain.reports.StepReport) come through ``collect``."""
+    def send_step(self, members: list[Member], step: int, trace: bool, hold: bool = False) -> list:
+        """Send ``run_step``; its replies (raytrain.reports.StepReport) come through ``collect``. ``hold``:
+        a member told to leave does not vote to go (its replacement is starting)."""
 
     @abstractmethod
     def send_commit_prepared(self, members: list[Member], step: int) -> list:

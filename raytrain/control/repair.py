@@ -78,7 +78,7 @@ class Repairs:
         self._give_up_on_repeated_oom(lost)
         self._count_failure(lost)  # after the step is settled: a run that gives up saves its survivors' state
         crew.faults = FaultPlan.remaining(crew.faults, failed_step)  # fired, or moot: slots are renumbered now
-        capacity = self._reform(lost)
+        capacity = self._reform(lost, self.drains.needing_replacement(lost))
         seconds = time.perf_counter() - t0
         ledger.recovery_s.append(round(seconds, 3))
         ledger.emit({"event": "repair", "during": state.interrupted.value, "step": failed_step,
@@ -151,13 +151,14 @@ class Repairs:
         self.ledger.commit(step, row)
         return died
 
-    def _reform(self, lost: list[Member]) -> Decision:
-        """Replace the lost, wait for elastic.min_dp replicas, reload if a slot has no up-to-date copy,
-        re-form; repeated while workers die meanwhile. Returns the capacity decision."""
+    def _reform(self, lost: list[Member], respawn: list[Member]) -> Decision:
+        """Replace the lost (on the bundles of ``respawn``: the others' replacements started at their
+        notice), wait for elastic.min_dp replicas, reload if a slot has no up-to-date copy, re-form;
+        repeated while workers die meanwhile. Returns the capacity decision."""
         crew, ledger = self.crew, self.ledger
         dead = list(lost)
         while True:
-            crew.replace(dead)
+            crew.replace(dead, respawn)
             capacity = self._await_capacity(lost)
             try:
                 self._maybe_reload(lost)
@@ -170,7 +171,7 @@ class Repairs:
                 crew.faults = FaultPlan.remaining(crew.faults, ledger.step, keep_join=False)
                 ledger.emit({"event": "repair_failed", "step": ledger.step, "lost": len(more.dead),
                              "reason": "lost worker(s) while re-forming groups; repairing again"})
-                dead = more.dead
+                dead = respawn = more.dead
 
     def _await_capacity(self, lost: list[Member]) -> Decision:
         t0 = time.perf_counter()
@@ -218,7 +219,8 @@ class Repairs:
         SIGTERM'd one does (a checkpoint, exit 143). If some slot has no other live copy, they save one
         first (CHECKPOINTING, then back here). Their step is committed and the survivors (or that
         checkpoint) hold their state, so no step is retried and nothing is counted against
-        elastic.max_failures. They are stopped, replacements start on their bundles, and the run
+        elastic.max_failures. They are stopped, replacements start on their bundles (save where one
+        started at the notice is up; one that is not is cancelled: raytrain.control.drain), and the run
         re-forms as after a loss (shrinking if elastic.min_dp allows, taking a standby, else waiting for
         replacements); the ``drain`` event goes out with the first step without them."""
         move = next_move(state, self.crew.team, self.ledger.checkpointed(self.ledger.step))
@@ -236,8 +238,10 @@ class Repairs:
                             f"told to leave ({why}); left at a step boundary, no step redone")
         for m in state.leaving:
             self.crew.group.kill(m)
-        capacity = self._reform(list(state.leaving))
+        respawn = self.drains.needing_replacement(list(state.leaving))
+        capacity = self._reform(list(state.leaving), respawn)
         event.update(new_layout=self.crew.label(), generation=self.crew.generation,
+                     replaced_at_notice=len(state.leaving) - len(respawn),  # by replacements up at the boundary
                      reform_s=round(time.perf_counter() - t0, 3),
                      decisions=[capacity.record()] if capacity is not NO_DECISION else [])
         self.drains.gone(event)

@@ -53,10 +53,12 @@ class StepCall:
     members: list
     refs: list
     started: Optional[float]  # None while it waits behind the step before it
+    hold: bool = False  # a member told to leave in it does not vote to go (raytrain.control.drain)
 
 
-def send(group: WorkerGroup, members: list[Member], step: int, trace: bool, started: Optional[float]) -> StepCall:
-    return StepCall(step, members, group.send_step(members, step, trace), started)
+def send(group: WorkerGroup, members: list[Member], step: int, trace: bool, started: Optional[float],
+         hold: bool = False) -> StepCall:
+    return StepCall(step, members, group.send_step(members, step, trace, hold), started, hold)
 
 
 def collect(group: WorkerGroup, call: StepCall, timeout_s: float, layout: str,

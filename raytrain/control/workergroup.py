@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable, Optional
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain.config.mesh import Mesh, StoreAddress
@@ -30,6 +31,9 @@ class RayWorkerGroup(WorkerGroup):
         """``args_for_slot(stage, shard, tp)``: the worker constructor's arguments for that slot."""
         self.worker_cls = ray.remote(worker_cls) if not hasattr(worker_cls, "remote") else worker_cls
         self.options, self.args_for_slot = options, args_for_slot
+        self.own_placements: list = []
+        """Placement groups of spawn_elsewhere's workers, removed by close (a placement group lives as
+        long as the job that made it, which outlives the run when the driver embeds it)."""
 
     def spawn(self, stage: int, placement, bundle: int, shard: int = 0, tp: int = 0) -> Member:
         handle = self.worker_cls.options(
@@ -37,6 +41,24 @@ class RayWorkerGroup(WorkerGroup):
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle),
         ).remote(*self.args_for_slot(stage, shard, tp))
         return Member(handle, stage, placement, bundle, ready=handle.pid.remote(), shard=shard, tp=tp)
+
+    def spawn_elsewhere(self, stage: int, shard: int = 0, tp: int = 0) -> Member:
+        bundle = {"CPU": self.options["num_cpus"]}
+        if self.options.get("num_gpus"):
+            bundle["GPU"] = self.options["num_gpus"]
+        placement = placement_group([bundle])
+        self.own_placements.append(placement)
+        return self.spawn(stage, placement, 0, shard=shard, tp=tp)
+
+    def cancel_elsewhere(self, member: Member) -> None:
+        self.kill(member)
+        self.own_placements.remove(member.placement)
+        remove_placement_group(member.placement)
+
+    def close(self) -> None:
+        for placement in self.own_placements:
+            remove_placement_group(placement)
+        self.own_placements = []
 
     def started(self, members: list[Member], timeout: float) -> list[Member]:
         """The members whose actor is up (or failed to start) within ``timeout``."""
@@ -145,8 +167,8 @@ class RayWorkerGroup(WorkerGroup):
 
     # --- calls whose replies are collected later -----------------------------------------------
 
-    def send_step(self, members: list[Member], step: int, trace: bool) -> list:
-        return [m.handle.run_step.remote(step, trace) for m in members]
+    def send_step(self, members: list[Member], step: int, trace: bool, hold: bool = False) -> list:
+        return [m.handle.run_step.remote(step, trace, hold) for m in members]
 
     def send_commit_prepared(self, members: list[Member], step: int) -> list:
         return [m.handle.commit_prepared.remote(step) for m in members]

@@ -100,9 +100,9 @@ class StageWorker:
 
     @ray.method(enable_task_events=False)  # called every step: not worth tracing in Ray's task table
     @leaves_when_out_of_memory
-    def run_step(self, step: int, trace: bool = False) -> StepReport:
+    def run_step(self, step: int, trace: bool = False, hold: bool = False) -> StepReport:
         # The hook sees the reply: a fault due in the next step waits until the caller has read it.
-        report = self.stage.run_step(step, trace)
+        report = self.stage.run_step(step, trace, hold)
         report.draining = self.drain.notice
         if report.ok:
             self.drain.step_s = report.wall_s

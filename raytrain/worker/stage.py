@@ -169,14 +169,16 @@ class Stage:
 
     # --- one step ---------------------------------------------------------------------------------
 
-    def run_step(self, step: int, trace: bool = False) -> StepReport:
-        """Run ``step``; returns its metrics with ``ok``, and the background save once it has finished."""
+    def run_step(self, step: int, trace: bool = False, hold: bool = False) -> StepReport:
+        """Run ``step``; returns its metrics with ``ok``, and the background save once it has finished.
+        ``hold``: a worker told to leave does not say so in this step's vote (the coordinator is starting
+        its replacement, and picks the boundary where it goes)."""
         self.saves.writer.release()  # a background save's write runs beside this step
-        report = self._run_step(step, trace)
+        report = self._run_step(step, trace, hold)
         report.saved = self.saves.writer.finished()
         return report
 
-    def _run_step(self, step: int, trace: bool) -> StepReport:
+    def _run_step(self, step: int, trace: bool, hold: bool) -> StepReport:
         """Run ``step``; returns its metrics with ``ok``. A failed collective returns ``ok=False``.
 
         A step the coordinator sent ahead of one that failed here finds no groups, or finds the
@@ -193,7 +195,8 @@ class Stage:
         try:
             self._prepare(step, trace, report)
             self.prepared = step
-            finite, report.drain_after = world_vote(share_finite(report, self.grads), self.leaving(), self.device)
+            finite, report.drain_after = world_vote(share_finite(report, self.grads), self.leaving() and not hold,
+                                                    self.device)
             if not finite:
                 self.prepared = None
                 report.nonfinite, report.error = True, "a loss or gradient norm was not finite"
