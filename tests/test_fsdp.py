@@ -11,7 +11,8 @@ import torch
 
 from raytrain import checkpoint, train
 from raytrain.testing.reference import train_reference
-from raytrain.worker.sharded import shard_rows
+from raytrain.config.mesh import Mesh
+from raytrain.worker.sharded import plan_has_weight_halves, shard_rows
 from tests.forked_stages import run_stages
 from tests.helpers import (LONG_RUN_LR, WhenPaused, assert_replicas_identical, assert_same_params, hold_until_a_new_worker_starts,
                            reference_state, stopped)
@@ -25,6 +26,20 @@ def test_shard_rows_cut_like_torch_chunk():
             got = [torch.arange(rows)[a:b] for a, b in cuts]
             want = list(chunks) + [torch.arange(0)] * (fsdp - len(chunks))
             assert all(torch.equal(g, w) for g, w in zip(got, want)), (rows, fsdp, cuts)
+
+
+@pytest.mark.parametrize("settings, gathered", [
+    (("parallel.pp=2", "parallel.split_backward=true"), [False, True]),  # stage 0 sends no input gradient
+    (("parallel.pp=2", "parallel.schedule=gpipe", "parallel.split_backward=true"), [False, True]),
+    (("parallel.split_backward=true",), [False]),  # no pipeline: whole backwards
+    (("parallel.pp=2", "parallel.virtual_stages=2", "parallel.schedule=zbv", "parallel.microbatches=4"), [True, True]),
+    (("parallel.pp=2", "parallel.microbatches=4"), [False, False]),
+])
+def test_sharded_layers_stay_gathered_only_on_workers_whose_plan_splits_a_backward(make_config, settings, gathered):
+    cfg = make_config("parallel.fsdp=2", *settings)
+    mesh = Mesh(dp=1, fsdp=2, tp=1, pp=cfg.parallel.pp)
+    assert [plan_has_weight_halves(cfg, mesh, mesh.rank(replica=0, shard=0, stage=s, tp=0))
+            for s in range(cfg.parallel.pp)] == gathered
 
 
 def test_fsdp2_pp2_on_actors_matches_single_process(ray_session, make_config):

@@ -43,7 +43,8 @@ from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed
 from raytrain.models.tensor_plan import rows_of_stack
-from raytrain.pipeline.schedule import V_SCHEDULES
+from raytrain.pipeline.actions import WEIGHT
+from raytrain.pipeline.schedule import build_plan
 from raytrain.worker.groups import Groups
 from raytrain.worker.tensor_parallel import local_part, parallelize_layers
 from raytrain.worker.gradsync import squared_norms_by_split, sum_over_tp
@@ -150,9 +151,8 @@ class ShardedLayers:
         module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
         dparams = adopt(module, self.device, self.buffers, self.params, optimizer)
         self.module = module
-        splits = self.cfg.parallel.split_backward or self.cfg.parallel.schedule in V_SCHEDULES
         return ShardedGrads(self.chunks, dparams, self.params, self.split, (self.summed, groups.tp_group),
-                            keep_unsharded=splits)
+                            keep_unsharded=plan_has_weight_halves(self.cfg, mesh, rank))
 
     def release(self) -> None:
         """Drop the wrapping (its groups are going); ``params`` keep the values and the prepared gradients.
@@ -194,6 +194,15 @@ def _fully_shard_stage(layers: list[nn.Module], mesh: DeviceMesh, owner: Sharded
     return root
 
 
+def plan_has_weight_halves(cfg: Config, mesh: Mesh, rank: int) -> bool:
+    """Whether the pipeline plan of ``rank``'s worker splits a backward (has weight halves): only then
+    must its layers stay gathered from a backward to the weight half after it. The first stage under a
+    split 1F1B or GPipe sends no input gradient, so it does not split; nor does a run without a pipeline."""
+    par = cfg.parallel
+    plan = build_plan(par.schedule, mesh.pp, par.microbatches, par.split_backward, par.virtual_stages)
+    return any(action.kind == WEIGHT for action in plan[mesh.coords(rank)[1]])
+
+
 class ShardedGrads:
     """GradientBuckets' contract for a sharded stage: ``zero`` before a step, ``arm_chunk`` before each
     chunk's last backward (that FSDP2 root then reduces: earlier micro-batches accumulate unsharded
@@ -210,9 +219,10 @@ class ShardedGrads:
         self.summed_over_tp = summed_over_tp
         """With tp > 1: which gradients FSDP reduced over the fsdp group alone still sum over tp too."""
         self.keep_unsharded = keep_unsharded
-        """With split backwards: a chunk's layers stay gathered from its first backward of the step to its
-        reduction, as a weight half that runs after its input half accumulates into them (as in
-        torch.distributed.pipelining); otherwise each backward reshards them."""
+        """When the worker's plan splits backwards (plan_has_weight_halves): no backward reshards a chunk's
+        layers until its reduction, as a weight half that runs after its input half accumulates into the
+        unsharded parameters (as in torch.distributed.pipelining); a later forward may still reshard them
+        (FSDP2's reshard_after_forward). Otherwise each backward reshards them."""
 
     def zero(self) -> None:
         for p in self.dparams + self.params:
