@@ -361,8 +361,9 @@ RESTART_WAIT_S = 300.0
 """How long Ray Train's run may take to restart after its node is lost before the benchmark gives up on it."""
 TRAINER_SLOT = "trainer_slot"
 """A custom resource, one per node of Ray Train's node run (ray_train_node_lost_then_added says why)."""
-NODE_STEPS_RAY_TRAIN = 200
-"""Ray Train's node run is longer than raytrain's: it grows back only at its resize check (every 60 s)."""
+NODE_STEPS = 200
+"""Both systems' node runs: long enough for Ray Train to grow back, which it does only at its resize
+check (every 60 s), so that their goodputs compare."""
 
 
 def short_runs(workdir: str, only: set) -> None:
@@ -453,13 +454,13 @@ def node_runs(workdir: str, repeats: int, systems: set) -> None:
     """A node lost, then another added: raytrain ``repeats`` times (the median grow-back printed after
     more than one), then Ray Train V2 once; ``systems`` says which of the two run."""
     header()
-    grow_backs = [show(raytrain_node_lost_then_added(workdir, 2 * STEPS))["grow_back_s"]
+    grow_backs = [show(raytrain_node_lost_then_added(workdir, NODE_STEPS))["grow_back_s"]
                   for _ in range(repeats if "raytrain" in systems else 0)]
     if len(grow_backs) > 1:
         print(f"raytrain grow-back, node added -> first step at dp=2: median {statistics.median(grow_backs):.2f} s, "
               f"max {max(grow_backs):.2f} s, runs {' '.join(f'{g:.2f}' for g in grow_backs)}", flush=True)
     if "ray-train" in systems:
-        show(ray_train_node_lost_then_added(workdir, NODE_STEPS_RAY_TRAIN))
+        show(ray_train_node_lost_then_added(workdir, NODE_STEPS))
 
 
 def header() -> None:
