@@ -64,6 +64,7 @@ class FakeWorker:
     saved: Optional[BackgroundSave] = None
     draining: Optional[DrainNotice] = None  # a ``sigterm`` fault's notice: the worker finishes its step
     drain_boundary: Optional[int] = None  # a step its vote said not to run in this generation
+    start_at: Optional[int] = None  # not started yet: up once the group has sent this many steps
 
     def fault(self, step: int, phase: str) -> bool:
         return any((f.replica, f.stage, f.step, f.phase) == (self.replica, self.stage, step, phase)
@@ -88,13 +89,14 @@ class FakeWorkerGroup(WorkerGroup):
 
     def __init__(self, pp: int, initial: int, capacity: Optional[int] = None, nonfinite_steps=(),
                  init_error: Optional[str] = None, hangs_in: Optional[str] = None, oom_in: Optional[str] = None,
-                 oom_times: int = 1, notice_s: float = 30.0):
+                 oom_times: int = 1, notice_s: float = 30.0, elsewhere_delay: int = 0):
         """``hangs_in``: the first call of that protocol method (on any worker) never answers, as a hung
         process would: the caller sees it silent. ``oom_in``: in the first ``oom_times`` calls of that method,
         Ray's memory monitor kills the worker (as do ``oom`` faults in a step). ``notice_s``: the time a
-        ``sigterm`` fault's notice gives (elastic.drain_grace_s)."""
+        ``sigterm`` fault's notice gives (elastic.drain_grace_s). ``elsewhere_delay``: a worker started by
+        ``spawn_elsewhere`` is up once that many more steps were sent."""
         self.pp, self.initial, self.capacity, self.hangs_in, self.oom_in = pp, initial, capacity, hangs_in, oom_in
-        self.oom_left, self.notice_s = oom_times, notice_s
+        self.oom_left, self.notice_s, self.elsewhere_delay = oom_times, notice_s, elsewhere_delay
         self.nonfinite_steps, self.init_error = set(nonfinite_steps), init_error
         self.workers: list[FakeWorker] = []
         self.granted_tokens: set = set()
@@ -116,16 +118,23 @@ class FakeWorkerGroup(WorkerGroup):
 
     def spawn_elsewhere(self, stage: int, shard: int = 0, tp: int = 0) -> Member:
         self.elsewhere += 1
-        return self.spawn(stage, FakePlacement(f"elsewhere-{self.elsewhere}"), 0, shard=shard, tp=tp)
+        member = self.spawn(stage, FakePlacement(f"elsewhere-{self.elsewhere}"), 0, shard=shard, tp=tp)
+        if member.handle.started and self.elsewhere_delay:  # it starts once that many more steps were sent
+            member.handle.started, member.handle.start_at = False, len(self.holds) + self.elsewhere_delay
+        return member
 
     def cancel_elsewhere(self, member: Member) -> None:
         self.kill(member)
-        self.cancelled += 1
+        if isinstance(member.placement, FakePlacement) and member.placement.name.startswith("elsewhere"):
+            self.cancelled += 1
 
     def close(self) -> None:
         self.closed = True
 
     def started(self, members: list[Member], timeout: float) -> list[Member]:
+        for m in members:
+            if m.handle.start_at is not None and len(self.holds) >= m.handle.start_at:
+                m.handle.started = True
         return [m for m in members if m.handle.started]
 
     def pid(self, member: Member, timeout: float) -> Optional[int]:

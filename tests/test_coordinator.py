@@ -348,3 +348,38 @@ def test_a_standby_replica_takes_a_lost_workers_place_at_once(tmp_path):
     assert started["standby"][0] in summary.final_pids and summary.failures == 1
     assert [r["dp"] for r in rows if "loss" in r and "event" not in r] == [2] * 6
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
+def test_a_worker_told_to_leave_trains_on_for_as_long_as_its_replacement_takes_to_start(tmp_path):
+    # told in step 2, noticed once step 3 was sent ahead; its replacement is up only once 4 more steps
+    # (4-7) were sent: the told worker trains through them at dp=2, and goes at the end of step 7
+    group = FakeWorkerGroup(1, initial=2, elsewhere_delay=4)
+    coordinator, group, summary, rows = run(tmp_path, "train.steps=12", "elastic.faults=['1:0@2:sigterm']",
+                                            group=group)
+    drain = events(rows, "drain")[0]
+    assert (drain["step"], drain["replaced_at_notice"], drain["new_layout"]) == (8, 1, "dp=2 pp=1")
+    assert [r["dp"] for r in rows if "loss" in r and "event" not in r] == [2] * 12
+    assert all(hold for step, hold in group.holds if step < 8) and group.cancelled == 0
+    assert_every_live_worker_applied_each_step_once(coordinator, 12)
+
+
+def test_a_worker_lost_before_its_boundary_is_repaired_and_its_replacement_not_yet_up_cancelled(tmp_path):
+    # told in step 2, killed in step 4's backward while its replacement still starts: a repair (step 4
+    # retried); the replacement elsewhere is cancelled and one starts on the lost worker's bundle
+    group = FakeWorkerGroup(1, initial=2, elsewhere_delay=50)
+    coordinator, group, summary, rows = run(tmp_path, "train.steps=8",
+                                            "elastic.faults=['1:0@2:sigterm', '1:0@4:backward']", group=group)
+    assert events(rows, "drain") == [] and [e["step"] for e in events(rows, "repair")] == [4]
+    assert (group.elsewhere, group.cancelled, group.spawned) == (1, 1, 4)
+    assert summary.committed_steps == list(range(8)) and summary.failures == 1
+    assert_every_live_worker_applied_each_step_once(coordinator, 8)
+
+
+def test_when_the_last_worker_is_told_to_leave_the_replacements_still_starting_are_cancelled(tmp_path):
+    # replica 1 is told in step 2 (its replacement starts), replica 0 in step 3: every worker leaves, so
+    # the run saves and stops, and the replacement that never came up is cancelled
+    group = FakeWorkerGroup(1, initial=2, elsewhere_delay=50)
+    coordinator, group, summary, rows = run(tmp_path, "train.steps=8",
+                                            "elastic.faults=['1:0@2:sigterm', '0:0@3:sigterm']", group=group)
+    assert summary.stopped == "SIGTERM" and "checkpoint and stop" in events(rows, "drain")[0]["reason"]
+    assert (group.elsewhere, group.cancelled) == (1, 1)

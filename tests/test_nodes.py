@@ -174,16 +174,16 @@ def drain_node(node, deadline_s: float = 30.0) -> None:
 
 
 def test_the_worker_on_a_draining_node_trains_until_its_replacement_is_up(ray_cluster, worker_node, make_config,
-                                                                fast_driver_poll):
-    # replica 1 runs on the added node; Ray is told to drain it (a preemption with a 60 s deadline): the
-    # worker sees it after a step and trains on while a replacement starts on the head (Ray places
-    # nothing new on a draining node); once it is up the worker goes at a boundary and the replacement
-    # takes its place: the run never narrows, and nothing is redone
+                                                                          fast_driver_poll):
+    # replica 1 runs on the added node (SPREAD; STRICT_SPREAD would not replace at the notice); Ray is told
+    # to drain it (a preemption with a 60 s deadline): the worker sees it after a step and trains on while
+    # a replacement starts on the head (Ray places nothing new on a draining node); once it is up the
+    # worker goes at a boundary and the replacement takes its place: the run never narrows, nothing redone
     from raytrain.compat import draining_nodes
 
     steps = 300  # seconds of steps: a worker asks Ray about its node every second
     cfg = make_config("parallel.dp=2", "elastic.min_dp=1", f"train.steps={steps}", LONG_RUN_LR, "run.trace_steps=0",
-                      "resources.placement_strategy=STRICT_SPREAD", "run.record_samples=true")
+                      "resources.placement_strategy=SPREAD", "run.record_samples=true")
     drained, seen = [], {}
     hold = hold_at_the_notice_until_its_replacement_starts(seen)
 
@@ -197,11 +197,12 @@ def test_the_worker_on_a_draining_node_trains_until_its_replacement_is_up(ray_cl
     assert drained and worker_node.node_id in drained[0]  # raytrain.compat reads Ray's draining nodes
     assert seen["new"] in result.final_pids
     (event,) = [e for e in result.events if e["event"] == "drain"]
-    assert event["why"] == ["node drain"] and event["workers"] == ["replica 1 stage 0"], event
+    assert event["why"] == ["node drain"] and len(event["workers"]) == 1, event  # the replica SPREAD put there
     assert 50 < event["deadline_s"] <= 60 and event["new_layout"] == "dp=2 pp=1" and event["replaced_at_notice"] == 1
     assert {r["dp"] for r in result.metrics} == {2}
     assert not [e for e in result.events if e["event"] in ("repair", "reload")] and result.failures == 0
-    assert result.worker_pids[0] in result.final_pids and result.committed_steps == list(range(steps))
+    assert len(set(result.worker_pids) & set(result.final_pids)) == 1  # the survivor on the head kept its process
+    assert result.committed_steps == list(range(steps))
     ids = [i for r in result.metrics for i in r["sample_ids"]]
     assert ids == data.sample_ids(cfg.train.seed, prepare(cfg).num_samples, 0, steps * cfg.train.global_batch)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))

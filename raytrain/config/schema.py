@@ -344,11 +344,13 @@ class ElasticConfig:
     wait as spares: a lost or drained worker's slot is taken at once, without a worker's start-up;
     the replacement started for it becomes the next standby."""
     replace_at_notice: bool = True
-    """A worker told to leave (SIGTERM, its node draining) keeps training while a replacement starts in
-    a placement group of its own; it goes at the first step boundary after the replacement is up (or in
-    time for its deadline, should none start), so the run keeps its width and the start-up costs no
-    step. Not with a standby waiting (it takes the slot at once) nor with parallel.tp > 1 (a tp group
-    stays on one node); off: it goes at the next boundary."""
+    """A worker told to leave (SIGTERM, its node draining with a deadline) keeps training while a
+    replacement starts in a placement group of its own; it goes at the first step boundary after the
+    replacement is up (or in time for its deadline, should none start: then as when off), so the run
+    keeps its width and the start-up costs no step. The leaver's bundle in the run's placement group
+    stays reserved until the run ends. Not with a standby waiting (it takes the slot at once), with
+    parallel.tp > 1 or a STRICT_* resources.placement_strategy (a replacement elsewhere could break
+    them); off: it goes at the next boundary."""
     drain_grace_s: float = 30.0
     """How long a worker told to leave (SIGTERM) waits for the coordinator to let it go before it exits
     on its own (GKE's grace period; AWS spot gives 120 s)."""

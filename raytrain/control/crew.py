@@ -86,9 +86,13 @@ class Crew:
         of ``respawn`` (default: every one of them), and have the spares close their broken groups'
         connections now."""
         dead = list({id(m): m for m in dead}.values())  # a worker can be reported lost twice
+        respawn = dead if respawn is None else respawn
         self.team.drop_dead(dead)
+        for m in dead:
+            if m not in respawn:  # replaced elsewhere: a placement group of its own goes back (if it had one)
+                self.group.cancel_elsewhere(m)
         self.team.add_pending([self.group.spawn(m.stage, m.placement, m.bundle, shard=m.shard, tp=m.tp)
-                               for m in (dead if respawn is None else respawn)])
+                               for m in respawn])
         self.group.send_leave(self.team.spares)
 
     def start_replacement(self, leaving: Member) -> Member:
@@ -99,13 +103,24 @@ class Crew:
         return replacement
 
     def cancel_replacement(self, replacement: Member) -> None:
-        """End a replacement started by ``start_replacement`` that is not needed (or not up in time)."""
+        """End a replacement started by ``start_replacement`` that is not needed (or not up in time), and
+        any worker restarted in its place (its placement group goes)."""
+        same_place = [m for m in self.team.pending if m.placement is replacement.placement]
+        for m in same_place:
+            self.group.kill(m)
         self.group.cancel_elsewhere(replacement)
-        self.team.drop_dead([replacement])
+        self.team.drop_dead([replacement, *same_place])
 
-    def is_up(self, member: Member) -> bool:
-        """Whether a worker started (or failed to) or was admitted already; it does not wait."""
-        return member not in self.team.pending or bool(self.group.started([member], 0))
+    def replacement_up(self, member: Member) -> Optional[bool]:
+        """Of a worker started by ``start_replacement``: True once up (its actor alive, or admitted), False
+        if it died while starting (or was restarted since, as another member), None while it starts. It
+        does not wait."""
+        if member in self.team.pending:
+            if not self.group.started([member], 0):
+                return None
+            member.pid = self.group.pid(member, SETUP_TIMEOUT_S)  # it has started: no wait
+            return member.pid is not None
+        return any(m is member for m in self.team.everyone())
 
     def admit_started(self, wait_s: float, target_dp: int) -> None:
         """Move started replacements to the spares (restarting any that died while starting), and

@@ -29,6 +29,9 @@ from raytrain.control.runstate import Draining
 from raytrain.reports import DrainNotice, StepReport
 
 
+SOFT_STRATEGIES = ("PACK", "SPREAD")
+"""Placement strategies a replacement in a placement group of its own keeps to (STRICT_PACK's one node
+and STRICT_SPREAD's one worker per node it could break: their workers go at the next boundary)."""
 DEADLINE_MARGIN_STEPS = 3
 DEADLINE_MARGIN_S = 2.0
 """A worker whose replacement is not up yet goes at the boundary after which its deadline is still
@@ -48,12 +51,13 @@ class Drains:
 
     def __init__(self, crew: Crew, ledger: Ledger, cfg: Config, stopping: Callable[[], bool]):
         self.crew, self.ledger, self.stopping = crew, ledger, stopping
-        self.replace_at_notice = cfg.elastic.replace_at_notice and cfg.parallel.tp == 1
-        self.no_deadline_wait_s = cfg.elastic.capacity_wait_s
-        """How long a notice with no deadline (a node drain without one) waits for a replacement."""
+        self.replace_at_notice = (cfg.elastic.replace_at_notice and cfg.parallel.tp == 1
+                                  and cfg.resources.placement_strategy in SOFT_STRATEGIES)
         self._noted: dict[int, tuple[Member, DrainNotice]] = {}
         self._replacements: dict[int, Member] = {}
         """By id of a noted member: the replacement started for it at its notice."""
+        self._voted = False
+        """A step's vote said someone leaves (a step not held): its end is the boundary on every worker."""
         self._event: Optional[dict] = None
 
     def __bool__(self) -> bool:
@@ -66,8 +70,9 @@ class Drains:
 
     def noticed(self, reports: list[StepReport], held: bool) -> None:
         """Note the members whose reply to a step (sent with ``held``) carries a notice for the first
-        time; if it held, and some member stays, start a replacement for each and say so (a ``notice``
-        event)."""
+        time; if it held, and some member stays, start a replacement for each notice with a deadline (a
+        node drained without one goes at once) and say so (a ``notice`` event)."""
+        self._voted = self._voted or any(r.drain_after for r in reports)
         if not any(r.draining is not None for r in reports):
             return
         team = self.crew.team
@@ -79,27 +84,30 @@ class Drains:
         if not held or self.stopping() or len(self._noted) >= len(team.members()):
             return  # the run stops, or every worker goes (it saves and stops): none is replaced
         for r, m in new:
+            if r.draining.deadline is None:
+                continue
             self._replacements[id(m)] = self.crew.start_replacement(m)
             self.ledger.emit({"event": "notice", "step": r.step + 1, "worker": place_of(mesh.label(r.rank)),
                               "why": r.draining.why, "reason": "told to leave: it trains on while a replacement "
                               "starts, and goes once that is up (elastic.replace_at_notice)"})
 
     def due(self, step_s: float) -> bool:
-        """Whether the noted members go at the next boundary: one has no replacement starting, every
-        member of the run is leaving, every replacement is up, or a deadline (with none, the notice's
-        no_deadline_wait_s) is nearer than DEADLINE_MARGIN_STEPS steps of ``step_s`` and DEADLINE_MARGIN_S."""
+        """Whether the noted members go at the next boundary: a vote made it theirs, one has no replacement
+        starting (its start failed: cancelled), every member of the run is leaving, every replacement is
+        up, or a deadline is nearer than DEADLINE_MARGIN_STEPS steps of ``step_s`` and DEADLINE_MARGIN_S
+        (deadlines are the workers' clocks: the margin also covers their skew from this one)."""
         if not self._noted:
             return False
+        for key, replacement in list(self._replacements.items()):
+            if self.crew.replacement_up(replacement) is False:
+                self.crew.cancel_replacement(self._replacements.pop(key))
         unreplaced = any(key not in self._replacements for key in self._noted)
-        if unreplaced or len(self._noted) >= len(self.crew.team.members()):
+        if self._voted or unreplaced or len(self._noted) >= len(self.crew.team.members()):
             return True
-        if all(self.crew.is_up(r) for r in self._replacements.values()):
+        if all(self.crew.replacement_up(r) for r in self._replacements.values()):
             return True
         now, margin = time.time(), DEADLINE_MARGIN_STEPS * step_s + DEADLINE_MARGIN_S
-        return any(self._ends(notice) - now < margin for _, notice in self._noted.values())
-
-    def _ends(self, notice: DrainNotice) -> float:
-        return notice.deadline if notice.deadline is not None else notice.noticed_at + self.no_deadline_wait_s
+        return any(notice.deadline - now < margin for _, notice in self._noted.values())
 
     def needing_replacement(self, leaving: list[Member]) -> list[Member]:
         """The members of ``leaving`` (or lost) whose replacement started at their notice is not up: it
@@ -109,20 +117,26 @@ class Drains:
         for m in leaving:
             self._noted.pop(id(m), None)
             replacement = self._replacements.pop(id(m), None)
-            if replacement is None or not self.crew.is_up(replacement):
+            if replacement is None or not self.crew.replacement_up(replacement):
                 if replacement is not None:
                     self.crew.cancel_replacement(replacement)
                 needing.append(m)
         return needing
 
     def state(self) -> Draining:
-        members, notices = zip(*self._noted.values())
+        """The noted members still in the run (one lost since was repaired as a loss) and their notices."""
+        live = {id(m) for m in self.crew.team.members()}
+        members, notices = zip(*(entry for key, entry in self._noted.items() if key in live))
         return Draining(tuple(members), tuple(notices))
 
     def gone(self, event: Optional[dict]) -> None:
-        """They left; ``event`` goes out with the first step without them (None: the run stops)."""
+        """They left; ``event`` goes out with the first step without them (None: the run stops, and the
+        replacements still starting are cancelled)."""
+        for replacement in self._replacements.values():
+            self.crew.cancel_replacement(replacement)
         self._noted.clear()
         self._replacements.clear()
+        self._voted = False
         self._event = event
 
     def committed(self) -> Optional[dict]:

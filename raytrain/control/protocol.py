@@ -70,7 +70,7 @@ class WorkerGroup(ABC):
 
     @abstractmethod
     def cancel_elsewhere(self, member: Member) -> None:
-        """End a ``spawn_elsewhere`` worker, started or not, and give its placement group back."""
+        """End a worker, started or not; if ``spawn_elsewhere`` started it, give its placement group back."""
 
     @abstractmethod
     def close(self) -> None:

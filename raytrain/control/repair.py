@@ -171,7 +171,7 @@ class Repairs:
                 crew.faults = FaultPlan.remaining(crew.faults, ledger.step, keep_join=False)
                 ledger.emit({"event": "repair_failed", "step": ledger.step, "lost": len(more.dead),
                              "reason": "lost worker(s) while re-forming groups; repairing again"})
-                dead = respawn = more.dead
+                dead, respawn = more.dead, self.drains.needing_replacement(more.dead)
 
     def _await_capacity(self, lost: list[Member]) -> Decision:
         t0 = time.perf_counter()

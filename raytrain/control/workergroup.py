@@ -52,8 +52,9 @@ class RayWorkerGroup(WorkerGroup):
 
     def cancel_elsewhere(self, member: Member) -> None:
         self.kill(member)
-        self.own_placements.remove(member.placement)
-        remove_placement_group(member.placement)
+        if any(member.placement is placement for placement in self.own_placements):
+            self.own_placements = [p for p in self.own_placements if p is not member.placement]
+            remove_placement_group(member.placement)
 
     def close(self) -> None:
         for placement in self.own_placements:

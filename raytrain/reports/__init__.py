@@ -13,8 +13,9 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class DrainNotice:
-    """A worker was told to leave (a SIGTERM: a preemption notice, ``ray stop``); it finishes its step
-    and leaves the run at the next step boundary (raytrain.worker.drain)."""
+    """A worker was told to leave (a SIGTERM: a preemption notice, ``ray stop``; its node draining); it
+    leaves the run at a step boundary: the next, or the first after a replacement started at the notice
+    is up (raytrain.worker.drain, raytrain.control.drain)."""
 
     why: str
     noticed_at: float
@@ -71,9 +72,9 @@ class StepReport:
     saved: Optional["BackgroundSave"] = None
     """This worker's last background save (checkpoint.async_save) once it has finished, until the next starts."""
     draining: Optional[DrainNotice] = None
-    """Set once the worker was told to leave: the coordinator re-forms without it at the next boundary."""
+    """Set once the worker was told to leave: the coordinator re-forms without it at a boundary."""
     drain_after: bool = False
-    """The step's vote counted a worker told to leave: the run re-forms after this step."""
+    """The step's vote counted a worker told to leave (in a step not held): the run re-forms after it."""
     drain_skipped: bool = False
     """Not run: the step before it was the boundary where a worker leaves, so the step sent ahead waits
     for the re-formed run (every worker of the generation skips it alike)."""

@@ -4,11 +4,13 @@ Clouds warn before they take a machine (a SIGTERM, then a grace period: about 30
 120 s on AWS spot), and ``ray stop`` sends one too; Ray passes a cloud's preemption notice on as a
 node drain with a deadline (``ray drain-node``), which each worker's watcher thread checks for its
 own node every NODE_POLL_S (in a thread: a step never waits on Ray's control plane). A worker told
-either way finishes the step it is in and says so in that step's vote, so that every worker
-knows the step's end is the boundary and skips a step the coordinator had sent ahead
-(raytrain.worker.stage); its reply carries the notice (``StepReport.draining``), and the coordinator
-re-forms the run without it at that boundary, with no step redone and no wait for a failure to be
-detected (raytrain.control.drain). Should the coordinator never let it go, the worker exits on its
+either way finishes the step it is in and its reply carries the notice (``StepReport.draining``). If
+the coordinator holds notices (elastic.replace_at_notice: the step says so), the worker trains on
+while a replacement starts elsewhere, and the coordinator picks the boundary where it goes; if not,
+it says so in that step's vote, so that every worker knows the step's end is the boundary and skips
+a step the coordinator had sent ahead (raytrain.worker.stage). Either way the run re-forms without
+it at that boundary, with no step redone and no wait for a failure to be detected
+(raytrain.control.drain). Should the coordinator never let it go, the worker exits on its
 own when the grace period ends, and the run repairs the loss as any other. A notice whose deadline
 comes sooner than a step takes (the last step's time) cannot reach a boundary: the worker leaves at
 once, so its peers see the loss now rather than when the deadline cuts the step, and the run

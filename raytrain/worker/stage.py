@@ -68,7 +68,8 @@ class Stage:
                  make_hook: HookFactory = phase_hook, shard: int = 0, tp: int = 0,
                  leaving: Callable[[], bool] = lambda: False):
         self.cfg = cfg
-        self.leaving = leaving  # whether this worker was told to leave (raytrain.worker.drain): its vote says so
+        self.leaving = leaving  # whether this worker was told to leave (raytrain.worker.drain): its vote says so,
+        # unless the step holds it (its replacement is starting: raytrain.control.drain)
         self.source, self.num_samples = source, num_samples
         torch.set_num_threads(cfg.resources.cpus_per_worker)
         self.device = torch.device("cuda", 0) if cfg.resources.use_gpu else torch.device("cpu")
@@ -332,8 +333,8 @@ def share_finite(report: StepReport, grads) -> bool:
 def world_vote(finite: bool, leaving: bool, device: torch.device) -> tuple[bool, bool]:
     """The step's world-wide vote: its completion says everyone reduced and clipped, so everyone may
     step. Its values: the count of non-finite workers, which stops the step everywhere if a loss or
-    gradient anywhere is NaN or inf; and the count of workers told to leave, which makes this step's
-    end the boundary where they go (every worker learns it in the same collective, so all of them
+    gradient anywhere is NaN or inf; and the count of workers told to leave (in a step that does not
+    hold them), which makes this step's end the boundary where they go (every worker learns it in the same collective, so all of them
     skip a step the coordinator sent ahead alike). Returns (finite everywhere, someone leaves)."""
     counts = torch.tensor([0.0 if finite else 1.0, 1.0 if leaving else 0.0], device=device)
     dist.all_reduce(counts)
