@@ -221,6 +221,18 @@ def test_a_sigtermed_worker_trains_on_until_its_replacement_is_up_and_the_run_ne
     _assert_exactly_once(result, steps, 8)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
     assert live_placements() == before
+    # a lost coordinator cannot give its replacements' placement groups back: the driver removes them by name
+    from ray.util.placement_group import placement_group
+
+    from raytrain.control.workergroup import remove_replacement_placements, replacement_prefix
+
+    orphan = placement_group([{"CPU": 1}], name=f"{replacement_prefix(cfg)}12345-0")
+    assert orphan.wait(timeout_seconds=30) and live_placements() == before + 1
+    remove_replacement_placements(replacement_prefix(cfg))
+    deadline = time.monotonic() + 10
+    while live_placements() > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live_placements() == before
 
 
 def test_a_notice_shorter_than_a_step_leaves_at_once_and_the_run_repairs_it(ray_session, make_config):

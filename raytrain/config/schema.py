@@ -350,7 +350,7 @@ class ElasticConfig:
     keeps its width and the start-up costs no step. The leaver's bundle in the run's placement group
     stays reserved until the run ends. Not with a standby waiting (it takes the slot at once), with
     parallel.tp > 1 or a STRICT_* resources.placement_strategy (a replacement elsewhere could break
-    them); off: it goes at the next boundary."""
+    them), nor in a Tune trial (it runs in what Tune reserved); off: it goes at the next boundary."""
     drain_grace_s: float = 30.0
     """How long a worker told to leave (SIGTERM) waits for the coordinator to let it go before it exits
     on its own (GKE's grace period; AWS spot gives 120 s)."""

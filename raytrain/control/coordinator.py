@@ -47,7 +47,7 @@ from raytrain.control.runstate import (Checkpointing, Draining, Evaluating, Fail
                                        Interrupted, Repairing, Running, Starting, State, Stopping)
 from raytrain.control.saving import Checkpoints
 from raytrain.control.steps import DrainBoundary, NonFiniteStep, StepCall, StepLost, may_send_ahead
-from raytrain.control.workergroup import RayWorkerGroup
+from raytrain.control.workergroup import RayWorkerGroup, replacement_prefix
 from raytrain.reports import RunSummary
 from raytrain.reports.oom import FIT_ADVICE
 
@@ -87,7 +87,8 @@ class Coordinator:
         self.resume_from = resume_from
         assert group is not None or worker_cls is not None, "the Ray worker group needs the worker class"
         group = group or RayWorkerGroup(worker_cls, _worker_options(config),
-                                        _worker_args(config, source, num_samples, stage_layers, corpus_path))
+                                        _worker_args(config, source, num_samples, stage_layers, corpus_path),
+                                        replacement_prefix(config))
         e = config.elastic
         self.policy = ElasticPolicy(min_dp=e.min_dp or config.parallel.dp, target_dp=e.max_dp or config.parallel.dp,
                                     max_failures=e.max_failures, capacity_wait_s=e.capacity_wait_s,

@@ -27,13 +27,17 @@ from raytrain.reports.oom import (NodeMemory, OutOfMemory, WorkerOutOfMemory, er
 class RayWorkerGroup(WorkerGroup):
     """Worker actors of one class (raytrain.worker.actor.StageWorker), each on one placement-group bundle."""
 
-    def __init__(self, worker_cls, options: dict, args_for_slot: Callable[[int, int, int], tuple]):
-        """``args_for_slot(stage, shard, tp)``: the worker constructor's arguments for that slot."""
+    def __init__(self, worker_cls, options: dict, args_for_slot: Callable[[int, int, int], tuple],
+                 placement_prefix: str = "raytrain-replacement "):
+        """``args_for_slot(stage, shard, tp)``: the worker constructor's arguments for that slot;
+        ``placement_prefix``: what spawn_elsewhere's placement groups' names start with (replacement_prefix)."""
         self.worker_cls = ray.remote(worker_cls) if not hasattr(worker_cls, "remote") else worker_cls
         self.options, self.args_for_slot = options, args_for_slot
+        self.placement_prefix = placement_prefix
         self.own_placements: list = []
         """Placement groups of spawn_elsewhere's workers, removed by close (a placement group lives as
-        long as the job that made it, which outlives the run when the driver embeds it)."""
+        long as the job that made it, which outlives the run when the driver embeds it; should this
+        coordinator die first, the driver removes them by their names: remove_replacement_placements)."""
 
     def spawn(self, stage: int, placement, bundle: int, shard: int = 0, tp: int = 0) -> Member:
         handle = self.worker_cls.options(
@@ -46,7 +50,7 @@ class RayWorkerGroup(WorkerGroup):
         bundle = {"CPU": self.options["num_cpus"]}
         if self.options.get("num_gpus"):
             bundle["GPU"] = self.options["num_gpus"]
-        placement = placement_group([bundle])
+        placement = placement_group([bundle], name=f"{self.placement_prefix}{os.getpid()}-{len(self.own_placements)}")
         self.own_placements.append(placement)
         return self.spawn(stage, placement, 0, shard=shard, tp=tp)
 
@@ -286,6 +290,19 @@ def killed_by_ray_monitor(message: str) -> OutOfMemory:
         node = found["ip"]
     line = next((ln.strip() for ln in message.splitlines() if MEMORY_MONITOR.search(ln)), message.strip()[:300])
     return OutOfMemory("ray memory monitor", line, node=node, memory=memory)
+
+
+def replacement_prefix(cfg) -> str:
+    """The start of the names of a run's replacement placement groups (RayWorkerGroup.spawn_elsewhere):
+    its checkpoint.dir, which no two live runs share (raytrain.driver.lease)."""
+    return f"raytrain-replacement {cfg.checkpoint.dir} "
+
+
+def remove_replacement_placements(prefix: str) -> None:
+    """Remove the live placement groups whose names start with ``prefix`` (a lost coordinator's)."""
+    for entry in ray.util.placement_group_table().values():
+        if entry.get("name", "").startswith(prefix) and entry["state"] != "REMOVED":
+            remove_placement_group(ray.util.get_placement_group(entry["name"]))
 
 
 def worker_error(error: Exception) -> str:

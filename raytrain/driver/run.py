@@ -8,6 +8,7 @@ a lost coordinator from the last checkpoint, and writes what a person sees (rayt
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from raytrain import checkpoint
 from raytrain.control.coordinator import Coordinator, OutOfMemoryLost
 from raytrain.control.goodput import Goodput
 from raytrain.control.protocol import WorkersLost
-from raytrain.control.workergroup import killed_by_ray_monitor
+from raytrain.control.workergroup import killed_by_ray_monitor, remove_replacement_placements, replacement_prefix
 from raytrain.driver.connect import cluster_reachable, embedded, ensure_ray
 from raytrain.driver.lease import Lease
 from raytrain.driver.memory import check_run_memory
@@ -148,6 +149,8 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
     counted from ``launched``). Placement groups it reserved are removed, and every row received is
     written, however it ends."""
     cfg, resume = plan.cfg, plan.resume
+    if placement is not None:  # a Tune trial runs in what Tune reserved for it: nothing started elsewhere
+        cfg = dataclasses.replace(cfg, elastic=dataclasses.replace(cfg.elastic, replace_at_notice=False))
     rendezvous, groups = RendezvousStore(), []
     try:
         pg, first_bundle = placement if placement is not None else (reserve(cfg, fixed_cluster=embedded()), 0)
@@ -195,6 +198,8 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
                                "reason": f"coordinator lost: {str(e).splitlines()[0][:200]}"}])
             finally:
                 _stop(coordinator)
+                if not embedded() or cluster_reachable():  # its replacements' placement groups, should it have died
+                    remove_replacement_placements(replacement_prefix(cfg))
     finally:
         if not embedded() or cluster_reachable():  # an embedded Ray gone with a group signal blocks each call
             for group in groups:
