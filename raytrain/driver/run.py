@@ -153,12 +153,7 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
         cfg = dataclasses.replace(cfg, elastic=dataclasses.replace(cfg.elastic, replace_at_notice=False))
     rendezvous, groups = RendezvousStore(), []
     try:
-        pg, first_bundle = placement if placement is not None else (reserve(cfg, fixed_cluster=embedded()), 0)
-        groups += [pg] if placement is None else []
-        extra = (cfg.elastic.max_dp or cfg.parallel.dp) - cfg.parallel.dp if placement is None else 0
-        extra += cfg.elastic.standby if placement is None else 0  # standby replicas beyond them
-        growth = [request(cfg, 1) for _ in range(extra)]  # granted whenever capacity appears
-        groups += growth
+        pg, first_bundle, growth = _placements(cfg, placement, groups)
         # The driver built the built-in corpus in its own cache; workers on other machines get its bytes
         # from the coordinator, which runs on this node.
         corpus_path = plan.source.train.paths[0] if cfg.data.path is None else None
@@ -206,6 +201,19 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
                 remove_placement_group(group)
         rendezvous.close()
         reporter.finish()
+
+
+def _placements(cfg, placement, groups: list) -> tuple:
+    """The run's placement group and first bundle (a Tune trial's ``placement``, or reserved here) and the
+    placement groups asked for beyond it (replicas up to elastic.max_dp, standby replicas), granted
+    whenever capacity appears; those reserved here go into ``groups`` as they are made, to be removed."""
+    pg, first_bundle = placement if placement is not None else (reserve(cfg, fixed_cluster=embedded()), 0)
+    groups += [pg] if placement is None else []
+    extra = (cfg.elastic.max_dp or cfg.parallel.dp) - cfg.parallel.dp if placement is None else 0
+    extra += cfg.elastic.standby if placement is None else 0  # standby replicas beyond them
+    growth = [request(cfg, 1) for _ in range(extra)]
+    groups += growth
+    return pg, first_bundle, growth
 
 
 def _stopped_without_coordinator(cfg, reporter: RunReporter, reason: str, resume: Optional[str]) -> RunSummary:
