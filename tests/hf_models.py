@@ -1,5 +1,5 @@
 """Tiny Hugging Face causal LMs (FAMILIES, and the families tensor parallelism and the conversion mapping
-add: Qwen3, Gemma 3, Mixtral, GPT-NeoX, DeepSeek-V2), written to a directory as ``save_pretrained`` does."""
+add: Qwen3, Gemma 3, Mixtral, GPT-NeoX, DeepSeek-V2, Granite SWA), written to a directory as ``save_pretrained`` does."""
 
 import logging
 
@@ -45,6 +45,10 @@ def hf_config(family: str, tied: bool = False, layers: int = 2):
                                   n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2, kv_lora_rank=16,
                                   q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                                   max_position_embeddings=64, tie_word_embeddings=tied)
+    if family == "granite_swa":  # attention sinks (one learnt logit per head), a sliding window, a rotary per
+        # base theta (the second layer none), Granite's scaled embedding and logits
+        return T.GraniteSWAConfig(**common, sliding_window=8, bos_token_id=0, eos_token_id=0, embedding_multiplier=2.0,
+                                  logits_scaling=3.0, layer_rope_theta=[10000.0, 0.0][:layers] + [500.0] * (layers - 2))
     return {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config}[family](**common)
 
 

@@ -217,11 +217,12 @@ def test_a_pretrained_gemma_keeps_its_computed_embedding_scale(tmp_path):
         assert torch.equal(nn.Sequential(*layers)(ids), model(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "mixtral", "gemma3"])
+@pytest.mark.parametrize("family", ["gpt_neox", "mixtral", "gemma3", "granite_swa"])
 def test_families_whose_files_name_parameters_unlike_their_modules_cut_through_the_conversion_mapping(tmp_path,
                                                                                                     family):
     # GPT-NeoX's files say embed_out for its lm_head, Mixtral's hold each expert's w1/w2/w3 where its
-    # modules hold one fused tensor; Gemma 3 gives each layer type its own rotary. Each stage reads
+    # modules hold one fused tensor; Gemma 3 gives each layer type its own rotary; Granite SWA each
+    # layer a rotary of its own base theta (or none), and scales its embedding and logits. Each stage reads
     # only its own layers' tensors, converted as from_pretrained converts them, and a plain process
     # loads the export named as the source directory was.
     import safetensors.torch

@@ -159,6 +159,23 @@ def test_a_tp_rank_holds_its_heads_of_each_fused_part_and_the_ranks_tile_every_t
         assert sorted(cells) == [(i, j) for i in range(shape[0]) for j in range(shape[1])]
 
 
+def test_a_bare_parameter_of_one_value_per_head_is_split_with_the_heads():
+    import torch
+    from torch import nn
+
+    from raytrain.models.tensor_plan import local_boxes, plan_problem, split_of
+
+    layer = nn.Sequential()
+    layer.attn = nn.Linear(8, 8)
+    layer.attn.sinks = nn.Parameter(torch.zeros(4))  # one logit per head, read by the attention's own code
+    layer.tp_plan = {"attn": ("colwise", 1), "attn.sinks": ("param_rows", 1)}
+    assert plan_problem([layer], 2) is None and split_of(layer.tp_plan, "attn.sinks") == ("param_rows", 1, 0)
+    assert local_boxes(layer.tp_plan, "attn.sinks", (4,), 2, 1) == [((2, 4),)]
+    assert "has 4 rows, which do not split into 1 part(s) of tp=8" in plan_problem([layer], 8)
+    layer.tp_plan = {"attn.gates": ("param_rows", 1)}
+    assert "names no parameter of that layer" in plan_problem([layer], 2)
+
+
 def test_a_head_is_split_by_vocabulary_only_where_tp_divides_it_and_it_is_not_tied():
     from torch import nn
 

@@ -195,9 +195,11 @@ built-in GPT are held to 1e-5."""
     ("phi3", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),  # gathered fused projections
     # latent attention: the rotary key's slice of kv_a_proj_with_mqa has its gradient summed over tp
     ("deepseek_v2", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.split_backward=true")),
+    # attention sinks split with their heads (param_rows); a rotary per base theta
+    ("granite_swa", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),
 ], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-fsdp2-tp2", "llama-dp2-tp2", "llama-tp2-pp2-split", "qwen2-tp2", "qwen3-tp2-clipped",
         "qwen3-fsdp2-tp2", "gemma3-tp2-pp2", "mixtral-tp2", "gpt_neox-tp2", "phi-fsdp2-tp2", "olmo2-tp2-clipped",
-        "phi3-tp2-pp2", "deepseek_v2-tp2-pp2-split"])
+        "phi3-tp2-pp2", "deepseek_v2-tp2-pp2-split", "granite_swa-tp2-pp2"])
 def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_process(make_config, tmp_path, family,
                                                                                   layout):
     # the family's base_model_tp_plan (q/k/v, gate/up colwise; o/down rowwise) on each decoder layer, and
@@ -219,7 +221,8 @@ def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_proce
     last = torch.load(tmp_path / "run" / f"stage{cfg.parallel.pp - 1}-0-1.pt", weights_only=True)
     assert any(n.endswith(".head.weight") for n in last["model"]), set(last["model"])  # split by vocabulary
     assert "0.embed.weight" in split
-    assert split and {n.rsplit(".", 2)[1] for n in split} - {"head", "embed"} == planned, split
+    owners = {n.rsplit(".", 2)[1] if n.endswith((".weight", ".bias")) else n.rsplit(".", 1)[1] for n in split}
+    assert split and owners - {"head", "embed"} == planned, split  # a linear's name, or a bare parameter's
 
 
 @pytest.mark.parametrize("overrides, words", [
@@ -238,17 +241,17 @@ def test_a_hugging_face_tp_that_cannot_split_its_layers_is_refused_before_any_ac
 
 
 def test_a_family_whose_plan_needs_a_style_raytrain_does_not_apply_is_refused_naming_it():
-    # Granite SWA's attention sinks are split by a style of transformers' own (local_params). (The refusal's
-    # path through prepare is the kv-heads case above: this family cannot be cut, so it trains whole.)
+    # Doge's MLP looks experts up in embedding tables split by a style of transformers' own
+    # (embedding_rowwise). (The refusal's path through prepare is the kv-heads case above.)
     import transformers as T
 
     from raytrain.models.hf_tensor_plan import tp_problem
 
-    config = T.GraniteSWAConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                sliding_window=8)
+    config = T.DogeConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     layer = T.AutoModelForCausalLM.from_config(config).model.layers[0]
-    assert "its plan splits self_attn as 'local_params', and raytrain applies only" in tp_problem(config, layer, 2)
+    assert "its plan splits mlp.down_embed as 'embedding_rowwise', and raytrain applies only" in tp_problem(config,
+                                                                                                           layer, 2)
 
 
 def test_a_family_without_a_tensor_parallel_plan_is_refused(tmp_path):

@@ -164,6 +164,7 @@ def find_parts(model: nn.Module) -> DecoderParts:
     embed = base.get_input_embeddings()
     plan = list(getattr(base.config, "base_model_pp_plan", None) or {})
     found = _roles_by_plan(base, embed, plan) if plan else _roles_by_structure(base, embed)
+    found["rotary"] = _rotaries_in_use(base, found["rotary"])
     if extra or found["other"] or len(found["layers"]) != 1 or len(found["norm"]) != 1 or \
             len(found["rotary"]) > 1 or len(found["position"]) > 1 or len(found["dropout"]) > 1:
         how = f"base_model_pp_plan {plan}" if plan else "structure"
@@ -207,14 +208,36 @@ def _roles_by_plan(base: nn.Module, embed: nn.Module, plan: list[str]) -> dict[s
     return found
 
 
+def _rotaries_in_use(base: nn.Module, names: list[str]) -> list[str]:
+    """Of the rotary embeddings found, the one the layers use: a list of rotaries, one per base theta
+    that the config's ``layer_rope_theta`` picks from for each layer, takes the place of a single rotary
+    beside it, which the family's forward leaves unused (Granite SWA's ``rotary_embs``)."""
+    per_theta = [n for n in names if isinstance(getattr(base, n), nn.ModuleList)]
+    if len(per_theta) == 1 and getattr(base.config, "layer_rope_theta", None):
+        return per_theta
+    return names
+
+
+def layer_rotary(rotary: Optional[nn.Module], config, index: int) -> Optional[nn.Module]:
+    """The rotary embedding of decoder layer ``index``: the model's one, or, from a list of them, the one
+    of the layer's base theta (``layer_rope_theta``; 0: none, the layer has no rotary)."""
+    if not isinstance(rotary, nn.ModuleList):
+        return rotary
+    theta = config.layer_rope_theta[index]
+    if not theta:
+        return None
+    return next(r for r in rotary if r.config.rope_parameters["rope_theta"] == theta)
+
+
 def _has_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
 def _role(child: nn.Module, config) -> str:
     kind = type(child).__name__
-    if isinstance(child, nn.ModuleList):
-        return "layers"
+    if isinstance(child, nn.ModuleList):  # the decoder layers, or one rotary per base theta
+        rotaries = len(child) and all(type(c).__name__.endswith("RotaryEmbedding") for c in child)
+        return "rotary" if rotaries else "layers"
     if kind.endswith("RotaryEmbedding"):
         return "rotary"
     if type(child) is nn.Embedding and child.num_embeddings == getattr(config, "max_position_embeddings", None):
@@ -234,15 +257,19 @@ def positions(x: torch.Tensor) -> torch.Tensor:
 class HFEmbedding(nn.Module):
     """Token ids -> hidden states: the input embedding, plus learned positions where the model has them."""
 
-    def __init__(self, parts: DecoderParts):
+    def __init__(self, parts: DecoderParts, config):
         super().__init__()
         self.embed, self.position, self.dropout = parts.embed, parts.position, parts.dropout
         tied = getattr(parts.head, "weight", None) is getattr(parts.embed, "weight", False)
         self.tp_plan = {} if tied or not isinstance(parts.embed, nn.Embedding) else {"embed": ("vocab_embedding", 1)}
         """Under parallel.tp the token table is split by vocabulary, unless the head shares it."""
+        self.multiplier = getattr(config.get_text_config(), "embedding_multiplier", 1.0)
+        """Granite's families scale the embedded tokens."""
 
     def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
         h_BTD = self.embed(ids_BT)
+        if self.multiplier != 1.0:
+            h_BTD = h_BTD * self.multiplier
         if self.position is not None:
             h_BTD = h_BTD + self.position(positions(ids_BT))
         return self.dropout(h_BTD) if self.dropout is not None else h_BTD
@@ -291,14 +318,17 @@ class HFHead(nn.Module):
     vocabulary and the loss computed on the split logits (raytrain.models.tensor_plan), unless it is tied
     to the input embedding (both then stay whole on every rank)."""
 
-    def __init__(self, parts: DecoderParts):
+    def __init__(self, parts: DecoderParts, config):
         super().__init__()
         self.norm, self.head = parts.norm, parts.head
         tied = getattr(parts.head, "weight", None) is getattr(parts.embed, "weight", False)
         self.tp_plan = {} if tied or not isinstance(parts.head, nn.Linear) else {"head": ("vocab_parallel", 1)}
+        self.logits_scaling = getattr(config.get_text_config(), "logits_scaling", 1.0)
+        """Granite's families divide the logits by it."""
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(h_BTD))
+        logits = self.head(self.norm(h_BTD))
+        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
 
 
 class WholeModel(nn.Module):
@@ -315,8 +345,9 @@ class WholeModel(nn.Module):
 def cut_layers(model: nn.Module) -> list[nn.Module]:
     """The model as pipeline layers (sharing the model's own modules, so its names stay reachable)."""
     parts = find_parts(model)
-    decoders = [HFDecoderLayer(layer, parts.rotary, model.config, i) for i, layer in enumerate(parts.layers)]
-    return [HFEmbedding(parts), *decoders, HFHead(parts)]
+    decoders = [HFDecoderLayer(layer, layer_rotary(parts.rotary, model.config, i), model.config, i)
+                for i, layer in enumerate(parts.layers)]
+    return [HFEmbedding(parts, model.config), *decoders, HFHead(parts, model.config)]
 
 
 def layers_of(model: nn.Module, cut: str) -> list[nn.Module]:

@@ -3,8 +3,10 @@
 transformers declares per family which projections of a decoder layer split by columns or by rows
 (``"layers.*.self_attn.q_proj": "colwise"``). raytrain maps the plain styles, the gathered ones
 (``colwise_gather_output``, ``rowwise_split_input``: OLMo 2, Phi-3) and ``replicated_with_grad_allreduce``
-(a per-head norm: Qwen3's, Gemma 3's q_norm and k_norm) and ``mla_kv_a_proj`` (DeepSeek-V2's latent
-attention: ``tail_grad_sum``) onto its own plan (raytrain.models.tensor_plan) for each cut decoder layer. A mixture of experts (Mixtral's
+(a per-head norm: Qwen3's, Gemma 3's q_norm and k_norm), ``mla_kv_a_proj`` (DeepSeek-V2's latent
+attention: ``tail_grad_sum``) and ``colwise`` on a bare parameter with ``local_params`` on its module
+(Granite SWA's attention sinks, one per head: ``param_rows``) onto its own plan
+(raytrain.models.tensor_plan) for each cut decoder layer. A mixture of experts (Mixtral's
 ``moe_tp_experts``) keeps its experts whole on every tp rank, its router too: their input is the same
 on every rank, so are their gradients, and only attention is split. A family whose layers need any
 other style (packed projections outside experts, sequence-parallel layouts) is refused for
@@ -17,7 +19,7 @@ from typing import Optional
 
 from torch import nn
 
-from raytrain.models.tensor_plan import GRAD_SUM, TAIL_GRAD_SUM, Plan
+from raytrain.models.tensor_plan import GRAD_SUM, PARAM_ROWS, TAIL_GRAD_SUM, Plan
 
 LAYER_PREFIX = "layers.*."
 """How a base-model plan names a submodule of every decoder layer."""
@@ -25,6 +27,9 @@ STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "
           "rowwise_split_input": "rowwise_split_input", "replicated_with_grad_allreduce": GRAD_SUM,
           "mla_kv_a_proj": TAIL_GRAD_SUM}
 """transformers' style -> raytrain's, for the styles raytrain applies."""
+LOCAL_PARAMS = "local_params"
+"""transformers' style for a module that reads a split bare parameter of its own (attention sinks) with
+local tensors: raytrain's split linears return local tensors already, so it needs nothing more."""
 EXPERTS = "moe_tp_experts"
 """transformers' style for a module of experts: raytrain keeps it, and the entries under it, whole."""
 
@@ -44,8 +49,12 @@ def decoder_layer_plan(config, decoder_layer: Optional[nn.Module] = None) -> Pla
     the styles it applies, one part each (transformers' plain styles split unfused projections), for
     the submodules ``decoder_layer`` has when given (a plan names optional ones: DeepSeek-V2's q_proj
     or q_b_proj, by q_lora_rank)."""
-    return {f"layer.{name}": (STYLES[style], _second_field(config, style)) for name, style in declared_plan(config).items()
+    plan = {f"layer.{name}": (STYLES[style], _second_field(config, style)) for name, style in declared_plan(config).items()
             if style in STYLES and (decoder_layer is None or _submodule(decoder_layer, name) is not None)}
+    if decoder_layer is not None:  # a bare parameter split by heads (colwise in transformers' plan): param_rows
+        plan.update({f"layer.{name}": (PARAM_ROWS, 1) for name, style in declared_plan(config).items()
+                     if style == "colwise" and _parameter(decoder_layer, name) is not None})
+    return plan
 
 
 def _second_field(config, style: str) -> int:
@@ -60,20 +69,31 @@ def _submodule(module: nn.Module, name: str) -> Optional[nn.Module]:
         return None
 
 
+def _parameter(module: nn.Module, name: str) -> Optional[nn.Parameter]:
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return None
+
+
 def tp_problem(config, decoder_layer: nn.Module, tp: int) -> Optional[str]:
     """Why ``tp`` ranks cannot split this family's decoder layers (None when they can)."""
     declared = declared_plan(config)
     if not declared:
         return "its config declares no tensor-parallel plan for its decoder layers (base_model_tp_plan)"
     for name, style in declared.items():
+        if style == LOCAL_PARAMS:
+            continue
         if style not in STYLES:
             return (f"its plan splits {name} as {style!r}, and raytrain applies only "
                     f"{', '.join(map(repr, STYLES))}")
         if STYLES[style] == TAIL_GRAD_SUM and not _second_field(config, style):
             return f"its plan splits {name} as {style!r}, which needs the config's qk_rope_head_dim"
-        module = _submodule(decoder_layer, name)
+        module, param = _submodule(decoder_layer, name), _parameter(decoder_layer, name)
+        if param is not None and style == "colwise" and param.shape[0] % tp:
+            return f"parallel.tp={tp} does not divide the {param.shape[0]} rows of its {name} (one per head)"
         if module is None or STYLES[style] == GRAD_SUM:
-            continue  # a submodule this configuration leaves out; a whole one needs no linear
+            continue  # a submodule this configuration leaves out, a bare parameter, or a whole one: no linear
         if not isinstance(module, nn.Linear):
             return f"its plan names {name}, which is not a linear layer in this model"
     text = config.get_text_config()

@@ -13,6 +13,9 @@ last n of its output features (the entry's second field, not a count of parts): 
 attention projects the keys' rotary part once for every head (``kv_a_proj_with_mqa``), so each rank's
 heads give a part of that slice's gradient, while the rest of its output feeds a colwise linear whose
 input gradient is already whole (transformers' ``mla_kv_a_proj``).
+``param_rows`` names a bare parameter, not a module, and splits it by its dim 0 as ``colwise`` splits a
+weight: attention sinks (one learnt logit per head: Granite SWA's ``sinks``) go with their rank's heads,
+and the module that reads them sees its rank's rows, as it sees its rank's heads.
 ``colwise_gather_output`` and ``rowwise_split_input`` split a linear as ``colwise`` and ``rowwise`` do,
 but the first gathers its output whole on every rank and the second takes a whole input and splits it
 (transformers' styles of the same names): for a layer whose code between them needs whole activations
@@ -62,10 +65,12 @@ ROWWISE_STYLES = ("rowwise", "rowwise_split_input")
 """Split by input features (a weight's dim 1; the bias whole)."""
 GRAD_SUM = "replicated_grad_sum"
 TAIL_GRAD_SUM = "tail_grad_sum"
+PARAM_ROWS = "param_rows"
+"""A bare parameter (the entry names it, not a module) split by its dim 0: one value per head."""
 SEQUENCE_STYLES = ("sequence_parallel", "sequence_scatter", "sequence_gather")
 """Whole on every rank, between split layers: a norm run on the rank's tokens, a layer (``""``) whose
 output each rank keeps only its tokens of, a module whose input is gathered from every rank's tokens."""
-STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, VOCAB_EMBEDDING, GRAD_SUM, TAIL_GRAD_SUM, *SEQUENCE_STYLES)
+STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, VOCAB_EMBEDDING, GRAD_SUM, TAIL_GRAD_SUM, PARAM_ROWS, *SEQUENCE_STYLES)
 BY_VOCABULARY = (VOCAB_PARALLEL, VOCAB_EMBEDDING)
 """Preferences, not requirements: a table or head whose vocabulary tp does not divide stays whole."""
 
@@ -154,6 +159,8 @@ def _entry_problem(layer: nn.Module, where: str, name: str, entry, tp: int, shar
     if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0] in STYLES
             and isinstance(entry[1], int) and entry[1] >= 1):
         return f"{where} is {entry!r}; give (one of {' | '.join(map(repr, STYLES))}, fused parts >= 1)"
+    if entry[0] == PARAM_ROWS:
+        return _param_rows_problem(layer, where, name, entry[1], tp)
     try:
         module = layer.get_submodule(name)
     except AttributeError:
@@ -180,9 +187,22 @@ def _entry_problem(layer: nn.Module, where: str, name: str, entry, tp: int, shar
     return None
 
 
+def _param_rows_problem(layer: nn.Module, where: str, name: str, parts: int, tp: int) -> Optional[str]:
+    try:
+        param = layer.get_parameter(name)
+    except AttributeError:
+        return f"{where} names no parameter of that layer (param_rows names one, e.g. 'self_attn.sinks')"
+    rows = param.shape[0] if param.dim() else 0
+    if not rows or rows % (parts * tp):
+        return f"{where}: {name} has {rows} rows, which do not split into {parts} part(s) of tp={tp} slices"
+    return None
+
+
 def split_of(plan: Plan, param_name: str) -> Optional[tuple[str, int, int]]:
     """(style, parts, dim) by which parameter ``param_name`` (its name within the layer) is split, or None
-    when it is replicated (no plan names its submodule, or it is a rowwise bias)."""
+    when it is replicated (no plan names it or its submodule, or it is a rowwise bias)."""
+    if plan.get(param_name, ("",))[0] == PARAM_ROWS:
+        return PARAM_ROWS, plan[param_name][1], 0
     module, _, leaf = param_name.rpartition(".")
     if module not in plan:
         return None

@@ -42,7 +42,7 @@ from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed
-from raytrain.models.tensor_plan import (TAIL_GRAD_SUM, VOCAB_EMBEDDING, VOCAB_PARALLEL, Box, layer_plan,
+from raytrain.models.tensor_plan import (PARAM_ROWS, TAIL_GRAD_SUM, VOCAB_EMBEDDING, VOCAB_PARALLEL, Box, layer_plan,
                                          sequence_parallel)
 from raytrain.worker.executor import cut_into_chunks
 from raytrain.worker.groups import Groups
@@ -96,7 +96,19 @@ def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh, sequence: b
         for name, (style, features) in plan.items():
             if style == TAIL_GRAD_SUM:
                 layer.get_submodule(name).register_forward_hook(_tail_grad_sum(features, tp_mesh.get_group()))
+            if style == PARAM_ROWS:
+                _keep_rows(layer, name, tp_mesh.size())
     return layers
+
+
+def _keep_rows(layer: nn.Module, name: str, tp: int) -> None:
+    """Make the (meta) parameter ``name`` of ``layer`` a plain one of 1/tp of its rows: the rank's part, which
+    its module reads as it reads its rank's heads (param_rows). Not a DTensor: the module mixes it with
+    the local tensors its split linears return; its gradient is the rank's own."""
+    owner, _, leaf = name.rpartition(".")
+    module = layer.get_submodule(owner)
+    whole = getattr(module, leaf)
+    module.register_parameter(leaf, nn.Parameter(whole.new_empty((whole.shape[0] // tp, *whole.shape[1:]))))
 
 
 def _tail_grad_sum(features: int, group: dist.ProcessGroup):
