@@ -49,6 +49,11 @@ def hf_config(family: str, tied: bool = False, layers: int = 2):
         # base theta (the second layer none), Granite's scaled embedding and logits
         return T.GraniteSWAConfig(**common, sliding_window=8, bos_token_id=0, eos_token_id=0, embedding_multiplier=2.0,
                                   logits_scaling=3.0, layer_rope_theta=[10000.0, 0.0][:layers] + [500.0] * (layers - 2))
+    if family == "granitemoe_swa":  # Granite SWA's sinks and rotaries with a mixture of experts (kept whole)
+        return T.GraniteMoeSWAConfig(**common, sliding_window=8, num_local_experts=4, bos_token_id=0, eos_token_id=0)
+    if family == "mimo_v2_flash":  # sinks, a dense first MLP then experts, wider q/k heads than v
+        return T.MiMoV2FlashConfig(**common, sliding_window=8, head_dim=8, v_head_dim=4, moe_intermediate_size=16,
+                                   n_routed_experts=4, num_experts_per_tok=2)
     return {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config}[family](**common)
 
 

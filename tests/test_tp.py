@@ -197,9 +197,12 @@ built-in GPT are held to 1e-5."""
     ("deepseek_v2", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.split_backward=true")),
     # attention sinks split with their heads (param_rows); a rotary per base theta
     ("granite_swa", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),
+    ("granitemoe_swa", ("parallel.tp=2",)),
+    ("mimo_v2_flash", ("parallel.tp=2",)),
 ], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-fsdp2-tp2", "llama-dp2-tp2", "llama-tp2-pp2-split", "qwen2-tp2", "qwen3-tp2-clipped",
         "qwen3-fsdp2-tp2", "gemma3-tp2-pp2", "mixtral-tp2", "gpt_neox-tp2", "phi-fsdp2-tp2", "olmo2-tp2-clipped",
-        "phi3-tp2-pp2", "deepseek_v2-tp2-pp2-split", "granite_swa-tp2-pp2"])
+        "phi3-tp2-pp2", "deepseek_v2-tp2-pp2-split", "granite_swa-tp2-pp2", "granitemoe_swa-tp2",
+        "mimo_v2_flash-tp2"])
 def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_process(make_config, tmp_path, family,
                                                                                   layout):
     # the family's base_model_tp_plan (q/k/v, gate/up colwise; o/down rowwise) on each decoder layer, and
@@ -215,8 +218,8 @@ def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_proce
     from raytrain.models.hf_model import find_parts
 
     config = hf_config(family)
-    one_layer = find_parts(transformers.AutoModelForCausalLM.from_config(config)).layers[0]  # q_b_proj is optional
-    planned = {name.rsplit(".", 1)[1] for name, (style, _) in decoder_layer_plan(config, one_layer).items()
+    layers = find_parts(transformers.AutoModelForCausalLM.from_config(config)).layers  # q_b_proj, sinks optional
+    planned = {name.rsplit(".", 1)[1] for layer in layers for name, (style, _) in decoder_layer_plan(config, layer).items()
                if style not in (GRAD_SUM, TAIL_GRAD_SUM)}  # whole on each rank: rank 0 writes them
     last = torch.load(tmp_path / "run" / f"stage{cfg.parallel.pp - 1}-0-1.pt", weights_only=True)
     assert any(n.endswith(".head.weight") for n in last["model"]), set(last["model"])  # split by vocabulary

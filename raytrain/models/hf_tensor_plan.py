@@ -5,8 +5,8 @@ transformers declares per family which projections of a decoder layer split by c
 (``colwise_gather_output``, ``rowwise_split_input``: OLMo 2, Phi-3) and ``replicated_with_grad_allreduce``
 (a per-head norm: Qwen3's, Gemma 3's q_norm and k_norm), ``mla_kv_a_proj`` (DeepSeek-V2's latent
 attention: ``tail_grad_sum``) and ``colwise`` on a bare parameter with ``local_params`` on its module
-(Granite SWA's attention sinks, one per head: ``param_rows``) onto its own plan
-(raytrain.models.tensor_plan) for each cut decoder layer. A mixture of experts (Mixtral's
+(the attention sinks of Granite SWA, its MoE and MiMo-V2-Flash, one per head: ``param_rows``) onto
+its own plan (raytrain.models.tensor_plan) for each cut decoder layer. A mixture of experts (Mixtral's
 ``moe_tp_experts``) keeps its experts whole on every tp rank, its router too: their input is the same
 on every rank, so are their gradients, and only attention is split. A family whose layers need any
 other style (packed projections outside experts, sequence-parallel layouts) is refused for
