@@ -100,7 +100,9 @@ def raytrain_recovery(name: str, extra: list[str], workdir: str, sig: int = sign
                 "layout_after": f"{how}; first step without it {drain['notice_to_step_s']:.2f} s after the notice "
                                 f"(boundary at {drain['notice_to_boundary_s']:.2f} s)"}
     repair = next(e for e in result.events if e["event"] == "repair")
-    next_commit = min(r["time"] for r in result.metrics if r.get("time", 0) > repair["detected_at"])
+    # the first step run after the repair (a step rolled forward commits during it, run before the fault)
+    next_commit = min(r["time"] for r in result.metrics
+                      if r.get("time", 0) > repair["detected_at"] and not r.get("rolled_forward"))
     return {**common, "detect_s": repair["detected_at"] - state["killed_at"], "repair_s": repair["repair_s"],
             "kill_to_commit_s": next_commit - state["killed_at"], "layout_after": repair["new_layout"]}
 

@@ -383,3 +383,17 @@ def test_when_the_last_worker_is_told_to_leave_the_replacements_still_starting_a
                                             "elastic.faults=['1:0@2:sigterm', '0:0@3:sigterm']", group=group)
     assert summary.stopped == "SIGTERM" and "checkpoint and stop" in events(rows, "drain")[0]["reason"]
     assert (group.elsewhere, group.cancelled) == (1, 1)
+
+
+def test_a_worker_told_to_leave_whose_replica_breaks_meanwhile_is_let_go_as_a_spare(tmp_path):
+    # dp=2 x pp=2: replica 1's stage 0 is told in step 2 (its replacement starts), its stage 1 dies in
+    # step 4 and no worker can start: the replica breaks and the told worker waits as a spare; it is let
+    # go then (no boundary is left to make for it), and dp=1 goes on to the end with every step once
+    group = FakeWorkerGroup(2, initial=4, capacity=0)
+    coordinator, group, summary, rows = run(tmp_path, "train.steps=10", "elastic.min_dp=1",
+                                            "elastic.faults=['1:0@2:sigterm', '1:1@4:backward']",
+                                            dp=2, pp=2, group=group)
+    told = next(w for w in group.workers[:4] if w.draining is not None)
+    assert not told.alive and events(rows, "drain") == [] and len(events(rows, "repair")) == 1
+    assert summary.committed_steps == list(range(10))
+    assert_every_live_worker_applied_each_step_once(coordinator, 10)

@@ -96,6 +96,7 @@ class Drains:
         starting (its start failed: cancelled), every member of the run is leaving, every replacement is
         up, or a deadline is nearer than DEADLINE_MARGIN_STEPS steps of ``step_s`` and DEADLINE_MARGIN_S
         (deadlines are the workers' clocks: the margin also covers their skew from this one)."""
+        self._forget_those_out_of_the_run()
         if not self._noted:
             return False
         for key, replacement in list(self._replacements.items()):
@@ -109,6 +110,19 @@ class Drains:
         now, margin = time.time(), DEADLINE_MARGIN_STEPS * step_s + DEADLINE_MARGIN_S
         return any(notice.deadline - now < margin for _, notice in self._noted.values())
 
+    def _forget_those_out_of_the_run(self) -> None:
+        """A noted member no longer in the generation (its replica broke under another loss: it waits as a
+        spare) is let go now, before a re-form could take it back; its replacement stays as a spare."""
+        members, team = {id(m) for m in self.crew.team.members()}, self.crew.team
+        for key, (m, _) in list(self._noted.items()):
+            if key not in members:
+                del self._noted[key]
+                self._replacements.pop(key, None)
+                if any(s is m for s in team.spares):
+                    self.crew.group.kill(m)
+                    team.drop_dead([m])
+        self._voted = self._voted and bool(self._noted)
+
     def needing_replacement(self, leaving: list[Member]) -> list[Member]:
         """The members of ``leaving`` (or lost) whose replacement started at their notice is not up: it
         is cancelled, and they need one on their own bundle (which the cluster keeps for them, unlike
@@ -116,6 +130,7 @@ class Drains:
         needing = []
         for m in leaving:
             self._noted.pop(id(m), None)
+            self._voted = self._voted and bool(self._noted)
             replacement = self._replacements.pop(id(m), None)
             if replacement is None or not self.crew.replacement_up(replacement):
                 if replacement is not None:

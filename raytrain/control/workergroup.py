@@ -5,6 +5,8 @@ place (tests/helpers.py), so the coordinator's decisions are tested in milliseco
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import os
 import re
 import signal
@@ -34,6 +36,7 @@ class RayWorkerGroup(WorkerGroup):
         self.worker_cls = ray.remote(worker_cls) if not hasattr(worker_cls, "remote") else worker_cls
         self.options, self.args_for_slot = options, args_for_slot
         self.placement_prefix = placement_prefix
+        self._placement_numbers = itertools.count()  # never reused: Ray refuses a second live group of a name
         self.own_placements: list = []
         """Placement groups of spawn_elsewhere's workers, removed by close (a placement group lives as
         long as the job that made it, which outlives the run when the driver embeds it; should this
@@ -50,7 +53,7 @@ class RayWorkerGroup(WorkerGroup):
         bundle = {"CPU": self.options["num_cpus"]}
         if self.options.get("num_gpus"):
             bundle["GPU"] = self.options["num_gpus"]
-        placement = placement_group([bundle], name=f"{self.placement_prefix}{os.getpid()}-{len(self.own_placements)}")
+        placement = placement_group([bundle], name=f"{self.placement_prefix}{os.getpid()}-{next(self._placement_numbers)}")
         self.own_placements.append(placement)
         return self.spawn(stage, placement, 0, shard=shard, tp=tp)
 
@@ -294,15 +297,19 @@ def killed_by_ray_monitor(message: str) -> OutOfMemory:
 
 def replacement_prefix(cfg) -> str:
     """The start of the names of a run's replacement placement groups (RayWorkerGroup.spawn_elsewhere):
-    its checkpoint.dir, which no two live runs share (raytrain.driver.lease)."""
-    return f"raytrain-replacement {cfg.checkpoint.dir} "
+    a digest of its checkpoint.dir, which no two live runs share (raytrain.driver.lease), and which may
+    be a URI holding credentials, not to be shown in names every user of the cluster can list."""
+    return f"raytrain-replacement-{hashlib.sha1(str(cfg.checkpoint.dir).encode()).hexdigest()[:16]}-"
 
 
 def remove_replacement_placements(prefix: str) -> None:
     """Remove the live placement groups whose names start with ``prefix`` (a lost coordinator's)."""
     for entry in ray.util.placement_group_table().values():
         if entry.get("name", "").startswith(prefix) and entry["state"] != "REMOVED":
-            remove_placement_group(ray.util.get_placement_group(entry["name"]))
+            try:
+                remove_placement_group(ray.util.get_placement_group(entry["name"]))
+            except ValueError:  # removed meanwhile (by its coordinator), or not in this job's namespace
+                continue
 
 
 def worker_error(error: Exception) -> str:

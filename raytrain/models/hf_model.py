@@ -212,10 +212,11 @@ def _rotaries_in_use(base: nn.Module, names: list[str]) -> list[str]:
     """Of the rotary embeddings found, the one the layers use: a list of rotaries, one per base theta
     that the config's ``layer_rope_theta`` picks from for each layer, takes the place of a single rotary
     beside it, which the family's forward leaves unused (Granite SWA's ``rotary_embs``)."""
+    thetas = getattr(base.config.get_text_config(), "layer_rope_theta", None)
+    if thetas and not any(thetas):
+        return []  # no layer has a rotary (its list of them is empty, and the single one unused)
     per_theta = [n for n in names if isinstance(getattr(base, n), nn.ModuleList)]
-    if len(per_theta) == 1 and getattr(base.config, "layer_rope_theta", None):
-        return per_theta
-    return names
+    return per_theta if len(per_theta) == 1 and thetas else names
 
 
 def layer_rotary(rotary: Optional[nn.Module], config, index: int) -> Optional[nn.Module]:
@@ -223,10 +224,13 @@ def layer_rotary(rotary: Optional[nn.Module], config, index: int) -> Optional[nn
     of the layer's base theta (``layer_rope_theta``; 0: none, the layer has no rotary)."""
     if not isinstance(rotary, nn.ModuleList):
         return rotary
-    theta = config.layer_rope_theta[index]
+    theta = config.get_text_config().layer_rope_theta[index]
     if not theta:
         return None
-    return next(r for r in rotary if r.config.rope_parameters["rope_theta"] == theta)
+    found = next((r for r in rotary if r.config.rope_parameters["rope_theta"] == theta), None)
+    if found is None:
+        raise UncuttableModel(f"decoder layer {index}'s rope theta {theta} has no rotary embedding of its own")
+    return found
 
 
 def _has_state(module: nn.Module) -> bool:
@@ -263,7 +267,7 @@ class HFEmbedding(nn.Module):
         tied = getattr(parts.head, "weight", None) is getattr(parts.embed, "weight", False)
         self.tp_plan = {} if tied or not isinstance(parts.embed, nn.Embedding) else {"embed": ("vocab_embedding", 1)}
         """Under parallel.tp the token table is split by vocabulary, unless the head shares it."""
-        self.multiplier = getattr(config.get_text_config(), "embedding_multiplier", 1.0)
+        self.multiplier = _granite(config, "embedding_multiplier")
         """Granite's families scale the embedded tokens."""
 
     def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
@@ -323,12 +327,20 @@ class HFHead(nn.Module):
         self.norm, self.head = parts.norm, parts.head
         tied = getattr(parts.head, "weight", None) is getattr(parts.embed, "weight", False)
         self.tp_plan = {} if tied or not isinstance(parts.head, nn.Linear) else {"head": ("vocab_parallel", 1)}
-        self.logits_scaling = getattr(config.get_text_config(), "logits_scaling", 1.0)
+        self.logits_scaling = _granite(config, "logits_scaling")
         """Granite's families divide the logits by it."""
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.norm(h_BTD))
         return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
+
+
+def _granite(config, key: str) -> float:
+    """A scale of Granite's families (1 for any other: the same keys mean other things elsewhere, and
+    model.hf_cut=auto finds a cut that misses them)."""
+    text = config.get_text_config()
+    value = getattr(text, key, None) if str(getattr(text, "model_type", "")).startswith("granite") else None
+    return 1.0 if value is None else float(value)
 
 
 class WholeModel(nn.Module):
