@@ -96,6 +96,8 @@ class Drains:
         starting (its start failed: cancelled), every member of the run is leaving, every replacement is
         up, or a deadline is nearer than DEADLINE_MARGIN_STEPS steps of ``step_s`` and DEADLINE_MARGIN_S
         (deadlines are the workers' clocks: the margin also covers their skew from this one)."""
+        if not self._noted:  # the common case, twice a step: nothing more to look at
+            return False
         self._forget_those_out_of_the_run()
         if not self._noted:
             return False
