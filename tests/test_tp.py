@@ -14,7 +14,8 @@ from raytrain.testing.reference import reference_eval_loss, train_reference
 from tests.forked_stages import run_stages
 from tests.helpers import LONG_RUN_LR, assert_same_params, reference_state, relative_error
 from raytrain.models.hf_tensor_plan import decoder_layer_plan
-from raytrain.models.tensor_plan import GRAD_SUM, TAIL_GRAD_SUM
+from raytrain.models.tensor_plan import GRAD_SUM, SEQUENCE_STYLES, TAIL_GRAD_SUM
+from raytrain.models.hf_model import find_parts
 from tests.hf_models import assert_same_hf_params, hf_config, write_hf_model
 
 TP = "resources.placement_strategy=STRICT_PACK"
@@ -180,6 +181,15 @@ built-in GPT are held to 1e-5."""
 @pytest.mark.parametrize("family, layout", [
     ("llama", ("parallel.tp=2", "train.grad_clip=0.05")),
     ("llama", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),
+    # sequence parallelism: norms and residuals on each rank's tokens, attention and MLP gathering them
+    ("llama", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", SP, "train.grad_clip=0.05")),
+    ("gemma3", ("parallel.tp=2", SP)),  # four norms per layer, a sliding window
+    ("mixtral", ("parallel.tp=2", SP)),  # whole experts: a region run on every token, its output cut
+    ("gpt_neox", ("parallel.tp=2", SP)),  # parallel residual
+    ("olmo2", ("parallel.fsdp=2", "parallel.tp=2", SP)),  # gathered q/k/v inside the region
+    ("phi3", ("parallel.tp=2", SP)),  # rowwise_split_input reduce-scattering
+    ("deepseek_v2", ("parallel.tp=2", SP)),
+    ("qwen3", ("parallel.tp=2", SP, "train.activation_checkpointing=true")),  # its hooks run again in recompute
     ("llama", ("parallel.fsdp=2", "parallel.tp=2")),
     ("llama", ("parallel.dp=2", "parallel.tp=2")),
     ("llama", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.split_backward=true")),
@@ -199,7 +209,8 @@ built-in GPT are held to 1e-5."""
     ("granite_swa", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),
     ("granitemoe_swa", ("parallel.tp=2",)),
     ("mimo_v2_flash", ("parallel.tp=2",)),
-], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-fsdp2-tp2", "llama-dp2-tp2", "llama-tp2-pp2-split", "qwen2-tp2", "qwen3-tp2-clipped",
+], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-tp2-pp2-sp-clipped", "gemma3-tp2-sp", "mixtral-tp2-sp", "gpt_neox-tp2-sp",
+        "olmo2-fsdp2-tp2-sp", "phi3-tp2-sp", "deepseek_v2-tp2-sp", "qwen3-tp2-sp-recompute", "llama-fsdp2-tp2", "llama-dp2-tp2", "llama-tp2-pp2-split", "qwen2-tp2", "qwen3-tp2-clipped",
         "qwen3-fsdp2-tp2", "gemma3-tp2-pp2", "mixtral-tp2", "gpt_neox-tp2", "phi-fsdp2-tp2", "olmo2-tp2-clipped",
         "phi3-tp2-pp2", "deepseek_v2-tp2-pp2-split", "granite_swa-tp2-pp2", "granitemoe_swa-tp2",
         "mimo_v2_flash-tp2"])
@@ -215,17 +226,19 @@ def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_proce
     split = set(files[1]["model"])
     import transformers
 
-    from raytrain.models.hf_model import find_parts
-
     config = hf_config(family)
     layers = find_parts(transformers.AutoModelForCausalLM.from_config(config)).layers  # q_b_proj, sinks optional
     planned = {name.rsplit(".", 1)[1] for layer in layers for name, (style, _) in decoder_layer_plan(config, layer).items()
-               if style not in (GRAD_SUM, TAIL_GRAD_SUM)}  # whole on each rank: rank 0 writes them
+               if style not in (GRAD_SUM, TAIL_GRAD_SUM, *SEQUENCE_STYLES)}  # whole on each rank: rank 0 writes them
     last = torch.load(tmp_path / "run" / f"stage{cfg.parallel.pp - 1}-0-1.pt", weights_only=True)
     assert any(n.endswith(".head.weight") for n in last["model"]), set(last["model"])  # split by vocabulary
     assert "0.embed.weight" in split
     owners = {n.rsplit(".", 2)[1] if n.endswith((".weight", ".bias")) else n.rsplit(".", 1)[1] for n in split}
     assert split and owners - {"head", "embed"} == planned, split  # a linear's name, or a bare parameter's
+    # with sequence parallelism a stage hands on its tp rank's half of the tokens
+    tails = [t for s in range(cfg.parallel.pp) for t in json.loads((tmp_path / "run" / f"stage{s}-0-1.json").read_text())["input_tails"]]
+    tokens = 16 // 2 if cfg.parallel.sequence_parallel else 16
+    assert [t[0] for t in tails if t is not None] == [tokens] * (cfg.parallel.pp - 1), tails
 
 
 @pytest.mark.parametrize("overrides, words", [
@@ -257,6 +270,24 @@ def test_a_family_whose_plan_needs_a_style_raytrain_does_not_apply_is_refused_na
                                                                                                            layer, 2)
 
 
+def test_sequence_parallelism_runs_a_decoder_layers_norms_on_each_ranks_tokens_and_its_other_children_whole():
+    import transformers as T
+
+    from raytrain.models.hf_tensor_plan import sequence_plan, sequence_problem
+
+    config = hf_config("deepseek_v2")
+    config.first_k_dense_replace = 1  # a dense first layer, then a mixture of experts
+    layers = find_parts(T.AutoModelForCausalLM.from_config(config)).layers
+    dense, moe = (sequence_plan(config, layer) for layer in layers)
+    assert dense == {"layer.input_layernorm": ("sequence_parallel", 1), "layer.self_attn": ("sequence_region", 1),
+                     "layer.post_attention_layernorm": ("sequence_parallel", 1), "layer.mlp": ("sequence_region", 1)}
+    # its shared experts' rowwise output meets the routed experts' whole one: it stays whole, then is cut
+    assert moe["layer.mlp"] == ("sequence_region_whole_output", 1) and moe["layer.self_attn"] == dense["layer.self_attn"]
+    assert sequence_problem(layers[0]) is None
+    layers[0].register_parameter("scale", torch.nn.Parameter(torch.ones(32)))
+    assert "holds a parameter of its own (scale)" in sequence_problem(layers[0])
+
+
 def test_a_family_without_a_tensor_parallel_plan_is_refused(tmp_path):
     from raytrain.config import load_config
     from raytrain.driver.plan import prepare
@@ -275,7 +306,8 @@ def test_a_tied_llama_at_tp2_on_actors_exports_and_resumes_as_one_worker(ray_ses
 
     path = write_hf_model(tmp_path / "source", "llama", tied=True)
     base = (f"model.hf={path}", LONG_RUN_LR)
-    cfg = make_config(*base, "parallel.tp=2", TP, "train.steps=3", f"checkpoint.dir={tmp_path / 'ckpts'}")
+    # with sequence parallelism: the tied head, whole, gathers every rank's tokens
+    cfg = make_config(*base, "parallel.tp=2", SP, TP, "train.steps=3", f"checkpoint.dir={tmp_path / 'ckpts'}")
     first = train(cfg)
     assert [r["layout"] for r in first.metrics] == ["dp=1 tp=2 pp=1"] * 3
     shard = torch.load(os.path.join(first.checkpoint, "stage-0-shard-1.pt"), weights_only=True)

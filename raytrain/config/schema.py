@@ -515,18 +515,15 @@ class Config:
         tp, m, sequence = self.parallel.tp, self.model, self.parallel.sequence_parallel
         require(not sequence or tp > 1, "parallel.sequence_parallel", True,
                 "it splits the tokens between tp ranks: set parallel.tp > 1, or leave it false")
-        require(not (sequence and m.hf is not None), "parallel.sequence_parallel", True,
-                "a Hugging Face decoder layer builds its mask and rotary from every token, so only the built-in "
-                "GPT and a model.factory's layers with sequence_* plan entries split them; leave it false")
         if tp == 1:
             return
         if m.hf is None and m.factory is None:  # the others' plans are checked when the driver builds them
             require(m.n_head % tp == 0, "parallel.tp", tp,
                     f"does not divide model.n_head={m.n_head} (each tp rank runs n_head / tp heads; model.d_model "
                     f"and the MLP width 4 x d_model then divide too); use a divisor of {m.n_head}")
-            require(not sequence or m.seq_len % tp == 0, "parallel.tp", tp,
-                    f"does not divide model.seq_len={m.seq_len}: with parallel.sequence_parallel each tp rank holds "
-                    "seq_len / tp of every sample's tokens; use a tp that divides it, or sequence_parallel=false")
+        require(not sequence or m.seq_len % tp == 0, "parallel.tp", tp,
+                f"does not divide model.seq_len={m.seq_len}: with parallel.sequence_parallel each tp rank holds "
+                "seq_len / tp of every sample's tokens; use a tp that divides it, or sequence_parallel=false")
         require(self.resources.placement_strategy == "STRICT_PACK", "resources.placement_strategy",
                 self.resources.placement_strategy, f"parallel.tp={tp} needs its workers on one node (a tp group "
                 "talks on every layer); set resources.placement_strategy=STRICT_PACK")

@@ -266,7 +266,9 @@ class HFEmbedding(nn.Module):
         self.embed, self.position, self.dropout = parts.embed, parts.position, parts.dropout
         tied = getattr(parts.head, "weight", None) is getattr(parts.embed, "weight", False)
         self.tp_plan = {} if tied or not isinstance(parts.embed, nn.Embedding) else {"embed": ("vocab_embedding", 1)}
-        """Under parallel.tp the token table is split by vocabulary, unless the head shares it."""
+        self.tp_plan[""] = ("sequence_scatter", 1)
+        """Under parallel.tp the token table is split by vocabulary, unless the head shares it; with
+        parallel.sequence_parallel each rank keeps its tokens of the output."""
         self.multiplier = _granite(config, "embedding_multiplier")
         """Granite's families scale the embedded tokens."""
 
@@ -291,18 +293,23 @@ class HFDecoderLayer(nn.Module):
         self.sliding = self.attention_type == "sliding_attention"
         self.rotary_by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         """Gemma 3's rotary holds one frequency table per layer type, and is told which one a layer uses."""
+        self.tokens_split_by = 1
+        """The tp ranks that hold a part of each sample's tokens each (parallel.sequence_parallel; set by
+        raytrain.worker.tensor_parallel): positions, mask and rotary are those of the whole sequence."""
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
         from transformers import masking_utils
 
-        pos = positions(h_BTD)
+        B, T, D = h_BTD.shape
+        whole_BTD = h_BTD.new_empty(()).expand(B, T * self.tokens_split_by, D)  # its shape: no memory
+        pos = positions(whole_BTD)
         make_mask = masking_utils.create_sliding_window_causal_mask if self.sliding else masking_utils.create_causal_mask
-        mask = make_mask(config=self.config, inputs_embeds=h_BTD, attention_mask=None, past_key_values=None,
+        mask = make_mask(config=self.config, inputs_embeds=whole_BTD, attention_mask=None, past_key_values=None,
                          position_ids=pos)
         extras = {}
         if self.rotary is not None:
             by_type = {"layer_type": self.attention_type} if self.rotary_by_type else {}
-            extras["position_embeddings"] = self.rotary(h_BTD, pos, **by_type)
+            extras["position_embeddings"] = self.rotary(whole_BTD, pos, **by_type)
         out = self.layer(h_BTD, attention_mask=mask, position_ids=pos, use_cache=False, **extras)
         return out[0] if isinstance(out, tuple) else out
 
@@ -320,19 +327,29 @@ def _attention_type(layer: nn.Module, config, index: int) -> str:
 class HFHead(nn.Module):
     """Hidden states -> logits: the final norm and the output head. Under parallel.tp the head is split by
     vocabulary and the loss computed on the split logits (raytrain.models.tensor_plan), unless it is tied
-    to the input embedding (both then stay whole on every rank)."""
+    to the input embedding (both then stay whole on every rank, the head's input gathered from every
+    rank's tokens under parallel.sequence_parallel)."""
 
     def __init__(self, parts: DecoderParts, config):
         super().__init__()
         self.norm, self.head = parts.norm, parts.head
         tied = getattr(parts.head, "weight", None) is getattr(parts.embed, "weight", False)
-        self.tp_plan = {} if tied or not isinstance(parts.head, nn.Linear) else {"head": ("vocab_parallel", 1)}
+        split = not tied and isinstance(parts.head, nn.Linear)
+        self.tp_plan = {"head": ("vocab_parallel", 1) if split else ("sequence_gather", 1)}
+        if _is_whole_norm(parts.norm):  # with parallel.sequence_parallel, run on the rank's tokens
+            self.tp_plan["norm"] = ("sequence_parallel", 1)
         self.logits_scaling = _granite(config, "logits_scaling")
         """Granite's families divide the logits by it."""
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.norm(h_BTD))
         return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
+
+
+def _is_whole_norm(module: Optional[nn.Module]) -> bool:
+    """A norm with parameters of its own and no submodules: one that runs on each rank's tokens."""
+    return (module is not None and "Norm" in type(module).__name__ and not any(True for _ in module.children())
+            and any(True for _ in module.parameters()))
 
 
 def _granite(config, key: str) -> float:

@@ -13,7 +13,7 @@ from raytrain.config import Config
 from raytrain.models.hf_model import (UncuttableModel, WholeModel, causal_attention_problem, cut_layers, describe,
                                load_hf_config, meta_model, not_causal_lm, transformers_module)
 from raytrain.config.layout import Layout
-from raytrain.models.hf_tensor_plan import tp_problem
+from raytrain.models.hf_tensor_plan import sequence_problem, tp_problem
 from raytrain.models.hf_weights import hf_layers, missing_weights, weight_files
 
 VERIFY_MAX_PARAMS = 500_000_000
@@ -106,6 +106,8 @@ def check_tensor_parallel(cfg: Config) -> None:
     config = load_hf_config(m.hf, m.trust_remote_code)
     _, layers = hf_layers(m.hf, "layers", m.trust_remote_code)
     problem = next(filter(None, (tp_problem(config, decoder.layer, tp) for decoder in layers[1:-1])), None)
+    if problem is None and cfg.parallel.sequence_parallel:
+        problem = next(filter(None, (sequence_problem(decoder.layer) for decoder in layers[1:-1])), None)
     if problem is not None:  # every decoder layer: a mixture of experts may follow dense ones (DeepSeek-V2)
         raise ValueError(f"parallel.tp={tp}: model.hf={m.hf!r} ({describe(config)}): {problem}; use parallel.fsdp, "
                          "or a tp that fits")

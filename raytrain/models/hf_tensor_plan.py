@@ -9,8 +9,9 @@ attention: ``tail_grad_sum``) and ``colwise`` on a bare parameter with ``local_p
 its own plan (raytrain.models.tensor_plan) for each cut decoder layer. A mixture of experts (Mixtral's
 ``moe_tp_experts``) keeps its experts whole on every tp rank, its router too: their input is the same
 on every rank, so are their gradients, and only attention is split. A family whose layers need any
-other style (packed projections outside experts, sequence-parallel layouts) is refused for
-parallel.tp, with the style named, before any actor starts.
+other style (packed projections outside experts, embeddings split inside a layer) is refused for
+parallel.tp, with the style named, before any actor starts. No family declares sequence parallelism:
+raytrain's own entries (``sequence_plan``) split the tokens between a layer's submodules.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Optional
 
 from torch import nn
 
-from raytrain.models.tensor_plan import GRAD_SUM, PARAM_ROWS, TAIL_GRAD_SUM, Plan
+from raytrain.models.tensor_plan import GRAD_SUM, PARAM_ROWS, SEQUENCE_REGION, TAIL_GRAD_SUM, WHOLE_OUTPUT_REGION, Plan
 
 LAYER_PREFIX = "layers.*."
 """How a base-model plan names a submodule of every decoder layer."""
@@ -39,9 +40,8 @@ def declared_plan(config) -> dict[str, str]:
     for the experts' (kept whole)."""
     plan = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
     layer = {key[len(LAYER_PREFIX):]: style for key, style in plan.items() if key.startswith(LAYER_PREFIX)}
-    experts = [name for name, style in layer.items() if style == EXPERTS]
     return {name: style for name, style in layer.items()
-            if not any(name == e or name.startswith(f"{e}.") for e in experts)}
+            if not any(name == e or name.startswith(f"{e}.") for e in _experts(config))}
 
 
 def decoder_layer_plan(config, decoder_layer: Optional[nn.Module] = None) -> Plan:
@@ -54,7 +54,46 @@ def decoder_layer_plan(config, decoder_layer: Optional[nn.Module] = None) -> Pla
     if decoder_layer is not None:  # a bare parameter split by heads (colwise in transformers' plan): param_rows
         plan.update({f"layer.{name}": (PARAM_ROWS, 1) for name, style in declared_plan(config).items()
                      if style == "colwise" and _parameter(decoder_layer, name) is not None})
+        plan.update(sequence_plan(config, decoder_layer))
     return plan
+
+
+def sequence_plan(config, decoder_layer: nn.Module) -> Plan:
+    """Sequence parallelism's entries for a decoder layer (kept by layer_plan only with
+    parallel.sequence_parallel): its norms run on the rank's tokens, and every other child with
+    parameters (the attention, the MLP or mixture of experts) is a ``sequence_region``: transformers'
+    attention reads the sequence length off its input, so the region takes every token and hands back
+    the rank's. One holding experts (kept whole) keeps its rowwise linears' outputs whole too, to meet
+    theirs. The residual adds between them run on the rank's tokens."""
+    plan = {}
+    for name, child in decoder_layer.named_children():
+        if not any(True for _ in child.parameters()):
+            continue
+        experts = any(_submodule(decoder_layer, e) is not None for e in _experts(config) if e.startswith(f"{name}."))
+        region = WHOLE_OUTPUT_REGION if experts else SEQUENCE_REGION
+        plan[f"layer.{name}"] = ("sequence_parallel" if _is_norm(child) else region, 1)
+    return plan
+
+
+def _experts(config) -> list[str]:
+    """The family's modules of experts (kept whole), relative to one decoder layer."""
+    plan = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
+    return [key[len(LAYER_PREFIX):] for key, style in plan.items() if key.startswith(LAYER_PREFIX) and style == EXPERTS]
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "Norm" in type(module).__name__ and not any(True for _ in module.children())
+
+
+def sequence_problem(decoder_layer: nn.Module) -> Optional[str]:
+    """Why a decoder layer's tokens cannot be split over the tp ranks between its submodules (None when
+    they can): a parameter of the layer itself would see only the rank's tokens, and raytrain sums the
+    gradients of the norms' parameters alone."""
+    own = next((name for name, _ in decoder_layer.named_parameters(recurse=False)), None)
+    if own is not None:
+        return (f"its decoder layer holds a parameter of its own ({own}) outside its submodules, which "
+                "parallel.sequence_parallel would apply to each rank's tokens alone; leave sequence_parallel false")
+    return None
 
 
 def _second_field(config, style: str) -> int:

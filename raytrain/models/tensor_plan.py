@@ -35,8 +35,14 @@ rank holding seq_len / tp of every sample's. Its ``sequence_parallel`` norms run
 its colwise linears all-gather their input and its rowwise ones reduce-scatter their output (instead of
 all-reducing it), ``sequence_scatter`` (``""``: the layer itself) keeps the rank's tokens of a whole
 output (the embedding's) and ``sequence_gather`` gathers a whole module's input (a head tp cannot split
-by vocabulary). A whole model's layers must agree (the built-in GPT's do), since pipeline stages pass
-the split activations on. Without the setting, ``layer_plan`` leaves the ``sequence_*`` entries out.
+by vocabulary). ``sequence_region`` names a submodule whose code needs every token (a Hugging Face
+attention reads the sequence length off its input): its input is gathered whole, the linears inside it
+split as without the setting, but for its rowwise ones, which reduce-scatter to the rank's tokens, and
+its output, if still whole, is cut to the rank's tokens; in a ``sequence_region_whole_output`` (where
+split linears' outputs meet whole ones: a mixture's shared experts beside its routed experts, kept
+whole) the rowwise linears all-reduce as without the setting, and the whole output is cut. A whole model's layers must agree (the built-in
+GPT's and the Hugging Face cut's do), since pipeline stages pass the split activations on. Without the
+setting, ``layer_plan`` leaves the ``sequence_*`` entries out.
 
 A model.factory layer declares the same form (README: "Any model"); ``plan_problem`` checks it on the
 driver before any actor starts. Its ``forward`` must read its local widths from what its colwise
@@ -67,9 +73,13 @@ GRAD_SUM = "replicated_grad_sum"
 TAIL_GRAD_SUM = "tail_grad_sum"
 PARAM_ROWS = "param_rows"
 """A bare parameter (the entry names it, not a module) split by its dim 0: one value per head."""
-SEQUENCE_STYLES = ("sequence_parallel", "sequence_scatter", "sequence_gather")
-"""Whole on every rank, between split layers: a norm run on the rank's tokens, a layer (``""``) whose
-output each rank keeps only its tokens of, a module whose input is gathered from every rank's tokens."""
+SEQUENCE_REGION = "sequence_region"
+WHOLE_OUTPUT_REGION = "sequence_region_whole_output"
+SEQUENCE_REGIONS = (SEQUENCE_REGION, WHOLE_OUTPUT_REGION)
+SEQUENCE_STYLES = ("sequence_parallel", "sequence_scatter", "sequence_gather", *SEQUENCE_REGIONS)
+"""Between split layers: a norm run on the rank's tokens, a layer (``""``) whose output each rank keeps
+only its tokens of, a whole module whose input is gathered from every rank's tokens, and a region that
+runs on every token (its input gathered, its output kept to the rank's tokens)."""
 STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, VOCAB_EMBEDDING, GRAD_SUM, TAIL_GRAD_SUM, PARAM_ROWS, *SEQUENCE_STYLES)
 BY_VOCABULARY = (VOCAB_PARALLEL, VOCAB_EMBEDDING)
 """Preferences, not requirements: a table or head whose vocabulary tp does not divide stays whole."""

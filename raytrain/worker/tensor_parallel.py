@@ -42,8 +42,8 @@ from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed
-from raytrain.models.tensor_plan import (PARAM_ROWS, TAIL_GRAD_SUM, VOCAB_EMBEDDING, VOCAB_PARALLEL, Box, layer_plan,
-                                         sequence_parallel)
+from raytrain.models.tensor_plan import (PARAM_ROWS, SEQUENCE_REGION, SEQUENCE_REGIONS, TAIL_GRAD_SUM, VOCAB_EMBEDDING, VOCAB_PARALLEL,
+                                         Box, layer_plan, sequence_parallel)
 from raytrain.worker.executor import cut_into_chunks
 from raytrain.worker.groups import Groups
 from raytrain.worker.gradsync import all_reduce_flat, squared_norms_by_split, sum_over_tp
@@ -74,6 +74,13 @@ SEQUENCE_STYLES = {
 }
 """The same styles in a sequence-parallel layer (raytrain.models.tensor_plan.sequence_parallel), as torchtitan
 applies them: colwise linears all-gather the tokens, rowwise ones reduce-scatter to them."""
+IN_REGION_STYLES = {
+    **STYLES,
+    "rowwise": SEQUENCE_STYLES["rowwise"],
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=TOKENS),
+}
+"""The styles inside a ``sequence_region`` (its input already gathered whole): colwise linears take it as
+it is, rowwise ones reduce-scatter to the rank's tokens. Inside a ``sequence_region_whole_output``: STYLES."""
 
 
 def local_part(value: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
@@ -86,8 +93,10 @@ def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh, sequence: b
     over ``tp_mesh``, in place; the layers."""
     for layer in layers:
         plan = layer_plan(layer, tp_mesh.size(), sequence)
-        styles = SEQUENCE_STYLES if sequence_parallel(plan) else STYLES
-        parallel = {name: styles[style]() for name, (style, _) in plan.items() if style in styles}
+        parallel = {name: _style_table(plan, name)[style]() for name, (style, _) in plan.items()
+                    if style in _style_table(plan, name)}
+        if sequence_parallel(plan) and hasattr(layer, "tokens_split_by"):
+            layer.tokens_split_by = tp_mesh.size()  # it builds positions and masks of the whole sequence
         whole = parallel.pop("", None)  # a style of the layer itself
         if whole is not None:
             parallelize_module(layer, tp_mesh, whole, src_data_rank=None)
@@ -98,7 +107,54 @@ def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh, sequence: b
                 layer.get_submodule(name).register_forward_hook(_tail_grad_sum(features, tp_mesh.get_group()))
             if style == PARAM_ROWS:
                 _keep_rows(layer, name, tp_mesh.size())
+            if style in SEQUENCE_REGIONS:
+                _run_on_every_token(layer.get_submodule(name), tp_mesh)
     return layers
+
+
+def _style_table(plan, name: str) -> dict:
+    """The torch styles for entry ``name`` of ``plan``: as without sequence parallelism, but for a
+    sequence-parallel layer's, where a ``sequence_region`` holding the entry sets its own."""
+    if not sequence_parallel(plan):
+        return STYLES
+    region = next((region for region, (style, _) in plan.items()
+                   if style in SEQUENCE_REGIONS and name.startswith(f"{region}.")), None)
+    if region is None:
+        return SEQUENCE_STYLES
+    return IN_REGION_STYLES if plan[region][0] == SEQUENCE_REGION else STYLES
+
+
+def _run_on_every_token(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Hooks making ``module`` a sequence region: its hidden states (its first argument, or
+    ``hidden_states``) gathered from every rank's tokens, and its output (or its output's first tensor)
+    cut to the rank's tokens unless a rowwise linear has cut it already. The gather's backward keeps the
+    rank's tokens of a gradient that is whole on every rank (colwise linears sum theirs over the tp group)."""
+    def gather(_, args, kwargs):
+        if args:
+            return (_tokens(args[0], tp_mesh, TOKENS, Replicate()), *args[1:]), kwargs
+        if "hidden_states" not in kwargs:
+            raise TypeError(f"{type(module).__name__} (a sequence region) was called with neither a positional "
+                            "input nor hidden_states")
+        return args, {**kwargs, "hidden_states": _tokens(kwargs["hidden_states"], tp_mesh, TOKENS, Replicate())}
+
+    def cut(_, args, kwargs, output):
+        first = output[0] if isinstance(output, tuple) else output
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if first.shape[1] == hidden.shape[1] // tp_mesh.size():
+            return output  # a rowwise linear reduce-scattered it
+        if first.shape[1] != hidden.shape[1]:
+            raise RuntimeError(f"{type(module).__name__} (a sequence region) returned {first.shape[1]} tokens of "
+                               f"{hidden.shape[1]}: neither the whole sequence nor this rank's part")
+        mine = _tokens(first, tp_mesh, Replicate(), TOKENS)
+        return (mine, *output[1:]) if isinstance(output, tuple) else mine
+
+    module.register_forward_pre_hook(gather, with_kwargs=True)
+    module.register_forward_hook(cut, with_kwargs=True)
+
+
+def _tokens(x: torch.Tensor, tp_mesh: DeviceMesh, held, wanted) -> torch.Tensor:
+    """``x`` (a local tensor laid out as ``held`` over ``tp_mesh``) redistributed to ``wanted``, local again."""
+    return DTensor.from_local(x, tp_mesh, [held], run_check=False).redistribute(tp_mesh, [wanted]).to_local()
 
 
 def _keep_rows(layer: nn.Module, name: str, tp: int) -> None:
