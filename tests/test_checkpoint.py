@@ -222,6 +222,42 @@ def test_stacked_boxes_of_a_fused_weight_reassemble_and_load_into_any_readers_bo
         other.add(tp_shard(0))
 
 
+def test_boxes_of_a_mixtures_packed_experts_stack_along_dim_1_and_load_into_any_readers_boxes():
+    """A tp rank's part of an (experts, gate + up, in) weight is its gate and its up features of every
+    expert: two boxes that differ in dim 1, stacked along it; an fsdp shard of that part holds some
+    experts (dim 0) of both boxes."""
+    import torch
+
+    from raytrain.checkpoint import Assembler, Boxes, new_tensors, slices_entry
+    from raytrain.models.tensor_plan import EXPERT_COLWISE, local_boxes, rows_of_stack
+    from raytrain.worker.tensor_parallel import local_part
+
+    full = torch.arange(48.0).reshape(2, 8, 3)  # 2 experts, gate and up of 4 features each, 3 inputs
+    plan = {"experts.gate_up_proj": (EXPERT_COLWISE, 2)}
+
+    def mine(rank):
+        return local_boxes(plan, "experts.gate_up_proj", (2, 8, 3), 2, rank)
+
+    assert mine(1) == [((0, 2), (2, 4), (0, 3)), ((0, 2), (6, 8), (0, 3))]
+    assert torch.equal(local_part(full, mine(1)), full[:, [2, 3, 6, 7]])
+    assert rows_of_stack(mine(1), 1, 2) == [((1, 2), (2, 4), (0, 3)), ((1, 2), (6, 8), (0, 3))]
+    assert rows_of_stack(mine(1), 2, 2) == [((2, 2), (2, 4), (0, 3)), ((2, 2), (6, 8), (0, 3))]  # owns none
+    shards = []
+    for rank in (0, 1):
+        for expert in (0, 1):  # fsdp=2 over each tp part: one expert each
+            boxes = rows_of_stack(mine(rank), expert, expert + 1)
+            local = local_part(full, mine(rank))[expert:expert + 1]
+            shards.append({"model": {"w": local}, "optim": {}, "slices": {"w": slices_entry(boxes, (2, 8, 3))}})
+    readers = {"whole": (None, full), "rows": ((1, 2, 2), full[1:2]),
+               "tp2": (Boxes(tuple(mine(0)), (2, 8, 3)), full[:, [0, 1, 4, 5]])}
+    for name, (wanted, expected) in readers.items():
+        pieces = Assembler(None if wanted is None else {"w": wanted}, new_tensors())
+        for shard in shards:
+            pieces.add(shard)
+        pieces.check("ckpt")
+        assert torch.equal(pieces.tensors()["model"]["w"], expected), name
+
+
 def test_a_save_and_a_load_hold_at_most_one_tensor_beyond_the_workers_state(tmp_path):
     """Issue 21's bound: a save streams the live tensors (no snapshot of the state) and a load copies the
     memory-mapped pieces straight into the parameters and moments, whole or by rows, from a local disk or

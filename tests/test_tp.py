@@ -14,7 +14,7 @@ from raytrain.testing.reference import reference_eval_loss, train_reference
 from tests.forked_stages import run_stages
 from tests.helpers import LONG_RUN_LR, assert_same_params, reference_state, relative_error
 from raytrain.models.hf_tensor_plan import decoder_layer_plan
-from raytrain.models.tensor_plan import GRAD_SUM, SEQUENCE_STYLES, TAIL_GRAD_SUM
+from raytrain.models.tensor_plan import GRAD_SUM, SEQUENCE_STYLES, SUMMED_EXPERTS, TAIL_GRAD_SUM
 from raytrain.models.hf_model import find_parts
 from tests.hf_models import assert_same_hf_params, hf_config, write_hf_model
 
@@ -184,7 +184,7 @@ built-in GPT are held to 1e-5."""
     # sequence parallelism: norms and residuals on each rank's tokens, attention and MLP gathering them
     ("llama", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", SP, "train.grad_clip=0.05")),
     ("gemma3", ("parallel.tp=2", SP)),  # four norms per layer, a sliding window
-    ("mixtral", ("parallel.tp=2", SP)),  # whole experts: a region run on every token, its output cut
+    ("mixtral", ("parallel.tp=2", SP)),  # the mixture: a region run on every token, its output cut
     ("gpt_neox", ("parallel.tp=2", SP)),  # parallel residual
     ("olmo2", ("parallel.fsdp=2", "parallel.tp=2", SP)),  # gathered q/k/v inside the region
     ("phi3", ("parallel.tp=2", SP)),  # rowwise_split_input reduce-scattering
@@ -198,7 +198,8 @@ built-in GPT are held to 1e-5."""
     ("qwen3", ("parallel.tp=2", "train.grad_clip=0.05")),
     ("qwen3", ("parallel.fsdp=2", "parallel.tp=2")),
     ("gemma3", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),  # a rotary per layer type
-    ("mixtral", ("parallel.tp=2",)),  # experts whole on each rank, attention split
+    ("mixtral", ("parallel.tp=2",)),  # every expert split: its packed gate and up by columns, down by rows
+    ("mixtral", ("parallel.fsdp=2", "parallel.tp=2")),  # the experts' tp parts (stacked along dim 1) sharded
     ("gpt_neox", ("parallel.tp=2",)),  # fused per-head q/k/v, split by heads; a quarter-head rotary
     ("phi", ("parallel.fsdp=2", "parallel.tp=2")),  # a half-head rotary
     ("olmo2", ("parallel.tp=2", "train.grad_clip=0.05")),  # gathered q/k/v around its whole-width q/k norms
@@ -211,7 +212,7 @@ built-in GPT are held to 1e-5."""
     ("mimo_v2_flash", ("parallel.tp=2",)),
 ], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-tp2-pp2-sp-clipped", "gemma3-tp2-sp", "mixtral-tp2-sp", "gpt_neox-tp2-sp",
         "olmo2-fsdp2-tp2-sp", "phi3-tp2-sp", "deepseek_v2-tp2-sp", "qwen3-tp2-sp-recompute", "llama-fsdp2-tp2", "llama-dp2-tp2", "llama-tp2-pp2-split", "qwen2-tp2", "qwen3-tp2-clipped",
-        "qwen3-fsdp2-tp2", "gemma3-tp2-pp2", "mixtral-tp2", "gpt_neox-tp2", "phi-fsdp2-tp2", "olmo2-tp2-clipped",
+        "qwen3-fsdp2-tp2", "gemma3-tp2-pp2", "mixtral-tp2", "mixtral-fsdp2-tp2", "gpt_neox-tp2", "phi-fsdp2-tp2", "olmo2-tp2-clipped",
         "phi3-tp2-pp2", "deepseek_v2-tp2-pp2-split", "granite_swa-tp2-pp2", "granitemoe_swa-tp2",
         "mimo_v2_flash-tp2"])
 def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_process(make_config, tmp_path, family,
@@ -229,7 +230,7 @@ def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_proce
     config = hf_config(family)
     layers = find_parts(transformers.AutoModelForCausalLM.from_config(config)).layers  # q_b_proj, sinks optional
     planned = {name.rsplit(".", 1)[1] for layer in layers for name, (style, _) in decoder_layer_plan(config, layer).items()
-               if style not in (GRAD_SUM, TAIL_GRAD_SUM, *SEQUENCE_STYLES)}  # whole on each rank: rank 0 writes them
+               if style not in (GRAD_SUM, TAIL_GRAD_SUM, SUMMED_EXPERTS, *SEQUENCE_STYLES)}  # whole on each rank: rank 0 writes them
     last = torch.load(tmp_path / "run" / f"stage{cfg.parallel.pp - 1}-0-1.pt", weights_only=True)
     assert any(n.endswith(".head.weight") for n in last["model"]), set(last["model"])  # split by vocabulary
     assert "0.embed.weight" in split

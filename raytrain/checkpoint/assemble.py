@@ -3,7 +3,8 @@
 A shard file holds, per global parameter name, a piece of the whole tensor: all of it, its rows
 ``[start, stop)`` of dim 0 (``rows``: what an fsdp shard writes), or a box of it, one ``[start,
 stop)`` per dim (``slices``: the column and row slices of tensor parallelism), or several boxes stacked
-along dim 0 (a tensor-parallel rank's part of a fused colwise weight: its rows of each of q, k and v).
+along the one dim they differ in (a tensor-parallel rank's part of a fused colwise weight: its rows of
+each of q, k and v, along dim 0; of a mixture's packed experts, its gate and up features, along dim 1).
 A reader wants, per name, its own rows of the whole (a sharded worker), its own boxes (a
 tensor-parallel worker: ``Boxes``) or all of it (another layout, a plain process). Each
 overlap of a piece with what is wanted is copied into the reader's destination tensor, the
@@ -36,8 +37,9 @@ Rows = Optional[tuple[int, int, int]]
 
 
 class Boxes(NamedTuple):
-    """Boxes of a whole tensor of shape ``whole`` that a reader (or a piece) holds, stacked along dim 0 in
-    its tensor in this order: a tensor-parallel rank's part of a fused colwise weight is one box per part."""
+    """Boxes of a whole tensor of shape ``whole`` that a reader (or a piece) holds, stacked along
+    ``stack_dim`` in its tensor in this order: a tensor-parallel rank's part of a fused colwise weight is
+    one box per part."""
 
     boxes: tuple[Box, ...]
     whole: tuple[int, ...]
@@ -49,7 +51,7 @@ Wanted = Union[Rows, Boxes]
 
 def slices_entry(boxes: list[Box], whole: tuple[int, ...]) -> list:
     """A shard's ``slices`` entry for a piece made of ``boxes`` of a tensor shaped ``whole``: one box as
-    ``[[start, stop, total] per dim]``, several (stacked along dim 0) as a list of those."""
+    ``[[start, stop, total] per dim]``, several (stacked along ``stack_dim``) as a list of those."""
     entries = [[[a, b, n] for (a, b), n in zip(box, whole)] for box in boxes]
     return entries[0] if len(entries) == 1 else entries
 
@@ -80,15 +82,30 @@ def _index(box: Box, origin: Box) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
 
 
+def stack_dim(boxes) -> int:
+    """The dim along which a tensor holding several ``boxes`` of a whole stacks them: the one dim they
+    differ in (0 for a single box, or boxes of no dims)."""
+    differ = [d for d in range(len(boxes[0])) if len({box[d] for box in boxes}) > 1]
+    return differ[0] if len(differ) == 1 else 0
+
+
+def _stacked_shape(boxes) -> Optional[tuple[int, ...]]:
+    """The shape of a tensor that stacks ``boxes`` along ``stack_dim`` (None if their sizes differ in another dim)."""
+    dim, sizes = stack_dim(boxes), [tuple(b - a for a, b in box) for box in boxes]
+    if any(s[d] != sizes[0][d] for s in sizes for d in range(len(s)) if d != dim):
+        return None
+    return tuple(sum(s[d] for s in sizes) if d == dim else sizes[0][d] for d in range(len(sizes[0])))
+
+
 def _stacked(tensor: "torch.Tensor", boxes: tuple[Box, ...]) -> list[tuple[Box, "torch.Tensor"]]:
-    """Each box with its part of ``tensor``, which stacks them along dim 0 in order."""
+    """Each box with its part of ``tensor``, which stacks them along ``stack_dim`` in order."""
     if len(boxes) == 1:
         return [(boxes[0], tensor)]
-    parts, offset = [], 0
+    dim, parts, offset = stack_dim(boxes), [], 0
     for box in boxes:
-        rows = box[0][1] - box[0][0]
-        parts.append((box, tensor[offset:offset + rows]))
-        offset += rows
+        size = box[dim][1] - box[dim][0]
+        parts.append((box, tensor.narrow(dim, offset, size)))
+        offset += size
     return parts
 
 
@@ -105,10 +122,10 @@ def piece_parts(shard: dict[str, Any], name: str, tensor: "torch.Tensor") -> tup
         boxes, whole = (((start, stop), *((0, n) for n in shape[1:])),), (total, *shape[1:])
     else:
         boxes, whole = (tuple((0, n) for n in shape),), shape
-    stacked = (sum(b[0][1] - b[0][0] for b in boxes), *(b - a for a, b in boxes[0][1:])) if shape else ()
     fits = all(0 <= a <= b <= t for box in boxes for (a, b), t in zip(box, whole))
-    same = all(tuple(b - a for a, b in box[1:]) == shape[1:] for box in boxes) if shape else len(boxes) == 1
-    if stacked != shape or not fits or not same or any(len(box) != len(whole) for box in boxes):
+    dims = {len(box) for box in boxes} == {len(whole)} == {len(shape)}
+    stacked = _stacked_shape(boxes) if dims and (shape or len(boxes) == 1) else None
+    if stacked != shape or not fits:
         raise CheckpointError(f"{name}: a piece of shape {shape} claims the boxes {list(boxes)} of a tensor shaped "
                               f"{whole}: the shard is damaged")
     return _stacked(tensor, boxes), whole
@@ -162,7 +179,7 @@ class Assembler:
     def _target(self, key: Key, want: tuple[Box, ...], dtype) -> list[tuple[Box, "torch.Tensor"]]:
         """The wanted boxes of ``key`` with their parts of its destination (made on first use)."""
         if key not in self.targets:
-            shape = (sum(b[0][1] - b[0][0] for b in want), *(b - a for a, b in want[0][1:])) if want[0] else ()
+            shape = _stacked_shape(want) if want[0] else ()
             dest = self.destination(key[0], key[1], shape, dtype)
             self.targets[key] = (_stacked(dest, want) if want[0] else [(want[0], dest)], dest)
             self.copied[key] = []

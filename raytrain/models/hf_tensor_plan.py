@@ -7,8 +7,10 @@ transformers declares per family which projections of a decoder layer split by c
 attention: ``tail_grad_sum``) and ``colwise`` on a bare parameter with ``local_params`` on its module
 (the attention sinks of Granite SWA, its MoE and MiMo-V2-Flash, one per head: ``param_rows``) onto
 its own plan (raytrain.models.tensor_plan) for each cut decoder layer. A mixture of experts (Mixtral's
-``moe_tp_experts``) keeps its experts whole on every tp rank, its router too: their input is the same
-on every rank, so are their gradients, and only attention is split. A family whose layers need any
+``moe_tp_experts``) splits every expert's packed gate and up and its down projection over the tp ranks,
+each rank running its slice of every expert and the parts summed (``experts_plan``); its router stays
+whole (its input, and, once summed, its gradients are the same on every rank). Experts the plan does
+not split that way (a bias of their own) stay whole on every rank. A family whose layers need any
 other style (packed projections outside experts, embeddings split inside a layer) is refused for
 parallel.tp, with the style named, before any actor starts. No family declares sequence parallelism:
 raytrain's own entries (``sequence_plan``) split the tokens between a layer's submodules.
@@ -20,7 +22,8 @@ from typing import Optional
 
 from torch import nn
 
-from raytrain.models.tensor_plan import GRAD_SUM, PARAM_ROWS, SEQUENCE_REGION, TAIL_GRAD_SUM, WHOLE_OUTPUT_REGION, Plan
+from raytrain.models.tensor_plan import (EXPERT_COLWISE, EXPERT_ROWWISE, GRAD_SUM, PARAM_ROWS, SEQUENCE_REGION,
+                                         SUMMED_EXPERTS, TAIL_GRAD_SUM, WHOLE_OUTPUT_REGION, Plan, param_split_problem)
 
 LAYER_PREFIX = "layers.*."
 """How a base-model plan names a submodule of every decoder layer."""
@@ -32,15 +35,15 @@ LOCAL_PARAMS = "local_params"
 """transformers' style for a module that reads a split bare parameter of its own (attention sinks) with
 local tensors: raytrain's split linears return local tensors already, so it needs nothing more."""
 EXPERTS = "moe_tp_experts"
-"""transformers' style for a module of experts: raytrain keeps it, and the entries under it, whole."""
+"""transformers' style for a module of experts, whose output its split weights' parts sum to."""
+EXPERT_STYLES = {"packed_colwise": (EXPERT_COLWISE, 2), "colwise": (EXPERT_COLWISE, 1), "rowwise": (EXPERT_ROWWISE, 1)}
+"""transformers' styles on an (experts, out, in) weight -> raytrain's entries."""
 
 
 def declared_plan(config) -> dict[str, str]:
     """The family's ``base_model_tp_plan`` entries for its decoder layers, relative to one layer, but
-    for the experts' (kept whole)."""
-    plan = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
-    layer = {key[len(LAYER_PREFIX):]: style for key, style in plan.items() if key.startswith(LAYER_PREFIX)}
-    return {name: style for name, style in layer.items()
+    for the experts' (``experts_plan`` reads those)."""
+    return {name: style for name, style in _layer_entries(config).items()
             if not any(name == e or name.startswith(f"{e}.") for e in _experts(config))}
 
 
@@ -54,8 +57,39 @@ def decoder_layer_plan(config, decoder_layer: Optional[nn.Module] = None) -> Pla
     if decoder_layer is not None:  # a bare parameter split by heads (colwise in transformers' plan): param_rows
         plan.update({f"layer.{name}": (PARAM_ROWS, 1) for name, style in declared_plan(config).items()
                      if style == "colwise" and _parameter(decoder_layer, name) is not None})
+        plan.update({f"layer.{name}": entry for name, entry in experts_plan(config, decoder_layer).items()})
         plan.update(sequence_plan(config, decoder_layer))
     return plan
+
+
+def experts_plan(config, decoder_layer: nn.Module) -> Plan:
+    """The entries that split a decoder layer's module of experts (relative to the layer): each of its
+    (experts, out, in) weights by the family's plan (``packed_colwise``: the packed gate and up, two parts;
+    ``colwise``; ``rowwise``), and the module summed over the tp ranks (``moe_tp_experts``). None where
+    the module holds a parameter the plan does not split that way (an expert's bias, a list of expert
+    MLPs), or the family has experts that return their input (``moe_identity_expert``): those experts
+    stay whole on every rank."""
+    declared = _layer_entries(config)
+    if "moe_identity_expert" in declared.values():
+        return {}
+    plan: Plan = {}
+    for experts in _experts(config):
+        module = _submodule(decoder_layer, experts)
+        if module is None:
+            continue
+        splits = {f"{experts}.{name}": EXPERT_STYLES.get(declared.get(f"{experts}.{name}"))
+                  for name, param in module.named_parameters() if param.dim() == 3}
+        if not splits or None in splits.values() or len(splits) < sum(1 for _ in module.parameters()):
+            return {}
+        plan.update(splits)
+        plan[experts] = (SUMMED_EXPERTS, 1)
+    return plan
+
+
+def _layer_entries(config) -> dict[str, str]:
+    """Every entry of the family's ``base_model_tp_plan`` for its decoder layers, relative to one layer."""
+    plan = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
+    return {key[len(LAYER_PREFIX):]: style for key, style in plan.items() if key.startswith(LAYER_PREFIX)}
 
 
 def sequence_plan(config, decoder_layer: nn.Module) -> Plan:
@@ -76,9 +110,8 @@ def sequence_plan(config, decoder_layer: nn.Module) -> Plan:
 
 
 def _experts(config) -> list[str]:
-    """The family's modules of experts (kept whole), relative to one decoder layer."""
-    plan = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
-    return [key[len(LAYER_PREFIX):] for key, style in plan.items() if key.startswith(LAYER_PREFIX) and style == EXPERTS]
+    """The family's modules of experts, relative to one decoder layer."""
+    return [name for name, style in _layer_entries(config).items() if style == EXPERTS]
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -135,6 +168,11 @@ def tp_problem(config, decoder_layer: nn.Module, tp: int) -> Optional[str]:
             continue  # a submodule this configuration leaves out, a bare parameter, or a whole one: no linear
         if not isinstance(module, nn.Linear):
             return f"its plan names {name}, which is not a linear layer in this model"
+    for name, (style, parts) in experts_plan(config, decoder_layer).items():
+        problem = None if style == SUMMED_EXPERTS else param_split_problem(decoder_layer, "its plan", name, style,
+                                                                             parts, tp)
+        if problem is not None:
+            return problem
     text = config.get_text_config()
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(text, key, None)

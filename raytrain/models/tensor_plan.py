@@ -15,7 +15,12 @@ heads give a part of that slice's gradient, while the rest of its output feeds a
 input gradient is already whole (transformers' ``mla_kv_a_proj``).
 ``param_rows`` names a bare parameter, not a module, and splits it by its dim 0 as ``colwise`` splits a
 weight: attention sinks (one learnt logit per head: Granite SWA's ``sinks``) go with their rank's heads,
-and the module that reads them sees its rank's rows, as it sees its rank's heads.
+and the module that reads them sees its rank's rows, as it sees its rank's heads. ``expert_colwise`` and
+``expert_rowwise`` split the bare (experts, out, in) weights of a mixture's experts as ``colwise`` and
+``rowwise`` split one linear's, every expert alike, so each rank runs its slice of every expert; their
+module is ``summed_experts``: its output is summed over the tp group, and its inputs' gradients too.
+A rank's boxes of one tensor differ in a single dim, the dim its local tensor stacks them along
+(``stack_dim``: dim 0 for a fused colwise weight, dim 1 for the experts' packed gate and up).
 ``colwise_gather_output`` and ``rowwise_split_input`` split a linear as ``colwise`` and ``rowwise`` do,
 but the first gathers its output whole on every rank and the second takes a whole input and splits it
 (transformers' styles of the same names): for a layer whose code between them needs whole activations
@@ -59,6 +64,8 @@ from typing import Optional
 
 from torch import nn
 
+from raytrain.checkpoint.assemble import stack_dim
+
 Box = tuple[tuple[int, int], ...]
 """[start, stop) per dim of the whole tensor."""
 Plan = dict[str, tuple[str, int]]
@@ -73,6 +80,14 @@ GRAD_SUM = "replicated_grad_sum"
 TAIL_GRAD_SUM = "tail_grad_sum"
 PARAM_ROWS = "param_rows"
 """A bare parameter (the entry names it, not a module) split by its dim 0: one value per head."""
+EXPERT_COLWISE = "expert_colwise"
+EXPERT_ROWWISE = "expert_rowwise"
+EXPERT_SPLITS = {EXPERT_COLWISE: -2, EXPERT_ROWWISE: -1}
+"""A bare parameter of a module of experts, shaped (experts, out, in) as each expert's weight: split by each
+expert's output features (dim -2, in fused parts: a packed gate and up) or input features (dim -1)."""
+SUMMED_EXPERTS = "summed_experts"
+"""A module of experts whose parameters expert_* entries split: its output, a part on each rank, is summed
+over the tp group, and so are its inputs' gradients."""
 SEQUENCE_REGION = "sequence_region"
 WHOLE_OUTPUT_REGION = "sequence_region_whole_output"
 SEQUENCE_REGIONS = (SEQUENCE_REGION, WHOLE_OUTPUT_REGION)
@@ -80,7 +95,8 @@ SEQUENCE_STYLES = ("sequence_parallel", "sequence_scatter", "sequence_gather", *
 """Between split layers: a norm run on the rank's tokens, a layer (``""``) whose output each rank keeps
 only its tokens of, a whole module whose input is gathered from every rank's tokens, and a region that
 runs on every token (its input gathered, its output kept to the rank's tokens)."""
-STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, VOCAB_EMBEDDING, GRAD_SUM, TAIL_GRAD_SUM, PARAM_ROWS, *SEQUENCE_STYLES)
+STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, VOCAB_EMBEDDING, GRAD_SUM, TAIL_GRAD_SUM, PARAM_ROWS, *EXPERT_SPLITS,
+          SUMMED_EXPERTS, *SEQUENCE_STYLES)
 BY_VOCABULARY = (VOCAB_PARALLEL, VOCAB_EMBEDDING)
 """Preferences, not requirements: a table or head whose vocabulary tp does not divide stays whole."""
 
@@ -169,13 +185,13 @@ def _entry_problem(layer: nn.Module, where: str, name: str, entry, tp: int, shar
     if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0] in STYLES
             and isinstance(entry[1], int) and entry[1] >= 1):
         return f"{where} is {entry!r}; give (one of {' | '.join(map(repr, STYLES))}, fused parts >= 1)"
-    if entry[0] == PARAM_ROWS:
-        return _param_rows_problem(layer, where, name, entry[1], tp)
+    if entry[0] == PARAM_ROWS or entry[0] in EXPERT_SPLITS:
+        return param_split_problem(layer, where, name, entry[0], entry[1], tp)
     try:
         module = layer.get_submodule(name)
     except AttributeError:
         module = None
-    if entry[0] == GRAD_SUM or entry[0] in SEQUENCE_STYLES:
+    if entry[0] in (GRAD_SUM, SUMMED_EXPERTS) or entry[0] in SEQUENCE_STYLES:
         return f"{where} names no submodule of that layer" if module is None else None
     style, parts = entry
     if not isinstance(module, nn.Embedding if style == VOCAB_EMBEDDING else nn.Linear):
@@ -197,22 +213,30 @@ def _entry_problem(layer: nn.Module, where: str, name: str, entry, tp: int, shar
     return None
 
 
-def _param_rows_problem(layer: nn.Module, where: str, name: str, parts: int, tp: int) -> Optional[str]:
+def param_split_problem(layer: nn.Module, where: str, name: str, style: str, parts: int, tp: int) -> Optional[str]:
+    """Why a bare parameter's split (param_rows, expert_colwise, expert_rowwise) cannot apply at ``tp``
+    ranks (None when it can)."""
     try:
         param = layer.get_parameter(name)
     except AttributeError:
-        return f"{where} names no parameter of that layer (param_rows names one, e.g. 'self_attn.sinks')"
-    rows = param.shape[0] if param.dim() else 0
-    if not rows or rows % (parts * tp):
-        return f"{where}: {name} has {rows} rows, which do not split into {parts} part(s) of tp={tp} slices"
+        return f"{where} names no parameter of that layer ({style} names one, e.g. 'self_attn.sinks')"
+    if style in EXPERT_SPLITS and param.dim() != 3:
+        return f"{where}: {name} has {param.dim()} dims; {style} splits an (experts, out, in) weight"
+    dim = EXPERT_SPLITS.get(style, 0)
+    width = param.shape[dim] if param.dim() else 0
+    if not width or width % (parts * tp):
+        what = "rows" if style == PARAM_ROWS else f"features in its dim {dim}"
+        return f"{where}: {name} has {width} {what}, which do not split into {parts} part(s) of tp={tp} slices"
     return None
 
 
 def split_of(plan: Plan, param_name: str) -> Optional[tuple[str, int, int]]:
     """(style, parts, dim) by which parameter ``param_name`` (its name within the layer) is split, or None
-    when it is replicated (no plan names it or its submodule, or it is a rowwise bias)."""
-    if plan.get(param_name, ("",))[0] == PARAM_ROWS:
-        return PARAM_ROWS, plan[param_name][1], 0
+    when it is replicated (no plan names it or its submodule, or it is a rowwise bias); an expert's dim
+    counts from the end."""
+    style, parts = plan.get(param_name, ("", 1))
+    if style == PARAM_ROWS or style in EXPERT_SPLITS:
+        return style, parts, EXPERT_SPLITS.get(style, 0)
     module, _, leaf = param_name.rpartition(".")
     if module not in plan:
         return None
@@ -221,7 +245,7 @@ def split_of(plan: Plan, param_name: str) -> Optional[tuple[str, int, int]]:
         return style, parts, 0
     if style in ROWWISE_STYLES:
         return (style, parts, 1) if leaf == "weight" else None
-    if style in (GRAD_SUM, TAIL_GRAD_SUM) or style in SEQUENCE_STYLES:
+    if style in (GRAD_SUM, TAIL_GRAD_SUM, SUMMED_EXPERTS) or style in SEQUENCE_STYLES:
         return None
     raise ValueError(f"unknown tensor-parallel style {style!r} for {module}")
 
@@ -234,12 +258,13 @@ def grad_summed(plan: Plan, param_name: str) -> bool:
 
 def local_boxes(plan: Plan, param_name: str, shape: tuple[int, ...], tp: int, index: int) -> list[Box]:
     """The boxes of the whole tensor (of ``shape``) that tp rank ``index`` of ``tp`` holds, in the order
-    its local tensor stacks them along dim 0; one whole box when the parameter is replicated."""
+    its local tensor stacks them (along ``stack_dim``); one whole box when the parameter is replicated."""
     whole = tuple((0, n) for n in shape)
     split = split_of(plan, param_name)
     if split is None or tp == 1:
         return [whole]
     _, parts, dim = split
+    dim %= len(shape)
     part = shape[dim] // parts
     width = part // tp
     assert part * parts == shape[dim] and width * tp == part, (param_name, shape, parts, tp)
@@ -252,8 +277,12 @@ def local_boxes(plan: Plan, param_name: str, shape: tuple[int, ...], tp: int, in
 
 def rows_of_stack(boxes: list[Box], start: int, stop: int) -> list[Box]:
     """The boxes of the whole that rows ``[start, stop)`` of a tp rank's local tensor (``boxes`` stacked
-    along dim 0) hold: what an fsdp shard of a tensor-parallel parameter owns. Never empty: a shard
-    owning no rows holds an empty box."""
+    along ``stack_dim``) hold: what an fsdp shard of a tensor-parallel parameter owns. Never empty: a shard
+    owning no rows holds empty boxes."""
+    if stack_dim(boxes) != 0:  # every box spans the local tensor's rows: each keeps rows [start, stop)
+        first, end = boxes[0][0]
+        lo, hi = min(first + start, end), min(first + max(stop, start), end)
+        return [((lo, hi), *box[1:]) for box in boxes]
     held, offset = [], 0
     for box in boxes:
         (a, b), rest = box[0], box[1:]

@@ -37,13 +37,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
-from raytrain.checkpoint.assemble import slices_entry
+from raytrain.checkpoint.assemble import slices_entry, stack_dim
 from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed
-from raytrain.models.tensor_plan import (PARAM_ROWS, SEQUENCE_REGION, SEQUENCE_REGIONS, TAIL_GRAD_SUM, VOCAB_EMBEDDING, VOCAB_PARALLEL,
-                                         Box, layer_plan, sequence_parallel)
+from raytrain.models.tensor_plan import (EXPERT_SPLITS, PARAM_ROWS, SEQUENCE_REGION, SEQUENCE_REGIONS, SUMMED_EXPERTS,
+                                         TAIL_GRAD_SUM, VOCAB_EMBEDDING, VOCAB_PARALLEL, Box, layer_plan,
+                                         sequence_parallel, split_of)
 from raytrain.worker.executor import cut_into_chunks
 from raytrain.worker.groups import Groups
 from raytrain.worker.gradsync import all_reduce_flat, squared_norms_by_split, sum_over_tp
@@ -84,8 +85,8 @@ it is, rowwise ones reduce-scatter to the rank's tokens. Inside a ``sequence_reg
 
 
 def local_part(value: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
-    """The boxes of ``value`` stacked along dim 0 (a copy): what a tp rank holds of it."""
-    return torch.cat([value[tuple(slice(a, b) for a, b in box)] for box in boxes]).clone()
+    """The boxes of ``value`` stacked along the dim they differ in (a copy): what a tp rank holds of it."""
+    return torch.cat([value[tuple(slice(a, b) for a, b in box)] for box in boxes], dim=stack_dim(boxes)).clone()
 
 
 def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh, sequence: bool) -> list[nn.Module]:
@@ -105,8 +106,10 @@ def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh, sequence: b
         for name, (style, features) in plan.items():
             if style == TAIL_GRAD_SUM:
                 layer.get_submodule(name).register_forward_hook(_tail_grad_sum(features, tp_mesh.get_group()))
-            if style == PARAM_ROWS:
-                _keep_rows(layer, name, tp_mesh.size())
+            if style == PARAM_ROWS or style in EXPERT_SPLITS:
+                _keep_part(layer, name, split_of(plan, name)[2], tp_mesh.size())
+            if style == SUMMED_EXPERTS:
+                _sum_experts(layer.get_submodule(name), tp_mesh.get_group())
             if style in SEQUENCE_REGIONS:
                 _run_on_every_token(layer.get_submodule(name), tp_mesh)
     return layers
@@ -157,14 +160,34 @@ def _tokens(x: torch.Tensor, tp_mesh: DeviceMesh, held, wanted) -> torch.Tensor:
     return DTensor.from_local(x, tp_mesh, [held], run_check=False).redistribute(tp_mesh, [wanted]).to_local()
 
 
-def _keep_rows(layer: nn.Module, name: str, tp: int) -> None:
-    """Make the (meta) parameter ``name`` of ``layer`` a plain one of 1/tp of its rows: the rank's part, which
-    its module reads as it reads its rank's heads (param_rows). Not a DTensor: the module mixes it with
-    the local tensors its split linears return; its gradient is the rank's own."""
+def _keep_part(layer: nn.Module, name: str, dim: int, tp: int) -> None:
+    """Make the (meta) parameter ``name`` of ``layer`` a plain one of 1/tp of its dim ``dim``: the rank's part,
+    which its module reads as it reads its rank's heads (param_rows) or its rank's slice of every expert
+    (expert_colwise, expert_rowwise). Not a DTensor: the module mixes it with local tensors; its gradient
+    is the rank's own."""
     owner, _, leaf = name.rpartition(".")
     module = layer.get_submodule(owner)
     whole = getattr(module, leaf)
-    module.register_parameter(leaf, nn.Parameter(whole.new_empty((whole.shape[0] // tp, *whole.shape[1:]))))
+    shape = list(whole.shape)
+    shape[dim] //= tp
+    module.register_parameter(leaf, nn.Parameter(whole.new_empty(shape)))
+
+
+def _sum_experts(experts: nn.Module, group: dist.ProcessGroup) -> None:
+    """Hooks on a module of experts split over ``group`` (summed_experts): each rank's output is its slices'
+    part of every expert's, summed over the group (the backward passes the whole gradient to each); its
+    hidden states' and routing weights' gradients are parts too, summed in the backward."""
+    def inputs(_, args, kwargs):
+        return (tuple(_sum_its_gradient(a, group) for a in args),
+                {key: _sum_its_gradient(value, group) for key, value in kwargs.items()})
+
+    experts.register_forward_pre_hook(inputs, with_kwargs=True)
+    experts.register_forward_hook(lambda _, args, output: _SumForward.apply(output, group))
+
+
+def _sum_its_gradient(x, group: dist.ProcessGroup):
+    differentiable = isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad
+    return _SumGradient.apply(x, group) if differentiable else x
 
 
 def _tail_grad_sum(features: int, group: dist.ProcessGroup):
@@ -189,6 +212,20 @@ class _SumGradient(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumForward(torch.autograd.Function):
+    """The sum over a process group in forward; the gradient passed through in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
         return grad, None
 
 
