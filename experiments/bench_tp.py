@@ -24,6 +24,13 @@ against N + 1 (tp does not divide it: head and table stay whole on both ranks), 
 layouts left out.
 
     python experiments/bench_tp.py --vocab 65536 --repeats 1 --steps 5
+
+``--moe`` measures a Hugging Face mixture of experts instead (a Mixtral of 4 layers, hidden 512, 8 experts
+of width 1024, 2 per token: 53M parameters, 95% of them in experts, random weights saved to a temporary
+directory): tp=2 splits every expert (transformers' moe_tp_experts plan) as well as attention, against dp=2
+and fsdp=2, the peer left out.
+
+    python experiments/bench_tp.py --moe --repeats 1
 """
 
 from __future__ import annotations
@@ -49,6 +56,21 @@ LAYOUTS = {
 PEER = "torchrun tp=2"
 WARM_UP_STEPS = 2
 """Steps not timed on the peer (raytrain's Result leaves out its first step, which pays for warm-up)."""
+
+
+MOE = {"vocab_size": 256, "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
+       "num_attention_heads": 8, "num_key_value_heads": 4, "num_local_experts": 8, "num_experts_per_tok": 2,
+       "tie_word_embeddings": False}
+
+
+def write_moe(workdir: str, seq_len: int) -> str:
+    """The Mixtral of ``--moe``, randomly initialised, saved as a Hugging Face directory: its path."""
+    import transformers
+
+    path = os.path.join(workdir, "mixtral")
+    config = transformers.MixtralConfig(**MOE, max_position_embeddings=seq_len)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
 
 
 def vocab_layouts(vocab: int) -> dict[str, list[str]]:
@@ -128,6 +150,7 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true", help="run as one process of the torchrun script")
     parser.add_argument("--vocab", type=int, help="tp=2 with head and table split by this vocabulary against whole")
     parser.add_argument("--seq-len", type=int, help=f"tokens per sample (default {SEQ_LEN}): activations grow with it")
+    parser.add_argument("--moe", action="store_true", help="a Hugging Face Mixtral, its experts split by tp")
     args = parser.parse_args()
     if args.seq_len is not None:
         MODEL[MODEL.index(f"model.seq_len={SEQ_LEN}")] = f"model.seq_len={args.seq_len}"
@@ -138,12 +161,15 @@ def main() -> None:
         parser.error(f"--steps must exceed the {WARM_UP_STEPS} warm-up steps")
     if args.vocab is not None and (args.vocab < 256 or args.vocab % 2):
         parser.error("--vocab must be even (tp=2 divides it) and at least 256 (the built-in corpus's bytes)")
-    layouts = vocab_layouts(args.vocab) if args.vocab else {**LAYOUTS, PEER: []}
+    layouts = vocab_layouts(args.vocab) if args.vocab else LAYOUTS if args.moe else {**LAYOUTS, PEER: []}
     import ray
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as workdir:
+        if args.moe:
+            seq_len = args.seq_len or SEQ_LEN
+            MODEL[:] = [f"model.hf={write_moe(workdir, seq_len)}", f"model.seq_len={seq_len}"]
         for _ in range(args.repeats):
             for name, overrides in layouts.items():
                 print(f"running {name} ...", file=sys.stderr, flush=True)

@@ -73,7 +73,9 @@ def _run_worker(cfg, source, num_samples: int, stage_layers: list[list[list[int]
         torch.save(held, os.path.join(out_dir, f"stage{stage_index}-{shard}-{tp}-held.pt"))
         with open(os.path.join(out_dir, f"stage{stage_index}-{shard}-{tp}.json"), "w") as f:
             tails = [list(chunk.input_tail) if chunk.input_tail else None for chunk in stage.gen.chunks]
-            json.dump({"peak_live": peak_live, "input_tails": tails}, f)
+            # a Hugging Face decoder layer's view of its input: a part of every sample's tokens, or all
+            split = sorted({m.tokens_split_by for m in stage.executor.module.modules() if hasattr(m, "tokens_split_by")})
+            json.dump({"peak_live": peak_live, "input_tails": tails, "tokens_split_by": split}, f)
     stage.shutdown()
 
 

@@ -29,6 +29,12 @@ def hf_config(family: str, tied: bool = False, layers: int = 2):
                                   layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)])
     if family == "mixtral":  # experts whose files hold w1/w2/w3 each, fused into gate_up_proj/down_proj in the model
         return T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if family == "gemma4_moe":  # experts beside its MLP, called by the decoder layer itself; no per-layer inputs
+        # (its default global head of 512 with no 1/sqrt(d) scaling saturates the softmax of this random model:
+        # a sum in another order moves a step by 2e-4; 8 keeps it to rounding)
+        return T.Gemma4TextConfig(**common, head_dim=8, global_head_dim=8, moe_intermediate_size=16, enable_moe_block=True,
+                                  num_experts=4, top_k_experts=2, hidden_size_per_layer_input=0, sliding_window=8,
+                                  layer_types=["sliding_attention", "full_attention"][:layers])
     if family == "olmo2":  # q/k norms over all heads at once: its plan gathers q/k/v (colwise_gather_output)
         return T.Olmo2Config(**common, pad_token_id=0)
     if family == "phi3":  # fused q/k/v and gate/up, gathered, then split again into o/down (rowwise_split_input)
@@ -49,12 +55,13 @@ def hf_config(family: str, tied: bool = False, layers: int = 2):
         # base theta (the second layer none), Granite's scaled embedding and logits
         return T.GraniteSWAConfig(**common, sliding_window=8, bos_token_id=0, eos_token_id=0, embedding_multiplier=2.0,
                                   logits_scaling=3.0, layer_rope_theta=[10000.0, 0.0][:layers] + [500.0] * (layers - 2))
-    if family == "granitemoe_swa":  # Granite SWA's sinks and rotaries with a mixture of experts (kept whole)
+    if family == "granitemoe_swa":  # Granite SWA's sinks and rotaries with a mixture of experts
         return T.GraniteMoeSWAConfig(**common, sliding_window=8, num_local_experts=4, bos_token_id=0, eos_token_id=0)
     if family == "mimo_v2_flash":  # sinks, a dense first MLP then experts, wider q/k heads than v
         return T.MiMoV2FlashConfig(**common, sliding_window=8, head_dim=8, v_head_dim=4, moe_intermediate_size=16,
                                    n_routed_experts=4, num_experts_per_tok=2)
-    return {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config}[family](**common)
+    # OLMo: norms without parameters, in its layers and before its head
+    return {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "olmo": T.OlmoConfig}[family](**common)
 
 
 def write_hf_model(path, family: str, weights: bool = True, tied: bool = False, seed: int = 0, dtype=torch.float32) -> str:

@@ -186,6 +186,7 @@ built-in GPT are held to 1e-5."""
     ("gemma3", ("parallel.tp=2", SP)),  # four norms per layer, a sliding window
     ("mixtral", ("parallel.tp=2", SP)),  # the mixture: a region run on every token, its output cut
     ("gpt_neox", ("parallel.tp=2", SP)),  # parallel residual
+    ("olmo", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", SP)),  # its norms have no parameters
     ("olmo2", ("parallel.fsdp=2", "parallel.tp=2", SP)),  # gathered q/k/v inside the region
     ("phi3", ("parallel.tp=2", SP)),  # rowwise_split_input reduce-scattering
     ("deepseek_v2", ("parallel.tp=2", SP)),
@@ -200,6 +201,7 @@ built-in GPT are held to 1e-5."""
     ("gemma3", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),  # a rotary per layer type
     ("mixtral", ("parallel.tp=2",)),  # every expert split: its packed gate and up by columns, down by rows
     ("mixtral", ("parallel.fsdp=2", "parallel.tp=2")),  # the experts' tp parts (stacked along dim 1) sharded
+    ("gemma4_moe", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),  # experts as a layer's own child
     ("gpt_neox", ("parallel.tp=2",)),  # fused per-head q/k/v, split by heads; a quarter-head rotary
     ("phi", ("parallel.fsdp=2", "parallel.tp=2")),  # a half-head rotary
     ("olmo2", ("parallel.tp=2", "train.grad_clip=0.05")),  # gathered q/k/v around its whole-width q/k norms
@@ -210,9 +212,9 @@ built-in GPT are held to 1e-5."""
     ("granite_swa", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),
     ("granitemoe_swa", ("parallel.tp=2",)),
     ("mimo_v2_flash", ("parallel.tp=2",)),
-], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-tp2-pp2-sp-clipped", "gemma3-tp2-sp", "mixtral-tp2-sp", "gpt_neox-tp2-sp",
+], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-tp2-pp2-sp-clipped", "gemma3-tp2-sp", "mixtral-tp2-sp", "gpt_neox-tp2-sp", "olmo-tp2-pp2-sp",
         "olmo2-fsdp2-tp2-sp", "phi3-tp2-sp", "deepseek_v2-tp2-sp", "qwen3-tp2-sp-recompute", "llama-fsdp2-tp2", "llama-dp2-tp2", "llama-tp2-pp2-split", "qwen2-tp2", "qwen3-tp2-clipped",
-        "qwen3-fsdp2-tp2", "gemma3-tp2-pp2", "mixtral-tp2", "mixtral-fsdp2-tp2", "gpt_neox-tp2", "phi-fsdp2-tp2", "olmo2-tp2-clipped",
+        "qwen3-fsdp2-tp2", "gemma3-tp2-pp2", "mixtral-tp2", "mixtral-fsdp2-tp2", "gemma4_moe-tp2-pp2", "gpt_neox-tp2", "phi-fsdp2-tp2", "olmo2-tp2-clipped",
         "phi3-tp2-pp2", "deepseek_v2-tp2-pp2-split", "granite_swa-tp2-pp2", "granitemoe_swa-tp2",
         "mimo_v2_flash-tp2"])
 def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_process(make_config, tmp_path, family,
@@ -236,10 +238,13 @@ def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_proce
     assert "0.embed.weight" in split
     owners = {n.rsplit(".", 2)[1] if n.endswith((".weight", ".bias")) else n.rsplit(".", 1)[1] for n in split}
     assert split and owners - {"head", "embed"} == planned, split  # a linear's name, or a bare parameter's
-    # with sequence parallelism a stage hands on its tp rank's half of the tokens
-    tails = [t for s in range(cfg.parallel.pp) for t in json.loads((tmp_path / "run" / f"stage{s}-0-1.json").read_text())["input_tails"]]
+    # with sequence parallelism each decoder layer takes its tp rank's half of the tokens, and a stage
+    # hands that half on
+    reports = [json.loads((tmp_path / "run" / f"stage{s}-0-1.json").read_text()) for s in range(cfg.parallel.pp)]
+    tails = [t for report in reports for t in report["input_tails"]]
     tokens = 16 // 2 if cfg.parallel.sequence_parallel else 16
     assert [t[0] for t in tails if t is not None] == [tokens] * (cfg.parallel.pp - 1), tails
+    assert {n for report in reports for n in report["tokens_split_by"]} == {16 // tokens}, reports
 
 
 @pytest.mark.parametrize("overrides, words", [
@@ -284,9 +289,21 @@ def test_sequence_parallelism_runs_a_decoder_layers_norms_on_each_ranks_tokens_a
                      "layer.post_attention_layernorm": ("sequence_parallel", 1), "layer.mlp": ("sequence_region", 1)}
     # its shared experts' rowwise output meets the routed experts' whole one: it stays whole, then is cut
     assert moe["layer.mlp"] == ("sequence_region_whole_output", 1) and moe["layer.self_attn"] == dense["layer.self_attn"]
-    assert sequence_problem(layers[0]) is None
+    assert sequence_problem(config, layers[0]) is None
     layers[0].register_parameter("scale", torch.nn.Parameter(torch.ones(32)))
-    assert "holds a parameter of its own (scale)" in sequence_problem(layers[0])
+    assert "holds a parameter of its own (scale)" in sequence_problem(config, layers[0])
+
+
+def test_sequence_parallelism_for_experts_a_decoder_layer_calls_itself_is_refused_before_any_actor(tmp_path):
+    # Gemma 4 hands its experts the layer's tokens flattened: no (batch, tokens, width) input to gather
+    from raytrain.config import load_config
+    from raytrain.driver.plan import prepare
+
+    path = write_hf_model(tmp_path / "model", "gemma4_moe")
+    cfg = load_config(None, [f"model.hf={path}", TP, "parallel.tp=2", SP, f"run.dir={tmp_path}/runs"])
+    with pytest.raises(ValueError, match=r"parallel.sequence_parallel=true: model.hf=.* cannot split its tokens over "
+                                         r"the tp ranks: its decoder layer calls its experts \(experts\) itself"):
+        prepare(cfg)
 
 
 def test_a_family_without_a_tensor_parallel_plan_is_refused(tmp_path):

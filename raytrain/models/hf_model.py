@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from raytrain.models.hf_tensor_plan import decoder_layer_plan
+from raytrain.models.hf_tensor_plan import decoder_layer_plan, runs_per_token
 
 HF_EXTRA = "pip install -e '.[hf]'"
 
@@ -334,22 +334,18 @@ class HFHead(nn.Module):
         super().__init__()
         self.norm, self.head = parts.norm, parts.head
         tied = getattr(parts.head, "weight", None) is getattr(parts.embed, "weight", False)
-        split = not tied and isinstance(parts.head, nn.Linear)
-        self.tp_plan = {"head": ("vocab_parallel", 1) if split else ("sequence_gather", 1)}
-        if _is_whole_norm(parts.norm):  # with parallel.sequence_parallel, run on the rank's tokens
+        split, per_token = not tied and isinstance(parts.head, nn.Linear), runs_per_token(parts.norm)
+        self.tp_plan = {"head": ("vocab_parallel", 1)} if split else {}
+        if per_token:  # with parallel.sequence_parallel, on the rank's tokens
             self.tp_plan["norm"] = ("sequence_parallel", 1)
+        if not split:  # a whole head takes every rank's tokens (before the norm, if that cannot run on a part)
+            self.tp_plan["head" if per_token else "norm"] = ("sequence_gather", 1)
         self.logits_scaling = _granite(config, "logits_scaling")
         """Granite's families divide the logits by it."""
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.norm(h_BTD))
         return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
-
-
-def _is_whole_norm(module: Optional[nn.Module]) -> bool:
-    """A norm with parameters of its own and no submodules: one that runs on each rank's tokens."""
-    return (module is not None and "Norm" in type(module).__name__ and not any(True for _ in module.children())
-            and any(True for _ in module.parameters()))
 
 
 def _granite(config, key: str) -> float:

@@ -15,6 +15,7 @@ from raytrain.models.hf_model import (UncuttableModel, WholeModel, causal_attent
 from raytrain.config.layout import Layout
 from raytrain.models.hf_tensor_plan import sequence_problem, tp_problem
 from raytrain.models.hf_weights import hf_layers, missing_weights, weight_files
+from raytrain.models.tensor_plan import layer_plan, token_split_problem
 
 VERIFY_MAX_PARAMS = 500_000_000
 """The largest two-layer copy ``resolve_cut`` builds to check the cut (2 GB in float32)."""
@@ -106,11 +107,15 @@ def check_tensor_parallel(cfg: Config) -> None:
     config = load_hf_config(m.hf, m.trust_remote_code)
     _, layers = hf_layers(m.hf, "layers", m.trust_remote_code)
     problem = next(filter(None, (tp_problem(config, decoder.layer, tp) for decoder in layers[1:-1])), None)
-    if problem is None and cfg.parallel.sequence_parallel:
-        problem = next(filter(None, (sequence_problem(decoder.layer) for decoder in layers[1:-1])), None)
     if problem is not None:  # every decoder layer: a mixture of experts may follow dense ones (DeepSeek-V2)
         raise ValueError(f"parallel.tp={tp}: model.hf={m.hf!r} ({describe(config)}): {problem}; use parallel.fsdp, "
                          "or a tp that fits")
+    if cfg.parallel.sequence_parallel:
+        problem = next(filter(None, (sequence_problem(config, decoder.layer) for decoder in layers[1:-1])), None)
+        problem = problem or token_split_problem([layer_plan(layer, tp, sequence=True) for layer in layers])
+        if problem is not None:
+            raise ValueError(f"parallel.sequence_parallel=true: model.hf={m.hf!r} ({describe(config)}) cannot split "
+                             f"its tokens over the tp ranks: {problem}; leave sequence_parallel false")
 
 
 def _two_layer_config(config):

@@ -58,7 +58,7 @@ def decoder_layer_plan(config, decoder_layer: Optional[nn.Module] = None) -> Pla
         plan.update({f"layer.{name}": (PARAM_ROWS, 1) for name, style in declared_plan(config).items()
                      if style == "colwise" and _parameter(decoder_layer, name) is not None})
         plan.update({f"layer.{name}": entry for name, entry in experts_plan(config, decoder_layer).items()})
-        plan.update(sequence_plan(config, decoder_layer))
+        plan.update({name: entry for name, entry in sequence_plan(config, decoder_layer).items() if name not in plan})
     return plan
 
 
@@ -79,7 +79,9 @@ def experts_plan(config, decoder_layer: nn.Module) -> Plan:
             continue
         splits = {f"{experts}.{name}": EXPERT_STYLES.get(declared.get(f"{experts}.{name}"))
                   for name, param in module.named_parameters() if param.dim() == 3}
-        if not splits or None in splits.values() or len(splits) < sum(1 for _ in module.parameters()):
+        # a packed gate and up that the plan calls plain colwise would split gate from up
+        packed_as_one = any("gate_up" in name and declared.get(name) == "colwise" for name in splits)
+        if not splits or None in splits.values() or len(splits) < sum(1 for _ in module.parameters()) or packed_as_one:
             return {}
         plan.update(splits)
         plan[experts] = (SUMMED_EXPERTS, 1)
@@ -97,8 +99,8 @@ def sequence_plan(config, decoder_layer: nn.Module) -> Plan:
     parallel.sequence_parallel): its norms run on the rank's tokens, and every other child with
     parameters (the attention, the MLP or mixture of experts) is a ``sequence_region``: transformers'
     attention reads the sequence length off its input, so the region takes every token and hands back
-    the rank's. One holding experts (kept whole) keeps its rowwise linears' outputs whole too, to meet
-    theirs. The residual adds between them run on the rank's tokens."""
+    the rank's. One holding experts (summed whole over the ranks) keeps its rowwise linears' outputs
+    whole too, to meet theirs. The residual adds between them run on the rank's tokens."""
     plan = {}
     for name, child in decoder_layer.named_children():
         if not any(True for _ in child.parameters()):
@@ -118,14 +120,23 @@ def _is_norm(module: nn.Module) -> bool:
     return "Norm" in type(module).__name__ and not any(True for _ in module.children())
 
 
-def sequence_problem(decoder_layer: nn.Module) -> Optional[str]:
+def runs_per_token(module: nn.Module) -> bool:
+    """Whether ``module`` can run on each rank's tokens under parallel.sequence_parallel: a norm (its class
+    says so; no submodules), or a module without parameters (whose gradients would be parts)."""
+    return _is_norm(module) or not any(True for _ in module.parameters())
+
+
+def sequence_problem(config, decoder_layer: nn.Module) -> Optional[str]:
     """Why a decoder layer's tokens cannot be split over the tp ranks between its submodules (None when
     they can): a parameter of the layer itself would see only the rank's tokens, and raytrain sums the
-    gradients of the norms' parameters alone."""
+    gradients of the norms' parameters alone; experts the layer calls itself get its tokens flattened,
+    not a (batch, tokens, width) input a region can gather."""
     own = next((name for name, _ in decoder_layer.named_parameters(recurse=False)), None)
     if own is not None:
-        return (f"its decoder layer holds a parameter of its own ({own}) outside its submodules, which "
-                "parallel.sequence_parallel would apply to each rank's tokens alone; leave sequence_parallel false")
+        return f"its decoder layer holds a parameter of its own ({own}), which would see each rank's tokens alone"
+    direct = next((e for e in _experts(config) if "." not in e and _submodule(decoder_layer, e) is not None), None)
+    if direct is not None:
+        return f"its decoder layer calls its experts ({direct}) itself, on flattened tokens"
     return None
 
 

@@ -5,7 +5,7 @@ GPT's ``Block.tp_plan`` (raytrain.models.layers). ``colwise`` splits a linear's 
 weight's and bias's dim 0), ``rowwise`` its input features (its weight's dim 1; the bias stays whole,
 added once after the sum); a parameter in no planned submodule is replicated. A colwise linear that
 fuses ``parts`` projections (q, k and v in one weight) is split per part, so rank r holds its rows of
-each part: several boxes, stacked along dim 0 in the rank's local tensor in that order.
+each part: several boxes, stacked along dim 0 in the rank's local tensor in that order (``stack_dim``).
 ``replicated_grad_sum`` keeps a module whole on every rank but sums its gradient over the tp group: a
 norm applied to each head (Qwen3's q_norm) sees only the rank's heads, so each rank's gradient is a part.
 ``tail_grad_sum`` keeps a linear whole on every rank and sums, over the tp group, the gradient of the
@@ -153,10 +153,10 @@ def plan_problem(layers: list[nn.Module], tp: int, sequence: bool = False) -> Op
             problem = _entry_problem(layers[i], f"layer {i}'s tp_plan[{name!r}]", name, entry, tp, shared)
             if problem is not None:
                 return problem
-    return _token_split_problem([layer_plan(layer, tp, sequence) for layer in layers]) if sequence else None
+    return token_split_problem([layer_plan(layer, tp, sequence) for layer in layers]) if sequence else None
 
 
-def _token_split_problem(plans: list[Plan]) -> Optional[str]:
+def token_split_problem(plans: list[Plan]) -> Optional[str]:
     """Why the layers' sequence-parallel entries do not agree (None when they do): a layer that scatters the
     tokens, then only sequence-parallel layers, the last of which gathers them again (a head)."""
     if not any(sequence_parallel(plan) for plan in plans):

@@ -26,7 +26,7 @@ class StageState:
         """``params`` is read at every call (a sharded stage re-points its items each generation);
         ``rows`` are the (start, stop, total) rows of dim 0 of each that this worker owns, None when whole;
         ``slices`` the checkpoint's ``slices`` entry of each (raytrain.checkpoint.assemble: the boxes of it,
-        stacked along dim 0, that a tensor-parallel worker holds), None when not tensor-parallel; ``written``:
+        stacked along one dim, that a tensor-parallel worker holds), None when not tensor-parallel; ``written``:
         which parameters this worker's checkpoint shard holds (None: all). A tp rank other than 0 leaves out
         those every tp rank holds the same part of: rank 0 writes them, so no piece is in two files."""
         self.names, self.params, self.optimizer, self.device, self.rows = names, params, optimizer, device, rows

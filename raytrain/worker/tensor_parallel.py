@@ -132,13 +132,19 @@ def _run_on_every_token(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     ``hidden_states``) gathered from every rank's tokens, and its output (or its output's first tensor)
     cut to the rank's tokens unless a rowwise linear has cut it already. The gather's backward keeps the
     rank's tokens of a gradient that is whole on every rank (colwise linears sum theirs over the tp group)."""
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError(f"{type(module).__name__} (a sequence region) took an input of shape {tuple(x.shape)}, "
+                             "not (batch, tokens, width): set parallel.sequence_parallel=false for this model")
+        return _tokens(x, tp_mesh, TOKENS, Replicate()).clone()  # its own: a module may change it in place
+
     def gather(_, args, kwargs):
         if args:
-            return (_tokens(args[0], tp_mesh, TOKENS, Replicate()), *args[1:]), kwargs
+            return (whole(args[0]), *args[1:]), kwargs
         if "hidden_states" not in kwargs:
             raise TypeError(f"{type(module).__name__} (a sequence region) was called with neither a positional "
                             "input nor hidden_states")
-        return args, {**kwargs, "hidden_states": _tokens(kwargs["hidden_states"], tp_mesh, TOKENS, Replicate())}
+        return args, {**kwargs, "hidden_states": whole(kwargs["hidden_states"])}
 
     def cut(_, args, kwargs, output):
         first = output[0] if isinstance(output, tuple) else output
@@ -241,7 +247,7 @@ class TensorParallelLayers:
         """Layers of each model chunk (virtual stages); the chunks are views of the parallelised stage."""
         self.meta_layers, self.names, self.loss_fn, full_values, buffers = meta_stage(cfg, layer_ids)
         self.slices: list[list] = []
-        """Of each parameter, the boxes of the whole that this rank holds, stacked along dim 0, as the
+        """Of each parameter, the boxes of the whole that this rank holds, stacked along one dim, as the
         checkpoint's ``slices`` record them (raytrain.checkpoint.assemble.slices_entry)."""
         self.params: list[torch.Tensor] = []
         self.split: list[bool] = []
