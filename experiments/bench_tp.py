@@ -26,7 +26,7 @@ layouts left out.
     python experiments/bench_tp.py --vocab 65536 --repeats 1 --steps 5
 
 ``--moe`` measures a Hugging Face mixture of experts instead (a Mixtral of 4 layers, hidden 512, 8 experts
-of width 1024, 2 per token: 53M parameters, 95% of them in experts, random weights saved to a temporary
+of width 1024, 2 per token: 54M parameters, 94% of them in experts, random weights saved to a temporary
 directory): tp=2 splits every expert (transformers' moe_tp_experts plan) as well as attention, against dp=2
 and fsdp=2, the peer left out.
 
