@@ -35,6 +35,12 @@ def hf_config(family: str, tied: bool = False, layers: int = 2):
         return T.Gemma4TextConfig(**common, head_dim=8, global_head_dim=8, moe_intermediate_size=16, enable_moe_block=True,
                                   num_experts=4, top_k_experts=2, hidden_size_per_layer_input=0, sliding_window=8,
                                   layer_types=["sliding_attention", "full_attention"][:layers])
+    if family == "nemotron_h":  # a Mamba layer, an attention layer and a mixture: only its experts split
+        return T.NemotronHConfig(vocab_size=256, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=tied,
+                                 layers_block_type=["mamba", "attention", "moe"], n_routed_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+                                 mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1)
     if family == "olmo2":  # q/k norms over all heads at once: its plan gathers q/k/v (colwise_gather_output)
         return T.Olmo2Config(**common, pad_token_id=0)
     if family == "phi3":  # fused q/k/v and gate/up, gathered, then split again into o/down (rowwise_split_input)

@@ -202,6 +202,8 @@ built-in GPT are held to 1e-5."""
     ("mixtral", ("parallel.tp=2",)),  # every expert split: its packed gate and up by columns, down by rows
     ("mixtral", ("parallel.fsdp=2", "parallel.tp=2")),  # the experts' tp parts (stacked along dim 1) sharded
     ("gemma4_moe", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2")),  # experts as a layer's own child
+    ("nemotron_h", ("parallel.tp=2",)),  # Mamba and attention whole on each rank, the experts split
+    ("nemotron_h", ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", SP)),  # each mixer a region
     ("gpt_neox", ("parallel.tp=2",)),  # fused per-head q/k/v, split by heads; a quarter-head rotary
     ("phi", ("parallel.fsdp=2", "parallel.tp=2")),  # a half-head rotary
     ("olmo2", ("parallel.tp=2", "train.grad_clip=0.05")),  # gathered q/k/v around its whole-width q/k norms
@@ -214,7 +216,7 @@ built-in GPT are held to 1e-5."""
     ("mimo_v2_flash", ("parallel.tp=2",)),
 ], ids=["llama-tp2-clipped", "llama-tp2-pp2", "llama-tp2-pp2-sp-clipped", "gemma3-tp2-sp", "mixtral-tp2-sp", "gpt_neox-tp2-sp", "olmo-tp2-pp2-sp",
         "olmo2-fsdp2-tp2-sp", "phi3-tp2-sp", "deepseek_v2-tp2-sp", "qwen3-tp2-sp-recompute", "llama-fsdp2-tp2", "llama-dp2-tp2", "llama-tp2-pp2-split", "qwen2-tp2", "qwen3-tp2-clipped",
-        "qwen3-fsdp2-tp2", "gemma3-tp2-pp2", "mixtral-tp2", "mixtral-fsdp2-tp2", "gemma4_moe-tp2-pp2", "gpt_neox-tp2", "phi-fsdp2-tp2", "olmo2-tp2-clipped",
+        "qwen3-fsdp2-tp2", "gemma3-tp2-pp2", "mixtral-tp2", "mixtral-fsdp2-tp2", "gemma4_moe-tp2-pp2", "nemotron_h-tp2", "nemotron_h-tp2-pp2-sp", "gpt_neox-tp2", "phi-fsdp2-tp2", "olmo2-tp2-clipped",
         "phi3-tp2-pp2", "deepseek_v2-tp2-pp2-split", "granite_swa-tp2-pp2", "granitemoe_swa-tp2",
         "mimo_v2_flash-tp2"])
 def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_process(make_config, tmp_path, family,
@@ -225,8 +227,9 @@ def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_proce
     cfg = make_config(f"model.hf={path}", *layout, TP, "train.steps=3", LONG_RUN_LR)
     model, _ = run_stages(cfg, str(tmp_path / "run"))
     assert_same_hf_params(model, reference_state(cfg), rtol=ADAM_EPS_RTOL.get(family, 1e-5))
-    files = [torch.load(tmp_path / "run" / f"stage0-0-{t}.pt", weights_only=True) for t in (0, 1)]
-    split = set(files[1]["model"])
+    # tp rank 1 writes only what it holds a part of (rank 0 writes what both hold whole)
+    split = {n for s in range(cfg.parallel.pp)
+             for n in torch.load(tmp_path / "run" / f"stage{s}-0-1.pt", weights_only=True)["model"]}
     import transformers
 
     config = hf_config(family)
@@ -303,6 +306,22 @@ def test_sequence_parallelism_for_experts_a_decoder_layer_calls_itself_is_refuse
     cfg = load_config(None, [f"model.hf={path}", TP, "parallel.tp=2", SP, f"run.dir={tmp_path}/runs"])
     with pytest.raises(ValueError, match=r"parallel.sequence_parallel=true: model.hf=.* cannot split its tokens over "
                                          r"the tp ranks: its decoder layer calls its experts \(experts\) itself"):
+        prepare(cfg)
+
+
+def test_a_family_whose_plan_splits_only_experts_is_refused_without_them(tmp_path):
+    # Nemotron-H's plan splits its experts alone: with Mamba and attention layers only, tp would split nothing
+    import transformers as T
+
+    from raytrain.config import load_config
+    from raytrain.driver.plan import prepare
+
+    config = T.NemotronHConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8, layers_block_type=["mamba", "attention"],
+                               mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1)
+    T.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    cfg = load_config(None, [f"model.hf={tmp_path / 'model'}", TP, "parallel.tp=2", f"run.dir={tmp_path}/runs"])
+    with pytest.raises(ValueError, match=r"parallel.tp=2: model.hf=.*its plan splits no weight of its decoder layers"):
         prepare(cfg)
 
 

@@ -15,7 +15,7 @@ from raytrain.models.hf_model import (UncuttableModel, WholeModel, causal_attent
 from raytrain.config.layout import Layout
 from raytrain.models.hf_tensor_plan import sequence_problem, tp_problem
 from raytrain.models.hf_weights import hf_layers, missing_weights, weight_files
-from raytrain.models.tensor_plan import layer_plan, token_split_problem
+from raytrain.models.tensor_plan import layer_plan, split_of, token_split_problem
 
 VERIFY_MAX_PARAMS = 500_000_000
 """The largest two-layer copy ``resolve_cut`` builds to check the cut (2 GB in float32)."""
@@ -107,6 +107,9 @@ def check_tensor_parallel(cfg: Config) -> None:
     config = load_hf_config(m.hf, m.trust_remote_code)
     _, layers = hf_layers(m.hf, "layers", m.trust_remote_code)
     problem = next(filter(None, (tp_problem(config, decoder.layer, tp) for decoder in layers[1:-1])), None)
+    if problem is None and not any(split_of(layer_plan(decoder, tp), name) for decoder in layers[1:-1]
+                                   for name, _ in decoder.named_parameters()):
+        problem = "its plan splits no weight of its decoder layers that raytrain splits (experts with a bias stay whole)"
     if problem is not None:  # every decoder layer: a mixture of experts may follow dense ones (DeepSeek-V2)
         raise ValueError(f"parallel.tp={tp}: model.hf={m.hf!r} ({describe(config)}): {problem}; use parallel.fsdp, "
                          "or a tp that fits")

@@ -162,7 +162,7 @@ def _parameter(module: nn.Module, name: str) -> Optional[nn.Parameter]:
 def tp_problem(config, decoder_layer: nn.Module, tp: int) -> Optional[str]:
     """Why ``tp`` ranks cannot split this family's decoder layers (None when they can)."""
     declared = declared_plan(config)
-    if not declared:
+    if not declared and not _experts(config):
         return "its config declares no tensor-parallel plan for its decoder layers (base_model_tp_plan)"
     for name, style in declared.items():
         if style == LOCAL_PARAMS:
