@@ -44,10 +44,10 @@ by vocabulary). ``sequence_region`` names a submodule whose code needs every tok
 attention reads the sequence length off its input): its input is gathered whole, the linears inside it
 split as without the setting, but for its rowwise ones, which reduce-scatter to the rank's tokens, and
 its output, if still whole, is cut to the rank's tokens; in a ``sequence_region_whole_output`` (where
-split linears' outputs meet whole ones: a mixture's shared experts beside its routed experts, kept
-whole) the rowwise linears all-reduce as without the setting, and the whole output is cut. A whole model's layers must agree (the built-in
-GPT's and the Hugging Face cut's do), since pipeline stages pass the split activations on. Without the
-setting, ``layer_plan`` leaves the ``sequence_*`` entries out.
+split linears' outputs meet whole ones: a mixture's shared experts beside its routed experts, summed
+whole) the rowwise linears all-reduce as without the setting, and the whole output is cut. A whole
+model's layers must agree (the built-in GPT's and the Hugging Face cut's do), since pipeline stages pass
+the split activations on. Without the setting, ``layer_plan`` leaves the ``sequence_*`` entries out.
 
 A model.factory layer declares the same form (README: "Any model"); ``plan_problem`` checks it on the
 driver before any actor starts. Its ``forward`` must read its local widths from what its colwise

@@ -17,7 +17,9 @@ parameter's own placement first, should autograd leave it partial); a replicated
 positions, a table or head tp cannot split by vocabulary, rowwise biases) sees the same full activations and output gradients on every tp rank
 (ColwiseParallel all-reduces its input's gradient), so its gradient is whole and identical there, but
 for a per-head norm's (``replicated_grad_sum``: each rank's covers its heads), summed over the tp
-group. With dp > 1 they are summed over the dp group (``TensorParallelGrads``). The global norm counts the split
+group. A plain part (a bare parameter's rows, an expert's slice) has its own local gradient; a mixture's
+router stays whole, its gradient identical once the experts' input gradients are summed over the tp group.
+With dp > 1 they are summed over the dp group (``TensorParallelGrads``). The global norm counts the split
 parameters' squares summed over the tp group and the replicated ones once (raytrain.worker.gradsync).
 
 This class serves parallel.tp alone (with dp and pp); with parallel.fsdp > 1 the stage is 2-D and
@@ -94,8 +96,11 @@ def parallelize_layers(layers: list[nn.Module], tp_mesh: DeviceMesh, sequence: b
     over ``tp_mesh``, in place; the layers."""
     for layer in layers:
         plan = layer_plan(layer, tp_mesh.size(), sequence)
-        parallel = {name: _style_table(plan, name)[style]() for name, (style, _) in plan.items()
-                    if style in _style_table(plan, name)}
+        parallel = {}
+        for name, (style, _) in plan.items():
+            table = _style_table(plan, name)
+            if style in table:  # the others are hooks or plain parts, below
+                parallel[name] = table[style]()
         if sequence_parallel(plan) and hasattr(layer, "tokens_split_by"):
             layer.tokens_split_by = tp_mesh.size()  # it builds positions and masks of the whole sequence
         whole = parallel.pop("", None)  # a style of the layer itself
