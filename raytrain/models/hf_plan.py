@@ -107,8 +107,7 @@ def check_tensor_parallel(cfg: Config) -> None:
     config = load_hf_config(m.hf, m.trust_remote_code)
     _, layers = hf_layers(m.hf, "layers", m.trust_remote_code)
     problem = next(filter(None, (tp_problem(config, decoder.layer, tp) for decoder in layers[1:-1])), None)
-    if problem is None and not any(split_of(layer_plan(decoder, tp), name) for decoder in layers[1:-1]
-                                   for name, _ in decoder.named_parameters()):
+    if problem is None and not any(_splits_a_weight(decoder, tp) for decoder in layers[1:-1]):
         problem = "its plan splits no weight of its decoder layers that raytrain splits (experts with a bias stay whole)"
     if problem is not None:  # every decoder layer: a mixture of experts may follow dense ones (DeepSeek-V2)
         raise ValueError(f"parallel.tp={tp}: model.hf={m.hf!r} ({describe(config)}): {problem}; use parallel.fsdp, "
@@ -119,6 +118,12 @@ def check_tensor_parallel(cfg: Config) -> None:
         if problem is not None:
             raise ValueError(f"parallel.sequence_parallel=true: model.hf={m.hf!r} ({describe(config)}) cannot split "
                              f"its tokens over the tp ranks: {problem}; leave sequence_parallel false")
+
+
+def _splits_a_weight(layer: nn.Module, tp: int) -> bool:
+    """Whether ``tp`` ranks hold parts of any parameter of this cut layer, by its plan."""
+    plan = layer_plan(layer, tp)
+    return any(split_of(plan, name) is not None for name, _ in layer.named_parameters())
 
 
 def _two_layer_config(config):
