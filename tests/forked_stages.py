@@ -50,14 +50,14 @@ def _run_worker(cfg, source, num_samples: int, stage_layers: list[list[list[int]
     if resume is not None:
         stage.load(resume)
     stage.join(rank, mesh, even_shares(cfg.train.global_batch, mesh.dp), store, generation=0, faults=[])
-    peak_live, held_out = 0, []
+    peak_live, held_out, last_step_events = 0, [], []
     for step in range(stage.committed, steps):
         if step == rejoin_at:  # a new generation: groups re-formed, a sharded or tp stage re-wrapped on them
             stage.join(rank, mesh, even_shares(cfg.train.global_batch, mesh.dp), store, generation=1, faults=[])
-        result = stage.run_step(step)
+        result = stage.run_step(step, trace=step == steps - 1)  # the last step's actions and collectives, timed
         if not result.ok:
             raise RuntimeError(f"rank {rank} failed step {step}: {result.error}")
-        peak_live = max(peak_live, result.peak_live)
+        peak_live, last_step_events = max(peak_live, result.peak_live), result.events
         if step + 1 in evaluate_after:
             report = stage.evaluate()
             if not report.ok:
@@ -75,7 +75,8 @@ def _run_worker(cfg, source, num_samples: int, stage_layers: list[list[list[int]
             tails = [list(chunk.input_tail) if chunk.input_tail else None for chunk in stage.gen.chunks]
             # a Hugging Face decoder layer's view of its input: a part of every sample's tokens, or all
             split = sorted({m.tokens_split_by for m in stage.executor.module.modules() if hasattr(m, "tokens_split_by")})
-            json.dump({"peak_live": peak_live, "input_tails": tails, "tokens_split_by": split}, f)
+            json.dump({"peak_live": peak_live, "input_tails": tails, "tokens_split_by": split,
+                       "last_step_events": last_step_events}, f)
     stage.shutdown()
 
 

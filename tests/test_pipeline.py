@@ -72,9 +72,18 @@ def test_split_backwards_on_sharded_stages_reduce_after_their_last_weight_half(m
     # all-reduce across replicas). Without it these cells end far from one process's parameters.
     cfg = make_config("parallel.fsdp=2", "parallel.pp=2", "train.steps=3", "model.n_layer=6", *SPLIT_FSDP_CELLS[cell])
     plan = build_plan(cfg.parallel.schedule, 2, cfg.parallel.microbatches, True, cfg.parallel.virtual_stages)
-    assert any(acts[last_gradient_action(acts)].kind == "W" for acts in plan)  # the case this is about
     model, _ = run_stages(cfg, str(tmp_path))
     assert_same_params(model, reference_state(cfg))
+    # the case this is about ran: a chunk's last gradient action was a W, and FSDP2 reduce-scattered in it
+    reduced_in_a_last_w = []
+    for stage, acts in enumerate(plan):
+        events = json.loads((tmp_path / f"stage{stage}-0-0.json").read_text())["last_step_events"]
+        for chunk in sorted({a.chunk for a in acts}):
+            last = acts[last_gradient_action(acts, chunk)]
+            if last.kind == "W":
+                start, end = next((a, b) for name, a, b in events if name == repr(last))
+                reduced_in_a_last_w.append(any(name == "reduce-scatter" and start <= a <= end for name, a, _ in events))
+    assert reduced_in_a_last_w and all(reduced_in_a_last_w), reduced_in_a_last_w
 
 
 @pytest.mark.parametrize("pp, kind, m, split", CHUNK_CELLS)

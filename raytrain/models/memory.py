@@ -127,7 +127,7 @@ def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, m
             unsharded = UNSHARDED_BYTES_PER_PARAM * sum(params)
         elif fsdp > 1 and microbatches > 1:
             unsharded += ACCUMULATED_GRAD_BYTES_PER_PARAM * sum(params)
-        live = _live_microbatches(pp, index, microbatches, schedule, virtual_stages)
+        live = _live_microbatches(pp, index, microbatches, schedule, virtual_stages, split)
         last = any(end == len(layer_params) for _, end in held)  # it computes the logits
         layers = max(end - first for first, end in held)
         activations = _activations(widths, micro_batch, layers, recompute, last, live, logits_part) if widths else 0.0
@@ -143,14 +143,15 @@ def _worker_chunks(chunks: list[tuple[int, int]], pp: int, virtual_stages: int, 
     return [[chunks[placement.stage(w, c)] for c in range(virtual_stages)] for w in range(pp)]
 
 
-def _live_microbatches(pp: int, stage: int, microbatches: int, schedule: str, virtual_stages: int = 1) -> int:
+def _live_microbatches(pp: int, stage: int, microbatches: int, schedule: str, virtual_stages: int = 1,
+                       split: bool = False) -> int:
     """Micro-batches (chunk activations, with virtual stages) a worker holds at once: one without a
     pipeline (accumulation finishes each before the next), all of them in GPipe, at most pp - stage in
-    1F1B, and the plan's own count for the interleaved and V schedules."""
+    1F1B, and the plan's own count (of the plan ``split`` or not) for the interleaved and V schedules."""
     if pp == 1:
         return 1
     if virtual_stages > 1:
-        plan = build_plan(schedule, pp, microbatches, schedule == "zbv", virtual_stages)
+        plan = build_plan(schedule, pp, microbatches, split, virtual_stages)
         return peak_live_activations(plan[stage])
     return microbatches if schedule == "gpipe" else min(microbatches, pp - stage)
 
