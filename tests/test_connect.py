@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -197,3 +198,26 @@ def _still_running(processes: dict[int, str]) -> list[str]:
 def _trained(runs) -> bool:
     rows = [line for f in runs.glob("*/metrics.jsonl") for line in f.read_text().splitlines()]
     return sum('"loss"' in line for line in rows) >= 3
+
+
+def test_a_clean_up_call_is_given_up_once_the_embedded_rays_gcs_stops_answering(monkeypatch):
+    # A signal to the whole process group ends the embedded Ray's GCS at any moment; a Ray call made just
+    # before then blocks a minute (then Ray exits the process with code 1): the driver gives it up instead
+    from raytrain.driver import connect
+
+    answers = iter([True, True, False])  # the GCS answers the first probes, then no more
+    monkeypatch.setattr(connect, "embedded", lambda: True)
+    monkeypatch.setattr(connect, "cluster_reachable", lambda: next(answers))
+    blocked = threading.Event()
+    started = time.monotonic()
+    assert connect.while_reachable(blocked.wait, 60.0) is False  # a call that would block for a minute
+    assert time.monotonic() - started < 5
+
+    monkeypatch.setattr(connect, "cluster_reachable", lambda: True)  # an answering GCS: the call's outcome
+    assert connect.while_reachable(lambda: None) is True
+    with pytest.raises(KeyError):
+        connect.while_reachable({}.__getitem__, "missing")
+
+    monkeypatch.setattr(connect, "cluster_reachable", lambda: False)  # already gone: not even started
+    calls = []
+    assert connect.while_reachable(calls.append, 1) is False and calls == []

@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import Optional
+from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 import ray
@@ -34,6 +34,9 @@ from raytrain.driver.placement import ResourcesUnavailable
 
 PROBE_TIMEOUT_S = 5.0
 """How long the TCP probe of RAY_ADDRESS's host:port waits for an answer."""
+
+CLUSTER_POLL_S = 0.2
+"""How often ``while_reachable`` probes the embedded Ray's GCS while a clean-up call runs."""
 
 CONNECT_TIMEOUT_ENV = "RAYTRAIN_CONNECT_TIMEOUT_S"
 CONNECT_TIMEOUT_S = float(os.environ.get(CONNECT_TIMEOUT_ENV, "60"))
@@ -97,6 +100,42 @@ def cluster_reachable() -> bool:
     except OSError:
         return False
     return True
+
+
+def while_reachable(call: Callable[..., Any], *args) -> bool:
+    """``call(*args)`` (a clean-up call to Ray), given up should the embedded Ray's GCS stop answering
+    meanwhile; whether it ran to its end (its exception is raised here). A signal to the driver's whole
+    process group ends the embedded Ray at any moment, also just after a probe said it answers, and a
+    call to it then blocks a minute before Ray ends the process with code 1. The GCS is probed every
+    CLUSTER_POLL_S while the call runs in a helper thread (daemon: it does not hold the process at exit)."""
+    if not embedded():
+        call(*args)
+        return True
+    outcome: dict = {}
+
+    def run():
+        try:
+            call(*args)
+        except BaseException as e:  # handed to the caller's thread
+            outcome["error"] = e
+
+    if not cluster_reachable():
+        return False
+    thread = threading.Thread(target=run, name="raytrain-ray-clean-up", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(CLUSTER_POLL_S)
+        if thread.is_alive() and not cluster_reachable():
+            return False
+    if "error" in outcome:
+        raise outcome["error"]
+    return True
+
+
+def shutdown_embedded() -> bool:
+    """Stop the embedded Ray, if this process started one; False when its GCS stopped answering first (a
+    signal to the whole process group ended it: the reaper stops whatever of it is left)."""
+    return not embedded() or while_reachable(ray.shutdown)
 
 
 def running_as_job() -> bool:

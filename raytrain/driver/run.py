@@ -23,7 +23,7 @@ from raytrain.control.coordinator import Coordinator, OutOfMemoryLost
 from raytrain.control.goodput import Goodput
 from raytrain.control.protocol import WorkersLost
 from raytrain.control.workergroup import killed_by_ray_monitor, remove_replacement_placements, replacement_prefix
-from raytrain.driver.connect import cluster_reachable, embedded, ensure_ray
+from raytrain.driver.connect import cluster_reachable, embedded, ensure_ray, while_reachable
 from raytrain.driver.lease import Lease
 from raytrain.driver.memory import check_run_memory
 from raytrain.driver.placement import request, reserve
@@ -191,14 +191,13 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
                 resume = checkpoint.latest(cfg.checkpoint.dir) or resume
                 reporter.add([{"event": "coordinator_restarted", "resume_from": resume, "restarts": restarts + 1,
                                "reason": f"coordinator lost: {str(e).splitlines()[0][:200]}"}])
-            finally:
-                _stop(coordinator)
-                if not embedded() or cluster_reachable():  # its replacements' placement groups, should it have died
-                    remove_replacement_placements(replacement_prefix(cfg))
+            finally:  # each clean-up given up once an embedded Ray ends with a signal to the whole group
+                if while_reachable(_stop, coordinator):  # then its replacements' placement groups, should it have died
+                    while_reachable(remove_replacement_placements, replacement_prefix(cfg))
     finally:
-        if not embedded() or cluster_reachable():  # an embedded Ray gone with a group signal blocks each call
-            for group in groups:
-                remove_placement_group(group)
+        for group in groups:
+            if not while_reachable(remove_placement_group, group):
+                break
         rendezvous.close()
         reporter.finish()
 
@@ -274,5 +273,4 @@ def _stop(coordinator) -> None:
         ray.get(coordinator.shutdown.remote(), timeout=30)
     except ray.exceptions.RayError:
         pass  # already gone: its workers went with it
-    if not embedded() or cluster_reachable():
-        ray.kill(coordinator, no_restart=True)
+    ray.kill(coordinator, no_restart=True)
