@@ -16,6 +16,9 @@ from tests.helpers import pid_alive
 pytestmark = pytest.mark.ray  # every test runs the CLI on a Ray
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 120
+GROUP_STOP_S = 10
+"""From a SIGTERM to the whole process group to the exit: 2 s here; ray.shutdown on the dead embedded Ray
+would add 10 s, or block 60 s and exit 1."""
 
 
 def _start_cli(ray_cluster, tmp_path, data_cache, *extra, env=None):
@@ -97,7 +100,7 @@ def test_sigterm_to_the_whole_process_group_of_an_embedded_ray_exits_143_in_seco
     finally:
         proc.kill()
     assert proc.returncode == 143, f"{err[-3000:]}\nstdout: {out[-1000:]}\n{_driver_core_log(proc.pid)}"
-    assert took < 20, f"{took:.1f} s from the signal to the exit\n{err[-3000:]}"
+    assert took < GROUP_STOP_S, f"{took:.1f} s from the signal to the exit\n{err[-3000:]}"
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["stopped"] == "SIGTERM" and summary["checkpoint"] is not None
     assert checkpoint.read_manifest(summary["checkpoint"])["step"] == summary["steps"]
