@@ -35,7 +35,7 @@ from raytrain.driver.placement import ResourcesUnavailable
 PROBE_TIMEOUT_S = 5.0
 """How long the TCP probe of RAY_ADDRESS's host:port waits for an answer."""
 
-CLUSTER_POLL_S = 0.2
+CLEAN_UP_POLL_S = 0.2
 """How often ``while_reachable`` probes the embedded Ray's GCS while a clean-up call runs."""
 
 CONNECT_TIMEOUT_ENV = "RAYTRAIN_CONNECT_TIMEOUT_S"
@@ -107,7 +107,7 @@ def while_reachable(call: Callable[..., Any], *args) -> bool:
     meanwhile; whether it ran to its end (its exception is raised here). A signal to the driver's whole
     process group ends the embedded Ray at any moment, also just after a probe said it answers, and a
     call to it then blocks a minute before Ray ends the process with code 1. The GCS is probed every
-    CLUSTER_POLL_S while the call runs in a helper thread (daemon: it does not hold the process at exit)."""
+    CLEAN_UP_POLL_S while the call runs in a helper thread (daemon: it does not hold the process at exit)."""
     if not embedded():
         call(*args)
         return True
@@ -124,7 +124,7 @@ def while_reachable(call: Callable[..., Any], *args) -> bool:
     thread = threading.Thread(target=run, name="raytrain-ray-clean-up", daemon=True)
     thread.start()
     while thread.is_alive():
-        thread.join(CLUSTER_POLL_S)
+        thread.join(CLEAN_UP_POLL_S)
         if thread.is_alive() and not cluster_reachable():
             return False
     if "error" in outcome:
