@@ -212,6 +212,7 @@ def test_a_clean_up_call_is_given_up_once_the_embedded_rays_gcs_stops_answering(
     started = time.monotonic()
     assert connect.while_reachable(blocked.wait, 60.0) is False  # a call that would block for a minute
     assert time.monotonic() - started < 5
+    blocked.set()  # let the given-up call's thread end
 
     monkeypatch.setattr(connect, "cluster_reachable", lambda: True)  # an answering GCS: the call's outcome
     assert connect.while_reachable(lambda: None) is True
