@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raytrain import data, train
+from raytrain.data import token_checks
 from raytrain.config import load_config
 
 
@@ -266,7 +267,7 @@ def test_token_check_streams_a_file_of_many_row_groups(tmp_path, monkeypatch):
     monkeypatch.setattr(pq.ParquetFile, "read", whole_file)
     monkeypatch.setattr(pq.ParquetFile, "read_row_groups", whole_file)
     monkeypatch.setattr(pq, "read_table", whole_file)
-    monkeypatch.setattr(data, "SCAN_BATCH_ROWS", 3000)  # batches straddle the row groups of 50k
+    monkeypatch.setattr(token_checks, "SCAN_BATCH_ROWS", 3000)  # batches straddle the row groups of 50k
     assert data.check_dataset(good, "tokens", seq_len=8, global_batch=4, vocab_size=1000) == n
     with pytest.raises(ValueError, match=f"row {n - 7} has 4"):
         data.check_dataset(short_path, "tokens", seq_len=8, global_batch=4, vocab_size=1000)
@@ -302,7 +303,7 @@ def test_statistics_spare_the_scan_of_fixed_width_columns(tmp_path, monkeypatch,
     def scan(*args, **kwargs):
         raise AssertionError("scanned")
 
-    monkeypatch.setattr(data, "_scan_rows", scan)
+    monkeypatch.setattr(token_checks, "_scan_rows", scan)
     assert data.check_dataset(corpus, "tokens", seq_len=16, global_batch=4, vocab_size=256) > 100
     assert data.check_dataset(fixed, "tokens", seq_len=8, global_batch=4, vocab_size=18) == 10
     with pytest.raises(ValueError, match="token ids from 0 to 400"):

@@ -14,7 +14,7 @@ import torch
 
 from raytrain import checkpoint, data, train
 from raytrain.config import load_config
-from raytrain.data import shards
+from raytrain.data import shards, token_checks
 from raytrain.data.shards import Files
 from raytrain.driver.plan import prepare
 
@@ -293,8 +293,8 @@ def test_a_scan_is_remembered_per_file_version_and_ids_are_checked_again(tmp_pat
     each run's model.vocab_size."""
     paths = write_shards(tmp_path / "corpus", token_rows(12, seed=11), [6])
     scans = []
-    real = data._scan_rows
-    monkeypatch.setattr(data, "_scan_rows", lambda meta, source, *a: scans.append(source) or real(meta, source, *a))
+    real = token_checks._scan_rows
+    monkeypatch.setattr(token_checks, "_scan_rows", lambda meta, source, *a: scans.append(source) or real(meta, source, *a))
     first = prepare(config(tmp_path, tmp_path / "corpus"))
     assert len(scans) == 2
     again = prepare(config(tmp_path, tmp_path / "corpus"))

@@ -15,7 +15,7 @@ from raytrain.config.layout import Layout
 from raytrain.config.mesh import StoreAddress
 from raytrain.control.membership import Member, Membership
 from raytrain.control.protocol import SETUP_TIMEOUT_S, WorkerGroup, WorkersLost, lost_members, spawn_in_granted
-from raytrain.data import even_shares
+from raytrain.data.order import even_shares
 from raytrain.reports import StepReport
 
 GRANT_AT_START_S = 1.0

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from raytrain import data
+from raytrain.data import order
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.control.ledger import Ledger
@@ -203,5 +203,5 @@ def _unreported_step_row(step: int, cfg: Config, num_samples: int, layout: str, 
     B = cfg.train.global_batch
     row = {"step": step + 1, **fields, "time": time.time(), "layout": layout, "dp": dp}
     if cfg.run.record_samples:
-        row["sample_ids"] = data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
+        row["sample_ids"] = order.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
     return row

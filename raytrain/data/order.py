@@ -1,0 +1,55 @@
+"""The global sample order and its division among replicas: pure arithmetic, imported by the coordinator.
+
+Invariant (ARCHITECTURE.md: every sample exactly once per epoch): the order of samples is a pure
+function of (seed, epoch); step s consumes global positions [s*B, (s+1)*B), and each data-parallel
+replica takes a contiguous slice of them. So every sample is seen exactly once per epoch whatever
+the layout, and a resumed run needs only the step number to continue where it stopped.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import numpy as np
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, num_samples: int) -> np.ndarray:
+    """The permutation of sample ids for one epoch: a pure function of (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+
+
+def sample_ids(seed: int, num_samples: int, start: int, stop: int) -> list[int]:
+    """Sample ids at global positions [start, stop); positions run on across epochs."""
+    ids = []
+    pos = start
+    while pos < stop:
+        epoch, offset = divmod(pos, num_samples)
+        take = min(stop - pos, num_samples - offset)
+        ids.extend(epoch_order(seed, epoch, num_samples)[offset : offset + take].tolist())
+        pos += take
+    return ids
+
+
+def replica_slices(global_batch: int, shares: Sequence[int]) -> list[tuple[int, int]]:
+    """Offsets [begin, end) within a step's global batch for each replica, contiguous and in order."""
+    assert sum(shares) == global_batch, (shares, global_batch)
+    bounds = np.cumsum([0, *shares]).tolist()
+    return [(bounds[r], bounds[r + 1]) for r in range(len(shares))]
+
+
+def even_shares(global_batch: int, num_replicas: int) -> list[int]:
+    base, extra = divmod(global_batch, num_replicas)
+    return [base + (1 if r < extra else 0) for r in range(num_replicas)]
+
+
+def step_positions(step: int, global_batch: int, begin: int, end: int) -> tuple[int, int]:
+    """Global positions a replica with batch offsets [begin, end) consumes at ``step``."""
+    return step * global_batch + begin, step * global_batch + end
+
+
+def microbatch_bounds(count: int, num_microbatches: int) -> list[tuple[int, int]]:
+    sizes = even_shares(count, num_microbatches)
+    bounds = np.cumsum([0, *sizes]).tolist()
+    return [(bounds[i], bounds[i + 1]) for i in range(num_microbatches)]
+
