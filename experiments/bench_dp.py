@@ -165,7 +165,7 @@ def launch(system: str, steps: int, workdir: str) -> dict:
     launched = time.time()
     if system == "raytrain-no-ray":
         import executor_without_ray
-        from raytrain.driver.plan import plan_layout
+        from raytrain.driver.model_check import plan_layout
 
         cfg = bench_config(steps)
         res = {"step_end": executor_without_ray.launch(cfg, plan_layout(cfg).worker_layers, workdir, system)}

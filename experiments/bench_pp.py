@@ -55,7 +55,7 @@ def bench_config(steps, extra=()):
 
 
 def stage_cut(cfg) -> list[range]:
-    from raytrain.driver.plan import plan_layout
+    from raytrain.driver.model_check import plan_layout
 
     return plan_layout(cfg).stage_ranges
 
@@ -91,7 +91,7 @@ def run_executor_without_ray(steps, warmup, m, schedule, workdir):
     import executor_without_ray
 
     cfg = bench_config(steps, [f"parallel.microbatches={m}", f"parallel.schedule={schedule}"])
-    from raytrain.driver.plan import plan_layout
+    from raytrain.driver.model_check import plan_layout
 
     ends = executor_without_ray.launch(cfg, plan_layout(cfg).worker_layers, workdir, f"no-ray-{schedule}-{m}")
     return {"samples_per_s": steady_rate(ends, warmup)}

@@ -26,6 +26,7 @@ def main(run_file: str, out_file: str) -> None:
 
     from raytrain import data
     from raytrain.config import config_from_dict
+    from raytrain.config.prepared import Slot, WorkerSpec
     from raytrain.driver.rendezvous import StoreAddress
     from raytrain.worker.stage import Stage
 
@@ -39,8 +40,8 @@ def main(run_file: str, out_file: str) -> None:
     num_samples = data.training_rows(cfg, source.train.total)
     if rank == 0:
         server = dist.TCPStore("127.0.0.1", STORE_PORT, is_master=True, wait_for_workers=False)  # noqa: F841
-    stage = mesh.coords(rank)[1]
-    worker = Stage(cfg, source, num_samples, stage, run["stage_layers"][stage])
+    spec = WorkerSpec(cfg=cfg, source=source, num_samples=num_samples, stage_layers=run["stage_layers"])
+    worker = Stage(spec, Slot(mesh.coords(rank)[1]))
     worker.join(rank, mesh, data.even_shares(cfg.train.global_batch, mesh.dp),
                 StoreAddress("127.0.0.1", STORE_PORT, "bench"), generation=0, faults=[])
     step_end = []

@@ -11,12 +11,13 @@ import sys
 from typing import Callable, Optional
 
 from raytrain.config import Config
+from raytrain.config.prepared import ModelFacts, PreparedRun
 from raytrain.driver import run as driver
 from raytrain.driver.placement import ResourcesUnavailable
-from raytrain.driver.plan import RunPlan, prepare, remove_if_empty
+from raytrain.driver.plan import prepare
 from raytrain.driver.run import Result, ensure_ray
 
-__all__ = ["Result", "ResourcesUnavailable", "RunPlan", "ensure_ray", "prepare", "train"]
+__all__ = ["PreparedRun", "Result", "ResourcesUnavailable", "ensure_ray", "prepare", "train"]
 
 
 def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]], None]] = None,
@@ -24,19 +25,21 @@ def train(cfg: Config, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     """Run training to ``train.steps`` on the current (or an embedded) Ray cluster.
 
     Bad input raises a ValueError before any actor starts. With parallel.auto, short Tune trials
-    probe the layouts the cluster can hold first, and the run trains with the fastest; the Result's
-    ``auto_layout`` says what was probed. The other arguments are ``raytrain.driver.run.run``'s.
+    probe the layouts the cluster can hold once the data and the model are checked, and the run trains
+    with the fastest; the Result's ``auto_layout`` says what was probed. The other arguments are
+    ``raytrain.driver.run.run``'s.
     """
     if not cfg.parallel.auto:
         return driver.run(prepare(cfg), stream, on_rows, placement)
     # Here, not at the top: Tune's import costs every other run (and every CLI error) 1.5 s.
     from raytrain.tune.autolayout import choose_layout
 
-    checked = prepare(cfg)  # bad input fails before any probe starts
-    ensure_ray()
-    cfg, auto_layout = choose_layout(cfg, checked.layout.num_layers, stream)
-    if cfg.run.name is None:  # the run is named after the layout it trains: drop the check's empty directory
-        remove_if_empty(checked.run_dir)
-    result = driver.run(prepare(cfg), stream, on_rows, placement)
-    return dataclasses.replace(result, auto_layout=auto_layout)
+    probed = {}
 
+    def choose(cfg: Config, model: ModelFacts, layers) -> Config:
+        ensure_ray()
+        chosen, probed["auto_layout"] = choose_layout(cfg, model, layers, stream)
+        return chosen
+
+    result = driver.run(prepare(cfg, choose), stream, on_rows, placement)
+    return dataclasses.replace(result, auto_layout=probed["auto_layout"])

@@ -20,7 +20,8 @@ import torch
 from raytrain import checkpoint
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
-from raytrain.data import even_shares
+from raytrain.config.prepared import Slot, WorkerSpec
+from raytrain.data.order import even_shares
 from raytrain.driver.plan import prepare
 from raytrain.driver.rendezvous import RendezvousStore
 
@@ -38,15 +39,15 @@ def _forkserver():
     return _context
 
 
-def _run_worker(cfg, source, num_samples: int, stage_layers: list[list[list[int]]], rank: int,
-                mesh: Mesh, store, out_dir: str, resume: Optional[str], rejoin_at: Optional[int] = None,
-                evaluate_after: tuple[int, ...] = ()) -> None:
+def _run_worker(spec: WorkerSpec, rank: int, mesh: Mesh, store, out_dir: str, resume: Optional[str],
+                rejoin_at: Optional[int] = None, evaluate_after: tuple[int, ...] = ()) -> None:
     from raytrain.worker.stage import Stage
 
     replica, stage_index = mesh.coords(rank)
     shard, tp = mesh.shard(rank), mesh.tp_index(rank)
+    cfg = spec.cfg
     steps = cfg.train.steps
-    stage = Stage(cfg, source, num_samples, stage_index, stage_layers[stage_index], shard=shard, tp=tp)
+    stage = Stage(spec, Slot(stage_index, shard, tp))
     if resume is not None:
         stage.load(resume)
     stage.join(rank, mesh, even_shares(cfg.train.global_batch, mesh.dp), store, generation=0, faults=[])
@@ -93,9 +94,8 @@ def run_stages(cfg: Config, out_dir: str, rejoin_at: Optional[int] = None,
     rendezvous = RendezvousStore()
     store = rendezvous.address("127.0.0.1", namespace=os.path.basename(out_dir))
     ctx = _forkserver()
-    procs = [ctx.Process(target=_run_worker, args=(plan.cfg, plan.source, plan.num_samples,
-                                                   plan.stage_layers, rank, mesh, store, out_dir, plan.resume, rejoin_at,
-                                                   evaluate_after),
+    procs = [ctx.Process(target=_run_worker, args=(plan.worker_spec(), rank, mesh, store, out_dir, plan.resume,
+                                                   rejoin_at, evaluate_after),
                          daemon=True)
              for rank in range(mesh.world_size)]
     try:

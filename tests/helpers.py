@@ -405,6 +405,20 @@ def fake_config(tmp_path, *overrides: str):
     return cfg
 
 
+def fake_prepared(cfg, pp: int = 1, resume=None, num_samples: int = 1000):
+    """A PreparedRun for a coordinator over fake workers: one layer per stage, samples that nothing reads."""
+    import dataclasses
+
+    from raytrain.config.prepared import ModelFacts, PreparedRun
+    from raytrain.data.samples import DataSource, SampleSpec
+    from raytrain.data.shards import one_file
+
+    layout = dataclasses.replace(cfg.layout().for_model(pp, "fake"), cuts=tuple(range(1, pp)))
+    source = DataSource(one_file("unused", num_samples), SampleSpec.tokens(cfg.model.seq_len))
+    return PreparedRun(cfg=cfg, layout=layout, source=source, num_samples=num_samples,
+                       model=ModelFacts((1,) * pp, 1), resume=resume)
+
+
 # --- real runs: holding workers at a step, comparing replicas -------------------------------------
 
 

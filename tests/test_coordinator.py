@@ -7,14 +7,14 @@ from raytrain import checkpoint
 from raytrain.control.coordinator import CapacityLost, Coordinator, NonFiniteLoss, StepFailed
 from raytrain.control.policy import NO_DECISION, Action, ElasticPolicy
 from raytrain.control.runstate import RunState
-from tests.helpers import FakePlacement, FakeWorkerGroup, chain, fake_config
+from raytrain.control.crew import Reservation
+from tests.helpers import FakePlacement, FakeWorkerGroup, chain, fake_config, fake_prepared
 
 
 def run(tmp_path, *overrides, dp=2, pp=1, group=None, extra=(), resume=None, on_start=None):
     cfg = fake_config(tmp_path, f"parallel.dp={dp}", f"parallel.pp={pp}", *overrides)
     group = group or FakeWorkerGroup(pp, initial=cfg.layout().world_size)
-    coordinator = Coordinator(cfg, "unused", 1000, [[s] for s in range(pp)], None, 0, resume,
-                              extra_placements=extra, group=group)
+    coordinator = Coordinator(fake_prepared(cfg, pp, resume), Reservation(None, 0, tuple(extra)), group=group)
     if on_start:
         on_start(coordinator, group)
     summary = coordinator.run(store=None)

@@ -14,7 +14,9 @@ import torch
 from raytrain import checkpoint, data, train
 from raytrain.api import prepare
 from raytrain.config.mesh import Mesh
+from raytrain.config.prepared import Slot
 from raytrain.control.coordinator import Coordinator
+from raytrain.control.crew import Reservation
 from raytrain.control.steps import eval_due, may_send_ahead
 from raytrain.driver.rendezvous import RendezvousStore
 from raytrain.pipeline import checker, schedule
@@ -23,7 +25,7 @@ from raytrain.testing.faults import PhaseHook
 from raytrain.testing.reference import reference_eval_loss, train_reference
 from raytrain.worker.stage import Stage
 from tests.forked_stages import held_out_losses, run_stages
-from tests.helpers import (FakeWorkerGroup, assert_replicas_identical, assert_same_params, chain, fake_config,
+from tests.helpers import (FakeWorkerGroup, fake_prepared, assert_replicas_identical, assert_same_params, chain, fake_config,
                            fake_eval_loss, reference_state)
 
 EVAL = ("train.steps=4", "eval.every=2", "eval.batches=2", "data.eval_fraction=0.05")
@@ -135,7 +137,7 @@ def test_the_held_out_rows_are_the_last_and_the_sample_order_never_reaches_them(
 def fake_run(tmp_path, *overrides, dp=2):
     cfg = fake_config(tmp_path, f"parallel.dp={dp}", "data.eval_fraction=0.1", *overrides)
     group = FakeWorkerGroup(1, initial=dp)
-    coordinator = Coordinator(cfg, "unused", 1000, [[0]], None, 0, None, group=group)
+    coordinator = Coordinator(fake_prepared(cfg), Reservation(None), group=group)
     summary = coordinator.run(store=None)
     return coordinator, group, summary, coordinator.poll()
 
@@ -180,8 +182,7 @@ def test_an_evaluation_changes_no_training_state(make_config):
     threads = torch.get_num_threads()
     plan = prepare(make_config(*EVAL))
     recorder = Recorder()
-    stage = Stage(plan.cfg, plan.source, plan.num_samples, 0, plan.stage_layers[0],
-                  make_hook=lambda specs, replica, stage_index, shard: recorder)
+    stage = Stage(plan.worker_spec(), Slot(0), make_hook=lambda specs, replica, stage_index, shard: recorder)
     rendezvous = RendezvousStore()
     try:
         stage.join(0, Mesh(), [8], rendezvous.address("127.0.0.1", "eval-state"), generation=0, faults=[])

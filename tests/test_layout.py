@@ -9,7 +9,7 @@ import pytest
 from raytrain.config import ParallelConfig, load_config
 from raytrain.config.layout import Layout
 from raytrain.config.mesh import Mesh
-from raytrain.driver.plan import plan_layout
+from raytrain.driver.model_check import plan_layout
 
 
 def test_world_size_counts_every_replica_shard_and_stage():

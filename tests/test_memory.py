@@ -9,7 +9,7 @@ import pytest
 from raytrain.config import load_config
 from raytrain.driver import memory as driver_memory
 from raytrain.driver.memory import check_memory, check_run_memory, layout_memory
-from raytrain.driver.plan import model_layers
+from raytrain.driver.model_check import model_facts, model_layers
 from raytrain.models.layers import build_model
 from raytrain.models.memory import Widths, estimate
 from tests.helpers import stage_worker_pids
@@ -113,7 +113,7 @@ def test_a_layout_that_cannot_fit_is_refused_with_the_estimate_the_limit_and_wha
     cfg = _big(tmp_path)  # about 0.33 B parameters: 5 GiB of training state
     monkeypatch.setattr(driver_memory, "worker_memory_bytes", lambda cfg: 2 * 2**30)
     with pytest.raises(ValueError) as refused:
-        check_run_memory(cfg, cfg.layout())
+        check_run_memory(cfg, cfg.layout(), model_facts(cfg, None))
     message = str(refused.value)
     assert message.startswith("layout dp=1 pp=1 m=1: each worker needs an estimated ")
     assert "state " in message and "more than the 2.00 GiB a worker has" in message
@@ -121,9 +121,9 @@ def test_a_layout_that_cannot_fit_is_refused_with_the_estimate_the_limit_and_wha
     # What it suggests does fit.
     for key in ("fsdp", "pp"):
         fitting = dataclasses.replace(cfg.layout(), mesh=dataclasses.replace(cfg.layout().mesh, **{key: 4}))
-        check_run_memory(cfg, fitting)
+        check_run_memory(cfg, fitting, model_facts(cfg, None))
     off = dataclasses.replace(cfg, resources=dataclasses.replace(cfg.resources, check_memory=False))
-    check_run_memory(off, off.layout())  # the user's call
+    check_run_memory(off, off.layout(), model_facts(off, None))  # the user's call
 
 
 def test_a_chunked_layout_that_cannot_fit_gets_a_plain_1f1b_suggestion(tmp_path, monkeypatch):
@@ -132,7 +132,7 @@ def test_a_chunked_layout_that_cannot_fit_gets_a_plain_1f1b_suggestion(tmp_path,
                "parallel.microbatches=2")
     monkeypatch.setattr(driver_memory, "worker_memory_bytes", lambda cfg: 1 * 2**30)
     with pytest.raises(ValueError, match=r"parallel.pp=\d+ would fit \(with parallel.schedule=1f1b, virtual_stages=1\)"):
-        check_run_memory(cfg, cfg.layout())
+        check_run_memory(cfg, cfg.layout(), model_facts(cfg, None))
 
 
 def test_nothing_fits_says_so(tmp_path):
@@ -161,7 +161,7 @@ def test_the_builtin_gpts_arithmetic_counts_the_built_model(n_layer, d_model, vo
     import torch
 
     from raytrain.config import ModelConfig
-    from raytrain.driver.plan import shardable_rows
+    from raytrain.driver.model_check import shardable_rows
     from raytrain.models.memory import builtin_gpt_layers
 
     cfg = ModelConfig(n_layer=n_layer, d_model=d_model, n_head=2 if d_model % 2 == 0 else 1, vocab_size=vocab,

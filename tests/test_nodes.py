@@ -143,20 +143,21 @@ def test_hybrid_losing_a_node_without_spare_capacity_carries_on_with_dp1(ray_clu
 def test_a_machine_without_the_builtin_corpus_gets_the_drivers_copy(ray_session, tmp_path):
     # The driver builds the built-in corpus in its own cache; a worker on another machine finds no
     # file at that path and writes the driver's bytes (from the object store) into its own cache.
-    from raytrain.data.shards import DataSource, one_file
+    from raytrain.data.samples import DataSource, SampleSpec
+    from raytrain.data.shards import one_file
     from raytrain.worker.actor import dataset_here
 
     drivers = tmp_path / "driver-cache" / "stdlib-bytes-fsb-T17-abc.parquet"
     drivers.parent.mkdir()
     drivers.write_bytes(b"PAR1 the driver's corpus PAR1")
     corpus = [ray_session.put(drivers.read_bytes())]
-    elsewhere = DataSource(one_file(str(tmp_path / "not-on-this-machine" / drivers.name), 100))
+    elsewhere = DataSource(one_file(str(tmp_path / "not-on-this-machine" / drivers.name), 100), SampleSpec.tokens(16))
     node_cache = tmp_path / "node-cache"
     got = dataset_here(elsewhere, corpus, str(node_cache))
     assert got.train == one_file(str(node_cache / drivers.name), 100)  # the same samples, from this machine's copy
     assert open(got.train.paths[0], "rb").read() == drivers.read_bytes()
     assert os.listdir(node_cache) == [drivers.name]  # no temporary left behind
-    here = DataSource(one_file(str(drivers), 100))
+    here = DataSource(one_file(str(drivers), 100), SampleSpec.tokens(16))
     assert dataset_here(here, corpus, str(node_cache)) == here  # present here: used as is
     assert dataset_here(elsewhere, None, str(node_cache)) == elsewhere  # the user's data.path: never replaced
 

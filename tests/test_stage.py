@@ -12,6 +12,7 @@ from raytrain.data import even_shares
 from raytrain.driver.rendezvous import RendezvousStore
 from raytrain.testing import faults
 from raytrain.testing.faults import PhaseHook, phase_hook
+from raytrain.config.prepared import Slot, WorkerSpec
 from raytrain.worker.stage import Stage
 
 
@@ -24,7 +25,8 @@ def keep_torch_threads():
 
 
 def _stage(cfg, **kwargs) -> Stage:
-    return Stage(cfg, "unused: no join", 1, 0, [list(range(cfg.model.gpt_layers))], **kwargs)
+    spec = WorkerSpec(cfg=cfg, source=None, num_samples=1, stage_layers=[[list(range(cfg.model.gpt_layers))]])
+    return Stage(spec, Slot(0), **kwargs)  # no join: it reads no samples
 
 
 def test_state_digest_is_equal_for_equal_state_and_changes_with_any_value(make_config, keep_torch_threads):
@@ -60,14 +62,14 @@ class Recorder(PhaseHook):
 def test_the_stage_calls_its_hook_at_every_phase_point(make_config, tmp_path, keep_torch_threads):
     # pp=1 dp=1: one process, a world of one; generation 1 so the join counts as a repair's.
     plan = prepare(make_config("train.steps=1"))
-    cfg, source, num_samples, stage_layers = plan.cfg, plan.source, plan.num_samples, plan.stage_layers
+    cfg = plan.cfg
     recorder, armed = Recorder(), []
 
     def make_hook(specs, replica, stage_index, shard):
         armed.append((specs, replica, stage_index, shard))
         return recorder
 
-    stage = Stage(cfg, source, num_samples, 0, stage_layers[0], make_hook=make_hook)
+    stage = Stage(plan.worker_spec(), Slot(0), make_hook=make_hook)
     rendezvous = RendezvousStore()
     try:
         stage.join(0, Mesh(), even_shares(cfg.train.global_batch, 1),

@@ -34,8 +34,9 @@ from raytrain import checkpoint
 from raytrain.config import Config
 from raytrain.config.layout import Layout
 from raytrain.config.mesh import StoreAddress
+from raytrain.config.prepared import PreparedRun, WorkerSpec
 from raytrain.control import steps
-from raytrain.control.crew import Crew
+from raytrain.control.crew import Crew, Reservation
 from raytrain.control.drain import Drains
 from raytrain.control.evaluation import evaluating
 from raytrain.control.ledger import Ledger
@@ -78,34 +79,32 @@ class Coordinator:
     ``worker_cls``: the workers' actor class (the driver's: control/ imports no worker code);
     ``group`` replaces the Ray worker group (tests/helpers.FakeWorkerGroup); ``corpus_path``: _worker_args."""
 
-    def __init__(self, config: Config, source, num_samples: int, stage_layers: list[list[list[int]]],
-                 placement, first_bundle: int, resume_from: Optional[str], worker_cls=None,
-                 extra_placements: tuple = (), corpus_path: Optional[str] = None, group: Optional[WorkerGroup] = None):
+    def __init__(self, prepared: PreparedRun, reservation: Reservation, worker_cls=None,
+                 group: Optional[WorkerGroup] = None):
+        config = prepared.cfg
         self.cfg = config
-        self.num_samples = num_samples
-        self.stage_layers = stage_layers
-        self.resume_from = resume_from
+        self.num_samples = prepared.num_samples
+        self.resume_from = prepared.resume
         assert group is not None or worker_cls is not None, "the Ray worker group needs the worker class"
-        group = group or RayWorkerGroup(worker_cls, _worker_options(config),
-                                        _worker_args(config, source, num_samples, stage_layers, corpus_path),
+        group = group or RayWorkerGroup(worker_cls, _worker_options(config), _worker_spec(prepared),
                                         replacement_prefix(config))
         e = config.elastic
         self.policy = ElasticPolicy(min_dp=e.min_dp or config.parallel.dp, target_dp=e.max_dp or config.parallel.dp,
                                     max_failures=e.max_failures, capacity_wait_s=e.capacity_wait_s,
                                     skip_nonfinite=config.train.skip_nonfinite)
-        self.crew = Crew(group, Layout.of(config.parallel), config.train.global_batch, e.faults, extra_placements)
-        self.ledger = Ledger(last_checkpoint=resume_from)
+        self.crew = Crew(group, Layout.of(config.parallel), config.train.global_batch, e.faults, reservation.growth)
+        self.ledger = Ledger(last_checkpoint=prepared.resume)
         self.drains = Drains(self.crew, self.ledger, config, lambda: self.stopping)
         """Workers told to leave (a SIGTERM): they go at a step boundary, once their replacements are up."""
         self.step_s = 0.0  # how long the last committed step took
-        self.repairs = Repairs(self.crew, self.ledger, self.policy, config, num_samples, lambda: self.stopping,
-                               self.drains, self.request_stop)
+        self.repairs = Repairs(self.crew, self.ledger, self.policy, config, prepared.num_samples,
+                               lambda: self.stopping, self.drains, self.request_stop)
         self.state: State = Starting()
         self.in_flight: Optional[StepCall] = None  # the step sent to the workers and not yet collected
-        self.checkpoints = Checkpoints(group, self.ledger, config, stage_layers)
+        self.checkpoints = Checkpoints(group, self.ledger, config, prepared.stage_layers)
         self.original_pids: list[int] = []
         self._stop_reason: Optional[str] = None
-        self.crew.spawn_first(placement, first_bundle)  # they start while the driver finishes its own set-up
+        self.crew.spawn_first(reservation.group, reservation.first_bundle)  # they start while the driver finishes
 
     # --- driver-facing ----------------------------------------------------------------------------
 
@@ -355,14 +354,14 @@ def _worker_options(cfg: Config) -> dict:
     return options
 
 
-def _worker_args(config: Config, source, num_samples: int, stage_layers: list, corpus_path: Optional[str]) -> Callable:
-    """A StageWorker's constructor arguments by (stage, shard, tp rank). The built-in corpus the driver built on
-    this node (the coordinator's) goes into the object store for workers on other machines, owned here
-    rather than by the driver: an object the driver owns makes its process end (exit 1) the moment an
-    embedded Ray's object store goes with a signal to the whole process group, before it can report the
-    stop (tests/test_signals.py)."""
+def _worker_spec(prepared: PreparedRun) -> WorkerSpec:
+    """What every worker of the run is started with (raytrain.config.prepared.WorkerSpec). The built-in
+    corpus the driver built on this node (the coordinator's) goes into the object store for workers on other
+    machines, owned here rather than by the driver: an object the driver owns makes its process end (exit 1)
+    the moment an embedded Ray's object store goes with a signal to the whole process group, before it can
+    report the stop (tests/test_signals.py)."""
     corpus = None
-    if corpus_path is not None:
-        with open(corpus_path, "rb") as f:
+    if prepared.builtin_corpus is not None:
+        with open(prepared.builtin_corpus, "rb") as f:
             corpus = [ray.put(f.read())]
-    return lambda s, f, t: (config, source, num_samples, s, stage_layers[s], corpus, f, t)
+    return prepared.worker_spec(corpus)

@@ -9,7 +9,8 @@ It knows nothing of steps, policies or metrics: the states decide, the crew carr
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from raytrain.config.layout import Layout
 from raytrain.config.mesh import StoreAddress
@@ -20,6 +21,17 @@ from raytrain.reports import StepReport
 
 GRANT_AT_START_S = 1.0
 """How long the start waits for replicas beyond parallel.dp before starting without them."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Where a run's workers start: bundles ``first_bundle``.. of ``group`` (a placement group the driver
+    reserved, or a Tune trial's), and ``growth``, one placement group per replica beyond parallel.dp that
+    the cluster may grant later (the driver requested them)."""
+
+    group: Any
+    first_bundle: int = 0
+    growth: tuple = ()
 
 
 class Crew:

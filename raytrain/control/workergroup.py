@@ -18,6 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain.config.mesh import Mesh, StoreAddress
+from raytrain.config.prepared import Slot, WorkerSpec
 from raytrain.control.membership import Member
 from raytrain.control.protocol import (SETUP_TIMEOUT_S, Outcome, StepFailed, WorkerGroup, WorkersLost,
                                        lost_members)
@@ -29,12 +30,11 @@ from raytrain.reports.oom import (NodeMemory, OutOfMemory, WorkerOutOfMemory, er
 class RayWorkerGroup(WorkerGroup):
     """Worker actors of one class (raytrain.worker.actor.StageWorker), each on one placement-group bundle."""
 
-    def __init__(self, worker_cls, options: dict, args_for_slot: Callable[[int, int, int], tuple],
-                 placement_prefix: str = "raytrain-replacement "):
-        """``args_for_slot(stage, shard, tp)``: the worker constructor's arguments for that slot;
-        ``placement_prefix``: what spawn_elsewhere's placement groups' names start with (replacement_prefix)."""
+    def __init__(self, worker_cls, options: dict, spec: WorkerSpec, placement_prefix: str = "raytrain-replacement "):
+        """``spec``: what every worker is started with, beside its slot; ``placement_prefix``: what
+        spawn_elsewhere's placement groups' names start with (replacement_prefix)."""
         self.worker_cls = ray.remote(worker_cls) if not hasattr(worker_cls, "remote") else worker_cls
-        self.options, self.args_for_slot = options, args_for_slot
+        self.options, self.spec = options, spec
         self.placement_prefix = placement_prefix
         self._placement_numbers = itertools.count()  # never reused: Ray refuses a second live group of a name
         self.own_placements: list = []
@@ -46,7 +46,7 @@ class RayWorkerGroup(WorkerGroup):
         handle = self.worker_cls.options(
             **self.options,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle),
-        ).remote(*self.args_for_slot(stage, shard, tp))
+        ).remote(self.spec, Slot(stage, shard, tp))
         return Member(handle, stage, placement, bundle, ready=handle.pid.remote(), shard=shard, tp=tp)
 
     def spawn_elsewhere(self, stage: int, shard: int = 0, tp: int = 0) -> Member:

@@ -18,7 +18,8 @@ import importlib
 _EXPORTS = {
     "order": ("epoch_order", "sample_ids", "replica_slices", "even_shares", "step_positions", "microbatch_bounds"),
     "held_out": ("held_out_count", "training_rows", "held_out_source", "held_out_ids"),
-    "shards": ("DataSource", "Files"),
+    "shards": ("Files",),
+    "samples": ("DataSource", "SampleSpec", "TensorSpec"),
     "corpus": ("BUILTIN_COLUMN", "builtin_corpus_path", "build_builtin_corpus", "check_cache_dir",
                "resolve_data_path", "data_files", "eval_files"),
     "token_checks": ("SCAN_BATCH_ROWS", "SCAN_BUFFER_BYTES", "check_dataset", "windows"),

@@ -11,7 +11,8 @@ from typing import Union
 from raytrain.config import Config
 from raytrain.data import text as text_data
 from raytrain.data.corpus import data_files, eval_files
-from raytrain.data.shards import DataSource, Files
+from raytrain.data.samples import DataSource, SampleSpec
+from raytrain.data.shards import Files
 from raytrain.data.tokens import ShardedDataset, TokenDataset
 
 Dataset = Union[TokenDataset, ShardedDataset]
@@ -37,4 +38,5 @@ def counted_source(cfg: Config) -> DataSource:
         return Files(tuple(paths), tuple(len(open_dataset(p, cfg)) for p in paths))
 
     held = eval_files(cfg)
-    return DataSource(counted(data_files(cfg)), None if held is None else counted(held))
+    return DataSource(counted(data_files(cfg)), SampleSpec.tokens(cfg.model.seq_len),
+                      None if held is None else counted(held))

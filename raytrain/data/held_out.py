@@ -4,7 +4,7 @@ and which of them each replica evaluates."""
 from __future__ import annotations
 
 from raytrain.config import Config
-from raytrain.data.shards import DataSource, Files
+from raytrain.data.samples import DataSource, Samples
 
 def held_out_count(rows: int, eval_fraction: float) -> int:
     """Rows of a dataset of ``rows`` (samples: a token column's windows, or text's packed rows) that
@@ -19,7 +19,7 @@ def training_rows(cfg: Config, rows: int) -> int:
     return rows - (0 if cfg.data.eval_path is not None else held_out_count(rows, cfg.data.eval_fraction))
 
 
-def held_out_source(cfg: Config, source: DataSource, num_samples: int) -> tuple[Files, int]:
+def held_out_source(cfg: Config, source: DataSource, num_samples: int) -> tuple[Samples, int]:
     """Where the held-out rows are: (files, id of the first row an evaluation reads).
 
     data.eval_path: its files from their first row; else data.eval_fraction's rows of the training

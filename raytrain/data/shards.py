@@ -66,16 +66,6 @@ class Files:
         return np.searchsorted(self.offsets, ids, side="right") - 1
 
 
-@dataclass(frozen=True)
-class DataSource:
-    """What a run reads, resolved and counted on the driver: the training files (data.path, or the
-    built-in corpus) and data.eval_path's files, when set (data.eval_fraction's rows are the training
-    files' last ones)."""
-
-    train: Files
-    held_out: Optional[Files] = None
-
-
 def one_file(path: str, samples: int) -> Files:
     return Files((path,), (samples,))
 

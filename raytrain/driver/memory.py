@@ -16,10 +16,9 @@ import ray
 
 from raytrain.config import Config
 from raytrain.config.layout import Layout
-from raytrain.driver.plan import model_layers, shardable_rows
-from raytrain.models.memory import Widths, WorkerMemory, builtin_gpt_layers, estimate, gib
+from raytrain.config.prepared import ModelFacts
+from raytrain.models.memory import Widths, WorkerMemory, estimate, gib
 from raytrain.pipeline.schedule import V_SCHEDULES
-from raytrain.models.user_code import wait_for_preload
 
 LARGEST_SUGGESTED_DEGREE = 64
 """How far the suggestion of an fsdp or pp degree that fits looks."""
@@ -53,22 +52,11 @@ def layout_memory(cfg: Config, layout: Layout, layer_params: list[int]) -> Worke
                     split=cfg.parallel.split_backward or layout.schedule in V_SCHEDULES)
 
 
-def check_run_memory(cfg: Config, layout: Layout) -> None:
-    """``check_memory`` for a run, once Ray is up (its memory figures): the built-in GPT's layers are
-    counted by arithmetic; a Hugging Face model's on the meta device (a model.factory model is built),
-    after the driver's background import of torch, which overlapped with Ray's start."""
+def check_run_memory(cfg: Config, layout: Layout, model: ModelFacts) -> None:
+    """``check_memory`` for a run, once Ray is up (its memory figures), over the layer sizes prepare
+    counted (raytrain.driver.model_check: by arithmetic for the built-in GPT)."""
     limit = worker_memory_bytes(cfg) if cfg.resources.check_memory else None
-    if limit is None:
-        return
-    m = cfg.model
-    if m.hf is None and m.factory is None:  # the built-in GPT is counted by arithmetic: no torch on this path
-        layer_params, max_fsdp = builtin_gpt_layers(m.n_layer, m.d_model, m.vocab_size, m.seq_len)
-        check_memory(cfg, layout, layer_params, max_fsdp, limit)
-        return
-    wait_for_preload()  # never import torch beside the background import of it
-    layers = model_layers(cfg)
-    check_memory(cfg, layout, [sum(p.numel() for p in layer.parameters()) for layer in layers],
-                 shardable_rows(layers), limit)
+    check_memory(cfg, layout, list(model.layer_params), model.max_fsdp, limit)
 
 
 def check_memory(cfg: Config, layout: Layout, layer_params: list[int], max_fsdp: int,

@@ -19,7 +19,9 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain import checkpoint
+from raytrain.config.prepared import PreparedRun
 from raytrain.control.coordinator import Coordinator, OutOfMemoryLost
+from raytrain.control.crew import Reservation
 from raytrain.control.goodput import Goodput
 from raytrain.control.protocol import WorkersLost
 from raytrain.control.workergroup import killed_by_ray_monitor, remove_replacement_placements, replacement_prefix
@@ -27,7 +29,7 @@ from raytrain.driver.connect import cluster_reachable, embedded, ensure_ray, whi
 from raytrain.driver.lease import Lease
 from raytrain.driver.memory import check_run_memory
 from raytrain.driver.placement import request, reserve
-from raytrain.driver.plan import RunPlan, remove_if_empty
+from raytrain.driver.plan import remove_if_empty
 from raytrain.driver.rendezvous import RendezvousStore, preload_torch_distributed
 from raytrain.driver.report import RunReporter
 from raytrain.driver.signals import Aborted, StopOnSignal
@@ -87,7 +89,7 @@ class Result:
                 **({"auto_layout": self.auto_layout["chosen"]} if self.auto_layout else {})}
 
 
-def run(plan: RunPlan, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]], None]] = None,
+def run(plan: PreparedRun, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]], None]] = None,
         placement=None) -> Result:
     """Train ``plan`` to ``train.steps`` on the current (or an embedded) Ray cluster, with its layout.
 
@@ -102,7 +104,7 @@ def run(plan: RunPlan, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     cfg, stages = plan.cfg, plan.layout.stage_ranges
     ensure_ray()
     try:
-        check_run_memory(cfg, plan.layout)
+        check_run_memory(cfg, plan.layout, plan.model)
     except ValueError:  # exit 2, and the run that claimed its directory leaves nothing behind
         remove_if_empty(plan.run_dir)
         raise
@@ -123,7 +125,7 @@ def run(plan: RunPlan, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]
     return _result(plan, summary, restarts, reporter)
 
 
-def _result(plan: RunPlan, summary: RunSummary, restarts: int, reporter: RunReporter) -> Result:
+def _result(plan: PreparedRun, summary: RunSummary, restarts: int, reporter: RunReporter) -> Result:
     steps = list({r["step"]: r for r in reporter.steps}.values())  # a restart re-runs steps after its checkpoint
     timed = [r for r in steps[1:] if "step_s" in r]  # the first step pays for warm-up
     batch = plan.cfg.train.global_batch
@@ -142,7 +144,7 @@ def _result(plan: RunPlan, summary: RunSummary, restarts: int, reporter: RunRepo
     )
 
 
-def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, stop,
+def _run_coordinators(plan: PreparedRun, placement, reporter: RunReporter, on_rows, stop,
                       launched: float) -> tuple[RunSummary, int]:
     """Start a coordinator and drive it to the end, restarting it from the last checkpoint when it
     is lost; returns its summary and the number of restarts, after a ``goodput`` event (its wall time
@@ -153,10 +155,7 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
         cfg = dataclasses.replace(cfg, elastic=dataclasses.replace(cfg.elastic, replace_at_notice=False))
     rendezvous, groups = RendezvousStore(), []
     try:
-        pg, first_bundle, growth = _placements(cfg, placement, groups)
-        # The driver built the built-in corpus in its own cache; workers on other machines get its bytes
-        # from the coordinator, which runs on this node.
-        corpus_path = plan.source.train.paths[0] if cfg.data.path is None else None
+        reservation = _placements(cfg, placement, groups)
         here = ray.get_runtime_context().get_node_id()
         host = ray.util.get_node_ip_address()
         first_created = None
@@ -166,9 +165,7 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
             # On the driver's node: losing a worker node never takes the coordinator (or its store) with it.
             coordinator = ray.remote(Coordinator).options(
                 num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-            ).remote(
-                cfg, plan.source, plan.num_samples, plan.stage_layers, pg, first_bundle, resume,
-                worker_cls=StageWorker, extra_placements=tuple(growth), corpus_path=corpus_path)
+            ).remote(dataclasses.replace(plan, cfg=cfg, resume=resume), reservation, worker_cls=StageWorker)
             try:
                 store = rendezvous.address(host, namespace=f"coordinator{restarts}")
                 summary = _drive(coordinator, store, reporter, on_rows, stop)
@@ -202,7 +199,7 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
         reporter.finish()
 
 
-def _placements(cfg, placement, groups: list) -> tuple:
+def _placements(cfg, placement, groups: list) -> Reservation:
     """The run's placement group and first bundle (a Tune trial's ``placement``, or reserved here) and the
     placement groups asked for beyond it (replicas up to elastic.max_dp, standby replicas), granted
     whenever capacity appears; those reserved here go into ``groups`` as they are made, to be removed."""
@@ -212,7 +209,7 @@ def _placements(cfg, placement, groups: list) -> tuple:
     extra += cfg.elastic.standby if placement is None else 0  # standby replicas beyond them
     growth = [request(cfg, 1) for _ in range(extra)]
     groups += growth
-    return pg, first_bundle, growth
+    return Reservation(pg, first_bundle, tuple(growth))
 
 
 def _stopped_without_coordinator(cfg, reporter: RunReporter, reason: str, resume: Optional[str]) -> RunSummary:

@@ -95,9 +95,10 @@ def resolve_cut(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(m, hf_cut="whole"))
 
 
-def check_tensor_parallel(cfg: Config) -> None:
+def check_tensor_parallel(cfg: Config, layers: Optional[list[nn.Module]] = None) -> None:
     """A ValueError naming parallel.tp when the family's decoder layers cannot be split over its tp
-    ranks (raytrain.models.hf_tensor_plan says why); ``cfg`` has its cut resolved."""
+    ranks (raytrain.models.hf_tensor_plan says why); ``cfg`` has its cut resolved. ``layers``: the model's
+    pipeline layers on the meta device, when the caller built them."""
     m, tp = cfg.model, cfg.parallel.tp
     if tp == 1:
         return
@@ -105,7 +106,7 @@ def check_tensor_parallel(cfg: Config) -> None:
         raise ValueError(f"parallel.tp={tp}: model.hf={m.hf!r} trains whole (model.hf_cut={m.hf_cut}), and tensor "
                          "parallelism splits the decoder layers of a cut model; use parallel.fsdp")
     config = load_hf_config(m.hf, m.trust_remote_code)
-    _, layers = hf_layers(m.hf, "layers", m.trust_remote_code)
+    layers = layers if layers is not None else hf_layers(m.hf, "layers", m.trust_remote_code)[1]
     problem = next(filter(None, (tp_problem(config, decoder.layer, tp) for decoder in layers[1:-1])), None)
     if problem is None and not any(_splits_a_weight(decoder, tp) for decoder in layers[1:-1]):
         problem = "its plan splits no weight of its decoder layers that raytrain splits (experts with a bias stay whole)"

@@ -30,7 +30,8 @@ from raytrain.config import RENAMED_KEYS, Config, ParallelConfig, all_keys, buil
 from raytrain.config.layout import Layout
 from raytrain.config.mesh import Mesh
 from raytrain.driver.placement import worker_bundle
-from raytrain.driver.plan import check_inputs, plan_layout
+from raytrain.driver.model_check import plan_layout
+from raytrain.driver.plan import check_inputs
 from raytrain.tune.stall import StallWatch, StopWhenStalled, SweepStalled, take_verdict
 
 LAYOUT_KEYS = ("parallel.dp", "parallel.fsdp", "parallel.tp", "parallel.pp", "parallel.microbatches", "parallel.schedule",

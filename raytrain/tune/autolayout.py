@@ -21,6 +21,7 @@ import ray
 from raytrain.config import Config, ParallelConfig
 from raytrain.config.layout import Layout
 from raytrain.config.mesh import Mesh
+from raytrain.config.prepared import ModelFacts
 from raytrain.driver.memory import layout_memory, worker_memory_bytes
 from raytrain.driver.placement import worker_bundle
 from raytrain.models.memory import gib
@@ -129,22 +130,19 @@ def cluster_workers(cfg: Config) -> int:
     return min(fits, cap) if cap else fits
 
 
-def choose_layout(cfg: Config, layers: int, stream: TextIO) -> tuple[Config, dict]:
-    """Probe every candidate layout; returns the config with the fastest, and what was probed."""
+def choose_layout(cfg: Config, facts: ModelFacts, model: list, stream: TextIO) -> tuple[Config, dict]:
+    """Probe every candidate layout of a model whose layers prepare built (``model``; ``facts`` what it
+    learned of them); returns the config with the fastest, and what was probed."""
     from raytrain import tune as rt_tune
 
-    from raytrain.driver.plan import model_layers, shardable_rows
-
-    workers, model = cluster_workers(cfg), model_layers(cfg)
-    max_fsdp = shardable_rows(model)
+    workers, layers = cluster_workers(cfg), len(facts.layer_params)
     tps = {tp: splits_by_tp(cfg, model, tp) for tp in range(1, workers + 1) if workers % tp == 0}
     layouts = [c for c in candidate_layouts(cfg, workers, layers)
-               if c.get("parallel.fsdp", 1) <= max_fsdp and tps[c.get("parallel.tp", 1)]]
+               if c.get("parallel.fsdp", 1) <= facts.max_fsdp and tps[c.get("parallel.tp", 1)]]
     if not layouts:
         raise ValueError(f"parallel.auto=true: no layout of {workers} worker(s) fits train.global_batch="
                          f"{cfg.train.global_batch} and {layers} layers; set the layout by hand")
-    layer_params = [sum(p.numel() for p in layer.parameters()) for layer in model]
-    rejected = too_big(cfg, layouts, layer_params, worker_memory_bytes(cfg) if cfg.resources.check_memory else None)
+    rejected = too_big(cfg, layouts, list(facts.layer_params), worker_memory_bytes(cfg) if cfg.resources.check_memory else None)
     skipped = [_rejected_row(layouts[i], reason) for i, reason in rejected.items()]
     layouts = [params for i, params in enumerate(layouts) if i not in rejected]
     if not layouts:

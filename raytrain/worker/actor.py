@@ -16,10 +16,10 @@ from typing import Optional
 
 import ray
 
-from raytrain.config import Config
+from raytrain.config.prepared import Slot, WorkerSpec
 from raytrain.data import shards
 from raytrain.data.atomic import atomic_path
-from raytrain.data.shards import DataSource
+from raytrain.data.samples import DataSource
 from raytrain.reports import BackgroundSave, EvalReport, JoinReport, ShardReport, StepReport
 from raytrain.reports.oom import WorkerOutOfMemory, error_line, is_out_of_memory, node_memory
 
@@ -64,17 +64,15 @@ def leaves_when_out_of_memory(method):
 
 
 class StageWorker:
-    def __init__(self, cfg: Config, source: DataSource, num_samples: int, stage: int, chunks: list[list[int]],
-                 corpus: Optional[list] = None, shard: int = 0, tp: int = 0):
+    def __init__(self, spec: WorkerSpec, slot: Slot):
         import_torch_uncollected()
         from raytrain.worker.drain import DrainWatch
         from raytrain.worker.stage import Stage
 
         # a SIGTERM, or this node draining: leave at the next step boundary
-        self.drain = DrainWatch(cfg.elastic.drain_grace_s, ray.get_runtime_context().get_node_id())
-        source = dataset_here(source, corpus, cfg.data.cache_dir)
-        self.stage = Stage(cfg, source, num_samples, stage, chunks, shard=shard, tp=tp,
-                           leaving=lambda: self.drain.notice is not None)
+        self.drain = DrainWatch(spec.cfg.elastic.drain_grace_s, ray.get_runtime_context().get_node_id())
+        spec = dataclasses.replace(spec, source=dataset_here(spec.source, spec.corpus, spec.cfg.data.cache_dir))
+        self.stage = Stage(spec, slot, leaving=lambda: self.drain.notice is not None)
 
     def pid(self) -> int:
         return os.getpid()
@@ -141,10 +139,9 @@ def dataset_here(source: DataSource, corpus: Optional[list], cache_dir: str) -> 
     node mounts, or URIs); but for the built-in corpus, which the driver built in its own cache, where this
     machine lacks it, the driver's copy of the file (``corpus``: [object ref of its bytes]) written into
     this machine's cache, so that every worker trains on the same bytes."""
-    data_path = source.train.paths[0]
-    if not corpus or os.path.exists(data_path):
+    if not corpus or os.path.exists(source.train.paths[0]):
         return source
-    local = os.path.join(os.path.expanduser(cache_dir), os.path.basename(data_path))
+    local = os.path.join(os.path.expanduser(cache_dir), os.path.basename(source.train.paths[0]))
     if not os.path.exists(local):
         with atomic_path(local) as tmp, open(tmp, "wb") as f:
             f.write(ray.get(corpus[0]))

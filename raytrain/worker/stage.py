@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from raytrain import checkpoint, data
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh, StoreAddress
+from raytrain.config.prepared import Slot, WorkerSpec
 from raytrain.models.layers import Recomputed, build_model
 from raytrain.reports import BackgroundSave, EvalReport, JoinReport, ShardReport, StepReport
 from raytrain.reports.oom import reraise_out_of_memory
@@ -64,9 +65,10 @@ HookFactory = Callable[[list[str], int, int, int], PhaseHook]
 class Stage:
     """The layers of one stage of one replica, and how to train them; see the module docstring."""
 
-    def __init__(self, cfg: Config, source: data.DataSource, num_samples: int, stage: int, chunks: list[list[int]],
-                 make_hook: HookFactory = phase_hook, shard: int = 0, tp: int = 0,
+    def __init__(self, spec: WorkerSpec, slot: Slot, make_hook: HookFactory = phase_hook,
                  leaving: Callable[[], bool] = lambda: False):
+        cfg, source, num_samples, chunks = spec.cfg, spec.source, spec.num_samples, spec.chunks(slot)
+        stage, shard, tp = slot.stage, slot.shard, slot.tp
         self.cfg = cfg
         self.leaving = leaving  # whether this worker was told to leave (raytrain.worker.drain): its vote says so,
         # unless the step holds it (its replacement is starting: raytrain.control.drain)
