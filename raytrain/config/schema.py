@@ -261,10 +261,34 @@ class DataConfig:
     eval_path: Union[str, list, None] = None
     """Held-out rows in the data's format (token column, or text with data.text_column) instead of
     data.eval_fraction: a file, a directory, a glob or a list, as data.path; checked like data.path."""
+    builtin: str = "stdlib"
+    """The data when data.path is unset: ``stdlib`` (Python's standard library source as bytes, cut into token
+    windows) or ``digits`` (scikit-learn's 1797 handwritten digits, shipped with raytrain: 8 x 8 pixels
+    scaled to [0, 1] as 64 floats in column ``pixels``, the digit 0-9 in column ``digit``)."""
+    inputs: Union[str, list, None] = None
+    """Samples of any shape instead of token windows: the column of data.path (or of a Ray Dataset) holding
+    each sample's inputs (a number, a fixed-size list, a fixed_shape_tensor; binary with data.transform), or
+    a list of numeric columns stacked into one float vector. Needs data.targets."""
+    targets: Optional[str] = None
+    """With data.inputs: the column holding each sample's target (integer class ids, a float, a fixed-size
+    list of floats)."""
+    transform: Optional[str] = None
+    """``pkg.module:fn`` run on the worker over a batch of rows: ``fn(columns, seeds, training) -> (inputs,
+    targets)``, ``columns`` a dict of the data.inputs and data.targets columns' arrays (an object array of
+    bytes for a binary column); ``seeds``, one per row, for its randomness (``training`` false for held-out
+    rows). It may take just ``columns``, or ``columns, seeds``."""
+    factory: Optional[str] = None
+    """``pkg.module:fn`` returning the training data as a map-style ``torch.utils.data.Dataset`` (index ->
+    (inputs, target)) or a Ray Dataset (``ray.data.Dataset``, read through data.inputs and data.targets), or
+    a pair (train, held_out) of them; called on the driver with this data config. Instead of data.path."""
 
     def __post_init__(self):
+        if self.builtin == "digits" and self.path is None and self.factory is None:
+            self.inputs = "pixels" if self.inputs is None else self.inputs
+            self.targets = "digit" if self.targets is None else self.targets
         require(not _blank(self.column), "data.column", self.column, "name the token column of data.path")
         _check_paths("data.path", self.path)
+        self._check_samples()
         require(not _blank(self.cache_dir), "data.cache_dir", self.cache_dir,
                 "give a directory (default ~/.cache/raytrain)")
         require(self.max_bytes >= 1, "data.max_bytes", self.max_bytes, "the built-in corpus needs >= 1 byte")
@@ -275,6 +299,34 @@ class DataConfig:
         require(self.eval_path is None or self.eval_fraction == 0, "data.eval_path", self.eval_path,
                 f"held-out rows come from data.eval_fraction={self.eval_fraction:g} or data.eval_path, "
                 "not both: unset one of them")
+
+    def _check_samples(self):
+        """data.builtin, data.inputs / data.targets, data.transform and data.factory, each with what it needs."""
+        require(self.builtin in BUILTIN_DATA, "data.builtin", self.builtin, f"use one of {', '.join(BUILTIN_DATA)}")
+        require(self.builtin == "stdlib" or (self.path is None and self.factory is None), "data.builtin",
+                self.builtin, "the built-in data is read when data.path and data.factory are unset: unset them, or "
+                "data.builtin")
+        require(self.path is None or self.factory is None, "data.factory", self.factory,
+                "data.path and data.factory both name the training data: unset one of them")
+        inputs = [self.inputs] if isinstance(self.inputs, str) else self.inputs
+        require(self.inputs is None or (isinstance(inputs, list) and inputs and
+                                        all(isinstance(c, str) and not _blank(c) for c in inputs)),
+                "data.inputs", self.inputs, "name a column, or give a non-empty list of numeric column names")
+        require(not _blank(self.targets), "data.targets", self.targets, "name the target column, or unset it")
+        require((self.inputs is None) == (self.targets is None), "data.inputs" if self.targets else "data.targets",
+                self.inputs if self.targets else self.targets,
+                "data.inputs and data.targets come together: set both (rows of inputs and targets) or neither "
+                "(token windows)")
+        require(self.inputs is None or self.text_column is None, "data.inputs", self.inputs,
+                "rows of inputs and targets are not text: unset data.text_column (or data.inputs)")
+        for key in ("transform", "factory"):
+            value = getattr(self, key)
+            module, _, function = (value or "").partition(":")
+            require(value is None or (all(p.isidentifier() for p in module.split(".")) and function.isidentifier()),
+                    f"data.{key}", value, "write it as 'package.module:function', with importable names")
+        require(self.transform is None or self.inputs is not None or self.factory is not None, "data.transform",
+                self.transform, "it turns rows of data.inputs and data.targets columns into samples: set them "
+                "(a torch Dataset transforms in its own __getitem__)")
 
     def _check_text(self):
         """data.text_column and data.tokenizer come together, and only with a data.path to read."""
@@ -383,6 +435,9 @@ class ElasticConfig:
             require(value >= 0, f"elastic.{name}", value, "use a count >= 0")
 
 
+BUILTIN_DATA = ("stdlib", "digits")
+"""data.builtin: the data a run reads when data.path and data.factory are unset."""
+
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
@@ -424,10 +479,23 @@ class EvalConfig:
     batches: int = 4
     """Global batches (of train.global_batch rows) of held-out rows each evaluation reads: always the
     same first eval.batches x train.global_batch held-out rows."""
+    metrics: list = field(default_factory=list)
+    """Measured on the held-out rows beside the loss, each reported as ``eval_<name>``: ``accuracy`` (top-1:
+    the share of targets that are the output's largest class), ``top5``, ``mse``, ``mae`` (of the output
+    against float targets)."""
 
     def __post_init__(self):
         require(self.every >= 0, "eval.every", self.every, "use a count of steps >= 0 (0: no evaluation)")
         require(self.batches >= 1, "eval.batches", self.batches, "an evaluation needs >= 1 batch")
+        require(isinstance(self.metrics, list) and all(m in EVAL_METRICS for m in self.metrics)
+                and len(set(self.metrics)) == len(self.metrics), "eval.metrics", self.metrics,
+                f"use a list of {', '.join(EVAL_METRICS)} (each once), or []")
+        require(not self.metrics or self.every > 0, "eval.metrics", self.metrics,
+                "they are measured at each evaluation: set eval.every > 0 (and held-out rows), or eval.metrics=[]")
+
+
+EVAL_METRICS = ("accuracy", "top5", "mse", "mae")
+"""eval.metrics: what an evaluation can measure beside the held-out loss."""
 
 
 LOGGER_NAMES = ("tensorboard", "mlflow")
@@ -485,12 +553,8 @@ class Config:
             self.gpt_layout()  # a model.factory's or model.hf's layers are counted by raytrain.driver.plan.plan_layout
             rows = max(4 * self.model.d_model, self.model.seq_len, self.model.vocab_size)
             check_shardable(p.fsdp, rows, "the built-in GPT's largest parameter")
-        if self.data.path is None:
+        if self.data.path is None and self.data.factory is None and self.data.builtin == "stdlib":
             self._check_builtin_corpus()
-        d = self.data
-        require(self.eval.every == 0 or d.eval_fraction > 0 or d.eval_path is not None, "eval.every", self.eval.every,
-                "the held-out loss needs held-out rows: set data.eval_fraction (e.g. 0.05: the last 5% of the rows, "
-                "never trained on) or data.eval_path (a Parquet file of the same token format); or set eval.every=0")
         self._check_elastic_range()
 
     def _check_elastic_range(self):

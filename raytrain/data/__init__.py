@@ -24,7 +24,7 @@ _EXPORTS = {
                "resolve_data_path", "data_files", "eval_files"),
     "token_checks": ("SCAN_BATCH_ROWS", "SCAN_BUFFER_BYTES", "check_dataset", "windows"),
     "tokens": ("TokenDataset", "ShardedDataset", "write_token_parquet"),
-    "datasets": ("Dataset", "open_dataset", "counted_source"),
+    "datasets": ("Dataset", "open_dataset", "counted_source", "load_transform"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

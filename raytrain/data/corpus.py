@@ -87,10 +87,14 @@ def resolve_data_path(cfg: Config) -> str:
     return os.path.expanduser(cfg.data.path)
 
 
+DIGITS_PATH = os.path.join(os.path.dirname(__file__), "builtin", "digits.parquet")
+"""data.builtin=digits: scikit-learn's handwritten digits, shipped with raytrain (builtin/README.md)."""
+
+
 def data_files(cfg: Config) -> list[str]:
-    """The files of the run's training data, sorted (raytrain.data.shards.resolve); the built-in corpus is one."""
+    """The files of the run's training data, sorted (raytrain.data.shards.resolve); the built-in data is one."""
     if cfg.data.path is None:
-        return [builtin_corpus_path(cfg.data, cfg.model.seq_len)]
+        return [DIGITS_PATH if cfg.data.builtin == "digits" else builtin_corpus_path(cfg.data, cfg.model.seq_len)]
     return shards.resolve(cfg.data.path, "data.path")
 
 

@@ -15,18 +15,18 @@ def held_out_count(rows: int, eval_fraction: float) -> int:
 
 def training_rows(cfg: Config, rows: int) -> int:
     """The rows of a dataset of ``rows`` that are trained on (the run's ``num_samples``): all but the
-    last ones data.eval_fraction holds out."""
-    return rows - (0 if cfg.data.eval_path is not None else held_out_count(rows, cfg.data.eval_fraction))
+    last ones data.eval_fraction holds out (0 when the held-out rows are apart: data.eval_path, an
+    eval_dataset, which the config and prepare keep from coming with a fraction)."""
+    return rows - held_out_count(rows, cfg.data.eval_fraction)
 
 
 def held_out_source(cfg: Config, source: DataSource, num_samples: int) -> tuple[Samples, int]:
     """Where the held-out rows are: (files, id of the first row an evaluation reads).
 
-    data.eval_path: its files from their first row; else data.eval_fraction's rows of the training
-    files, which follow their ``num_samples`` training rows.
+    Apart (data.eval_path's files, an eval_dataset): from their first row; else data.eval_fraction's rows of
+    the training samples, which follow their ``num_samples`` training rows.
     """
-    if cfg.data.eval_path is not None:
-        assert source.held_out is not None, "prepare resolves data.eval_path's files"
+    if source.held_out is not None:
         return source.held_out, 0
     return source.train, num_samples
 

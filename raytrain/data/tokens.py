@@ -60,8 +60,9 @@ class TokenDataset:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def batch(self, sample_ids: Sequence[int]) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """Inputs and next-token targets, each (len(sample_ids), seq_len) int64."""
+    def batch(self, sample_ids: Sequence[int], seeds=None, training: bool = True) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """Inputs and next-token targets, each (len(sample_ids), seq_len) int64 (token windows draw nothing
+        at random: ``seeds`` and ``training`` are unused)."""
         import torch
 
         rows = torch.from_numpy(self.rows[np.asarray(sample_ids)].astype(np.int64))
@@ -98,7 +99,7 @@ class ShardedDataset:
             self.opened[k] = rows
         return self.opened[k]
 
-    def batch(self, sample_ids: Sequence[int]) -> tuple["torch.Tensor", "torch.Tensor"]:
+    def batch(self, sample_ids: Sequence[int], seeds=None, training: bool = True) -> tuple["torch.Tensor", "torch.Tensor"]:
         """Inputs and next-token targets, each (len(sample_ids), seq_len) int64, as TokenDataset.batch."""
         import torch
 

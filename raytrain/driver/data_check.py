@@ -1,14 +1,109 @@
 """The run's data checked and counted on the driver before any actor starts: data.path's and data.eval_path's
-files (token windows, or text tokenised and packed), and the rows held out of training."""
+files (token windows, text tokenised and packed, or rows of data.inputs / data.targets columns), or a user's
+dataset objects (raytrain.driver.user_data), and the rows held out of training."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
 from raytrain import data
 from raytrain.config import Config
+from raytrain.data import row_checks, shards
 from raytrain.data import text as text_data
-from raytrain.data import shards
+from raytrain.data.columns import column_names
+from raytrain.data.rows import column_sampler
 from raytrain.data.samples import DataSource, SampleSpec
 from raytrain.data.shards import Files
+from raytrain.driver import user_data
+
+Example = Callable[[], tuple]
+"""() -> (inputs, targets) of the first samples: what the model is tried on before any actor starts."""
+
+
+@dataclass(frozen=True)
+class CheckedData:
+    """The data, checked: what the run reads, and what the model's check needs of it."""
+
+    source: DataSource
+    example: Example
+    target_range: Optional[tuple[float, float]] = None
+    """The smallest and largest training target, where the check read every one (Parquet rows)."""
+
+
+def check_data(cfg: Config, dataset: Any = None, eval_dataset: Any = None) -> CheckedData:
+    """The run's data checked and counted: the Python API's dataset objects or data.factory's, else
+    data.path's files (or the built-in data) and data.eval_path's."""
+    if cfg.data.factory is not None:
+        if dataset is not None:
+            raise ValueError("data.factory and raytrain.train(dataset=...) both give the training data: drop one")
+        dataset, eval_dataset = user_data.data_factory(cfg)
+    if dataset is not None:
+        return check_objects(cfg, dataset, eval_dataset)
+    if eval_dataset is not None:
+        raise ValueError("raytrain.train(eval_dataset=...) needs dataset= too (or data.factory); data.eval_path "
+                         "names held-out files beside data.path")
+    if cfg.data.inputs is not None:
+        return check_rows(cfg)
+    source = check_token_data(cfg)
+    return CheckedData(source, lambda: data.open_dataset(source.train, cfg).batch([0, 1]))
+
+
+def check_objects(cfg: Config, dataset: Any, eval_dataset: Any) -> CheckedData:
+    """A torch Dataset or a Ray Dataset (and its held-out one): pickled or materialised into Ray's object
+    store; their samples must have one shape."""
+    if cfg.data.eval_path is not None:
+        raise ValueError("data.eval_path names held-out files, but the training data is a dataset object: pass the "
+                         "held-out one as eval_dataset= (or return (train, held_out) from data.factory)")
+    where = "data.factory" if cfg.data.factory is not None else "dataset"
+    if eval_dataset is not None and cfg.data.eval_fraction > 0:
+        raise ValueError(f"data.eval_fraction={cfg.data.eval_fraction:g} and {where}'s held-out dataset both give "
+                         "held-out rows: unset one of them")
+    train, spec, example = user_data.user_samples(dataset, where, cfg)
+    held = None
+    if eval_dataset is not None:
+        held, held_spec, _ = user_data.user_samples(eval_dataset, f"{where}'s held-out dataset", cfg)
+        _same_shape(spec, held_spec, where)
+    return CheckedData(DataSource(train, spec, held), lambda: example)
+
+
+def check_rows(cfg: Config) -> CheckedData:
+    """Parquet rows of data.inputs and data.targets columns (data.path's files, or the built-in digits),
+    each file checked; a sample's shape from the first rows, through data.transform when set."""
+    train, target_range = check_row_files(cfg, data.data_files(cfg), "data.path" if cfg.data.path else "data.builtin")
+    d = cfg.data
+    sample = column_sampler(d.inputs, d.targets, data.load_transform(d.transform))
+    names = column_names(d.inputs, d.targets)
+    count = min(user_data.EXAMPLE_ROWS, train.samples[0])
+    try:
+        example = sample(row_checks.first_rows(train.paths[0], names, count), user_data._seeds(count), True)
+    except (TypeError, ValueError) as e:
+        what = f"data.transform={d.transform!r}" if d.transform else "data.inputs / data.targets"
+        raise ValueError(f"{what} cannot make samples of {train.paths[0]!r}'s first rows: {e}") from e
+    spec = user_data.spec_of(example)
+    held_files = data.eval_files(cfg)
+    held = None if held_files is None else check_row_files(cfg, held_files, "data.eval_path")[0]
+    return CheckedData(DataSource(train, spec, held), lambda: example, target_range)
+
+
+def check_row_files(cfg: Config, paths: list[str], key: str) -> tuple[Files, Optional[tuple[float, float]]]:
+    """Every file of rows checked (row_checks.check_row_file) and counted; the targets' range over them."""
+    d, counts, low, high = cfg.data, [], None, None
+    for path in paths:
+        facts = row_checks.check_row_file(path, d.inputs, d.targets, key)
+        if facts.rows == 0:
+            raise ValueError(f"{key} file {path!r} is empty: it holds no rows; remove it")
+        counts.append(facts.rows)
+        if facts.target_range is not None:
+            low = facts.target_range[0] if low is None else min(low, facts.target_range[0])
+            high = facts.target_range[1] if high is None else max(high, facts.target_range[1])
+    return Files(tuple(paths), tuple(counts)), None if low is None else (low, high)
+
+
+def _same_shape(train: SampleSpec, held: SampleSpec, where: str) -> None:
+    if train != held:
+        raise ValueError(f"{where}: the held-out samples are {held.inputs.describe()} -> {held.targets.describe()}, "
+                         f"the training ones {train.inputs.describe()} -> {train.targets.describe()}; give both one shape")
 
 
 def split_held_out(cfg: Config, source: DataSource) -> tuple[int, int]:
@@ -17,9 +112,14 @@ def split_held_out(cfg: Config, source: DataSource) -> tuple[int, int]:
     few rows are left to train on, or (with eval.every) too few held out for eval.batches: an error, not a
     clamp, so that every evaluation reads exactly eval.batches x train.global_batch rows."""
     d, B, rows = cfg.data, cfg.train.global_batch, source.train.total
-    if d.eval_path is not None:
+    if cfg.eval.every and d.eval_fraction == 0 and source.held_out is None:
+        raise ValueError(f"eval.every={cfg.eval.every}: the held-out loss needs held-out rows: set data.eval_fraction "
+                         "(e.g. 0.05: the last 5% of the rows, never trained on) or data.eval_path (files of the same "
+                         "format), or pass eval_dataset=; or set eval.every=0")
+    if source.held_out is not None:
         held = source.held_out.total
-        where, fix = f"data.eval_path={d.eval_path!r} has {held} rows", "add rows to it"
+        name = f"data.eval_path={d.eval_path!r}" if d.eval_path is not None else "the held-out dataset"
+        where, fix = f"{name} has {held} rows", "add rows to it"
     else:
         held = data.held_out_count(rows, d.eval_fraction)
         where = f"data.eval_fraction={d.eval_fraction:g} holds out the last {held} of the {rows} rows"
@@ -35,9 +135,9 @@ def split_held_out(cfg: Config, source: DataSource) -> tuple[int, int]:
     return data.training_rows(cfg, rows), held
 
 
-def check_data(cfg: Config) -> DataSource:
-    """data.path's files and data.eval_path's, resolved (raytrain.data.shards) and each checked and counted
-    (``check_files``)."""
+def check_token_data(cfg: Config) -> DataSource:
+    """Token data: data.path's files and data.eval_path's, resolved (raytrain.data.shards) and each checked
+    and counted (``check_files``)."""
     held = data.eval_files(cfg)
     return DataSource(check_files(cfg, data.data_files(cfg), "data.path"), SampleSpec.tokens(cfg.model.seq_len),
                       None if held is None else check_files(cfg, held, "data.eval_path"))

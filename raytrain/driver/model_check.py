@@ -9,7 +9,7 @@ model.factory (or the Python API's model) is built for real, once, as its worker
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 from raytrain.config import Config, check_shardable
 from raytrain.config.layout import Layout
@@ -22,6 +22,16 @@ def needs_build(cfg: Config) -> bool:
     if cfg.model.factory is not None or cfg.model.hf is not None:
         return True
     return cfg.gpt_layout().needs_cuts or cfg.parallel.auto
+
+
+def build_model_once(cfg: Config):
+    """The model's layers and loss (a ModelSpec), as ``model_layers`` builds them."""
+    from raytrain.models.layers import ModelSpec, build_model, cross_entropy_loss
+
+    if cfg.model.factory is not None:
+        return build_model(cfg.model, cfg.train.seed)
+    layers = model_layers(cfg)
+    return ModelSpec(layers, list(range(len(layers))), len(layers), cross_entropy_loss)
 
 
 def model_layers(cfg: Config) -> list:
@@ -40,6 +50,82 @@ def model_layers(cfg: Config) -> list:
         with torch.device("meta"):
             return build_model(cfg.model, cfg.train.seed).layers
     return build_model(cfg.model, cfg.train.seed).layers
+
+
+def check_model_takes_samples(cfg: Config, layers: list, loss_fn, example: tuple, layout: Layout,
+                              target_range: Optional[tuple[float, float]] = None) -> None:
+    """A model.factory model tried on the first samples, layer by layer (in eval mode, without gradients):
+    a ValueError naming the layer and both shapes when a layer cannot take its input, naming the layer
+    when an output a pipeline cut sends is not a tensor or a tuple of tensors, and naming the loss or
+    data.targets when the loss cannot compare the output with the targets (class ids beyond its width)."""
+    import torch
+
+    x, y = example
+    cuts = set(layout.cuts or ()) if layout.num_chunks > 1 else set()
+    h = x
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            what = f"the samples' inputs ({_shape(h)})" if i == 0 else f"layer {i - 1}'s output ({_shape(h)})"
+            was_training = layer.training
+            layer.eval()
+            try:
+                h = layer(h)
+            except Exception as e:  # noqa: BLE001 -- the user's layer: one line naming it
+                fix = ("make the first layer take the data's inputs, or point data.inputs (or the dataset) at what "
+                       "it takes" if i == 0 else "make the layers' shapes agree")
+                raise ValueError(f"model.factory: layer {i} ({_describe(layer)}) cannot take {what}: "
+                                 f"{type(e).__name__}: {str(e).splitlines()[0][:300]}; {fix}") from None
+            finally:
+                layer.train(was_training)
+            if i + 1 in cuts and not _sendable(h):
+                raise ValueError(f"model.factory: layer {i} ({_describe(layer)}) returns {type(h).__name__}, which "
+                                 f"parallel.pp={layout.pp} must send to the next stage (a cut after layer {i}): "
+                                 "return a tensor or a tuple of tensors, or cut elsewhere (parallel.split_points)")
+        _check_loss(loss_fn, h, y, target_range)
+
+
+def _check_loss(loss_fn, out, y, target_range: Optional[tuple[float, float]]) -> None:
+    """The loss of the model's output against the targets must be a scalar; class ids within its width."""
+    from raytrain.models.layers import default_loss
+
+    if loss_fn is default_loss and not y.is_floating_point() and hasattr(out, "shape") and out.dim() >= 2:
+        classes = out.shape[-1]
+        low, high = target_range or (int(y.min()), int(y.max()))
+        if low < 0 or high >= classes:
+            raise ValueError(f"the targets hold class ids {low:g}..{high:g}, outside the model's {classes} outputs "
+                             f"(its last layer gives {_shape(out)}): widen the last layer to {int(high) + 1} "
+                             "classes, or fix data.targets")
+    try:
+        loss = loss_fn(out, y)
+    except Exception as e:  # noqa: BLE001 -- the user's loss: one line naming it
+        hint = (" (the default loss: cross entropy for integer targets, mean squared error for float ones, which "
+                "need the output's shape)" if loss_fn is default_loss else "")
+        raise ValueError(f"model.factory's loss cannot compare the output ({_shape(out)}) with the targets "
+                         f"({_shape(y)}){hint}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+    if not (hasattr(loss, "dim") and loss.dim() == 0):
+        raise ValueError(f"model.factory's loss_fn returned {_shape(loss)}; it must return the batch's mean loss, "
+                         "a scalar tensor")
+
+
+def _sendable(value) -> bool:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, tuple) and bool(value) and all(isinstance(v, torch.Tensor) for v in value)
+
+
+def _shape(value) -> str:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_shape(v) for v in value) + ")"
+    return type(value).__name__
+
+
+def _describe(layer) -> str:
+    text = repr(layer).splitlines()
+    return text[0] if len(text) == 1 else type(layer).__name__
 
 
 def model_facts(cfg: Config, layers: Optional[list]) -> ModelFacts:
@@ -72,11 +158,12 @@ def shardable_rows(layers: list) -> int:
     return 1 if any(len(shape) == 0 for shape in shapes) else max((shape[0] for shape in shapes), default=1)
 
 
-def plan_layout(cfg: Config, layers: Optional[list] = None) -> Layout:
+def plan_layout(cfg: Config, layers: Optional[list] = None, example: Optional[Callable[[], tuple]] = None) -> Layout:
     """The configured layout with the model's layer count and stage cuts (parallel.split_points, else
     balanced by parallel.balance); a ValueError naming parallel.pp or parallel.split_points when the
     model cannot be cut so. ``layers``: the model's, when the caller built them (else built here, when
-    needed). Needs model.factory importable (raytrain.driver.plan.check_inputs)."""
+    needed); ``example``: the first samples, whose inputs parallel.balance=time times a model.factory's
+    layers on. Needs model.factory importable (raytrain.driver.plan.check_inputs)."""
     if cfg.model.hf is not None:
         return _hf_layout(cfg, layers if layers is not None else model_layers(cfg))
     if cfg.model.factory is None:
@@ -93,7 +180,7 @@ def plan_layout(cfg: Config, layers: Optional[list] = None) -> Layout:
             return layout
     from raytrain.pipeline.partition import plan_cuts
 
-    return dataclasses.replace(layout, cuts=tuple(plan_cuts(layers, layout.num_chunks, _timing_input(cfg))))
+    return dataclasses.replace(layout, cuts=tuple(plan_cuts(layers, layout.num_chunks, _timing_input(cfg, example))))
 
 
 def _gpt_layers_to_cut(cfg: Config) -> list:
@@ -132,12 +219,16 @@ def _hf_layout(cfg: Config, layers: list) -> Layout:
     return layout
 
 
-def _timing_input(cfg: Config):
-    """One micro-batch of token ids to time the layers on (parallel.balance=time), else None."""
+def _timing_input(cfg: Config, example: Optional[Callable[[], tuple]] = None):
+    """One micro-batch of inputs to time the layers on (parallel.balance=time): the first samples' repeated
+    (with ``example``), else token ids; None for parallel.balance=params."""
     if cfg.parallel.balance != "time":
         return None
     import torch
 
     layout = cfg.layout()
     micro_batch = max(1, cfg.train.global_batch // (layout.mesh.columns * layout.microbatches))
+    if example is not None and cfg.model.factory is not None:
+        x = example()[0]
+        return x[torch.arange(micro_batch) % len(x)]
     return torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from raytrain import checkpoint, data
 from raytrain.config import Config
@@ -22,24 +22,31 @@ from raytrain.data import shards
 from raytrain.driver.connect import run_root
 from raytrain.driver.data_check import check_data, split_held_out
 from raytrain.driver.loggers import check_loggers
-from raytrain.driver.model_check import model_facts, model_layers, needs_build, plan_layout
-from raytrain.models.user_code import import_user_module
+from raytrain.driver.model_check import (build_model_once, check_model_takes_samples, model_facts, needs_build,
+                                         plan_layout)
+from raytrain.models.layers import FACTORY_RETURNS
+from raytrain.models.user_code import API_MODEL, import_user_module, register_api_model
 
 ChooseLayout = Callable[[Config, ModelFacts, list], Config]
 """(config, the model's facts, its layers) -> the config with the layout parallel.auto chose."""
 
 
-def prepare(cfg: Config, choose_layout: Optional[ChooseLayout] = None) -> PreparedRun:
+def prepare(cfg: Config, choose_layout: Optional[ChooseLayout] = None, dataset: Any = None,
+            eval_dataset: Any = None, model: Optional[Callable] = None) -> PreparedRun:
     """Check ``cfg`` against this machine and plan the run; a ValueError naming the key when it cannot run.
-    With parallel.auto, ``choose_layout`` picks the layout once the data and the model are checked."""
+    With parallel.auto, ``choose_layout`` picks the layout once the data and the model are checked.
+    ``dataset``, ``eval_dataset``: the Python API's data objects (a map-style torch Dataset or a Ray
+    Dataset); ``model``: its model function (model.factory's contract)."""
+    cfg, model_code = _with_api_model(cfg, model)
     check_inputs(cfg)
     if cfg.model.hf is not None:
         from raytrain.models.hf_plan import resolve_cut, with_hf_architecture
 
         cfg = resolve_cut(with_hf_architecture(cfg))
-    source = check_data(cfg)
-    num_samples, held_out = split_held_out(cfg, source)
-    layers = model_layers(cfg) if needs_build(cfg) else None  # the one build of the model on the driver
+    checked = check_data(cfg, dataset, eval_dataset)
+    num_samples, held_out = split_held_out(cfg, checked.source)
+    spec = build_model_once(cfg) if needs_build(cfg) else None  # the one build of the model on the driver
+    layers = None if spec is None else spec.layers
     facts = model_facts(cfg, layers)
     if cfg.parallel.auto:
         assert choose_layout is not None, "parallel.auto needs a layout chooser (raytrain.train passes one)"
@@ -48,10 +55,32 @@ def prepare(cfg: Config, choose_layout: Optional[ChooseLayout] = None) -> Prepar
         from raytrain.models.hf_plan import check_tensor_parallel
 
         check_tensor_parallel(cfg, layers)
-    layout = plan_layout(cfg, layers)
+    layout = plan_layout(cfg, layers, checked.example)
+    if cfg.model.factory is not None:
+        check_model_takes_samples(cfg, layers, spec.loss_fn, checked.example(), layout, checked.target_range)
     cfg, resume = _name_run(cfg, layout)
-    return PreparedRun(cfg=cfg, layout=layout, source=source, num_samples=num_samples, model=facts,
-                       resume=resume, held_out=held_out)
+    return PreparedRun(cfg=cfg, layout=layout, source=checked.source, num_samples=num_samples, model=facts,
+                       resume=resume, held_out=held_out, model_code=model_code)
+
+
+def _with_api_model(cfg: Config, model: Optional[Callable]) -> tuple[Config, Optional[bytes]]:
+    """``cfg`` building the Python API's ``model`` function (registered in this process; pickled for the
+    workers), or as it is when there is none."""
+    if model is None:
+        return cfg, None
+    if cfg.model.factory is not None or cfg.model.hf is not None:
+        raise ValueError("raytrain.train(model=...) and model.factory / model.hf both name the model: drop one")
+    if not callable(model):
+        raise ValueError(f"raytrain.train(model=...) is {type(model).__name__}; give a function of the model config "
+                         f"returning {FACTORY_RETURNS}")
+    from ray import cloudpickle
+
+    try:
+        code = cloudpickle.dumps(model)
+    except Exception as e:  # noqa: BLE001 -- the workers cannot have it
+        raise ValueError(f"raytrain.train(model=...) cannot be pickled for the workers: {type(e).__name__}: {e}") from e
+    register_api_model(model)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, factory=API_MODEL)), code
 
 
 def _name_run(cfg: Config, layout: Layout) -> tuple[Config, Optional[str]]:

@@ -3,9 +3,10 @@
 The built-in model is a small GPT decoder: ``[Embedding, Block x n_layer, Head]``. Global parameter
 names are those of ``nn.Sequential(*layers)`` (``"3.attn.qkv.weight"``), whatever the layout.
 
-A user model is ``model.factory = "pkg.module:function"``; the function takes the ModelConfig and
-returns an ``nn.Sequential`` (or list of modules), or a pair ``(layers, loss_fn)`` where
-``loss_fn(output, targets) -> scalar mean loss``. The default loss is next-token cross entropy.
+A user model is ``model.factory = "pkg.module:function"`` (or the Python API's ``model=`` function); the
+function takes the ModelConfig and returns an ``nn.Sequential`` (or list of modules), or a pair
+``(layers, loss_fn)`` where ``loss_fn(output, targets) -> scalar mean loss``. The default loss
+(``default_loss``) is cross entropy for integer targets and mean squared error for float ones.
 """
 
 from __future__ import annotations
@@ -25,8 +26,23 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def cross_entropy_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over every token of the batch."""
+    """Mean next-token cross entropy over every token of the batch (over every sample of a batch of (B, C)
+    logits and (B,) class ids)."""
     return F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.size(-1)).float(), targets_BT.reshape(-1))
+
+
+def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A model.factory's loss unless it gives one: cross entropy for integer targets (class ids, tokens: the
+    output's last dimension holds the classes), mean squared error for float targets (the output's shape:
+    an output of (B, 1) against targets of (B,) is compared as (B,))."""
+    if not targets.is_floating_point():
+        return cross_entropy_loss(output, targets)
+    if output.shape != targets.shape and output.shape == (*targets.shape, 1):
+        output = output.squeeze(-1)
+    if output.shape != targets.shape:
+        raise ValueError(f"mean squared error needs the output {tuple(output.shape)} and the targets "
+                         f"{tuple(targets.shape)} to have one shape")
+    return F.mse_loss(output.float(), targets.float())
 
 
 class Embedding(nn.Module):
@@ -181,7 +197,7 @@ def factory_layers(factory: str, built) -> tuple[list[nn.Module], LossFn]:
         return ValueError(f"model.factory={factory!r} returned {what}; it must return {FACTORY_RETURNS} "
                           "-> mean loss: fix the function")
 
-    loss_fn: LossFn = cross_entropy_loss
+    loss_fn: LossFn = default_loss
     pair = ""  # a tuple is read as (layers, loss_fn): say so when its layers are wrong
     if isinstance(built, tuple):
         if len(built) != 2:

@@ -8,10 +8,29 @@ from __future__ import annotations
 
 import importlib
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 
 _preload: Optional[threading.Thread] = None
+
+API_MODEL = "raytrain.models.user_code:api_model"
+"""model.factory when the Python API is given a model function (``raytrain.train(cfg, model=fn)``): every
+process that builds the model has it registered (``register_api_model``), and this calls it."""
+_api_model: Optional[Callable] = None
+
+
+def register_api_model(builder: Callable) -> None:
+    """Make ``builder`` (the Python API's model function) the one API_MODEL builds, in this process."""
+    global _api_model
+    _api_model = builder
+
+
+def api_model(model_cfg):
+    """model.factory=API_MODEL: the registered model function's layers for ``model_cfg``."""
+    if _api_model is None:
+        raise ValueError(f"model.factory={API_MODEL!r} builds the model given to raytrain.train(model=...); none was "
+                         "given in this process")
+    return _api_model(model_cfg)
 
 
 def preload_torch_distributed() -> None:
