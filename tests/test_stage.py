@@ -13,6 +13,8 @@ from raytrain.driver.rendezvous import RendezvousStore
 from raytrain.testing import faults
 from raytrain.testing.faults import PhaseHook, phase_hook
 from raytrain.config.prepared import Slot, WorkerSpec
+from raytrain.data.samples import DataSource, SampleSpec
+from raytrain.data.shards import one_file
 from raytrain.worker.stage import Stage
 
 
@@ -25,8 +27,9 @@ def keep_torch_threads():
 
 
 def _stage(cfg, **kwargs) -> Stage:
-    spec = WorkerSpec(cfg=cfg, source=None, num_samples=1, stage_layers=[[list(range(cfg.model.gpt_layers))]])
-    return Stage(spec, Slot(0), **kwargs)  # no join: it reads no samples
+    source = DataSource(one_file("unused: no join", 1), SampleSpec.tokens(cfg.model.seq_len))  # it reads no samples
+    spec = WorkerSpec(cfg=cfg, source=source, num_samples=1, stage_layers=[[list(range(cfg.model.gpt_layers))]])
+    return Stage(spec, Slot(0), **kwargs)
 
 
 def test_state_digest_is_equal_for_equal_state_and_changes_with_any_value(make_config, keep_torch_threads):

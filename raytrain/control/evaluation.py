@@ -6,7 +6,8 @@ evaluate exactly the committed parameters. The value is the mean loss over the s
 eval.batches x train.global_batch held-out rows every time: each replica's last stage (each shard of it) sums the
 losses of its share of the rows, and the coordinator divides the sum over replicas by the rows
 evaluated, so the value does not depend on the layout (dp, pp, schedule, micro-batches) beyond
-float summation order. It goes into that step's metrics row (``eval_loss``, ``eval_rows``, ``eval_s``).
+float summation order. It goes into that step's metrics row (``eval_loss``, ``eval_rows``, ``eval_s``), with
+eval.metrics (``eval_accuracy``, ...: sums over the targets' elements, divided once by their count).
 
 A worker lost during an evaluation is repaired as one lost during a step or a save (REPAIRING, one
 failure against elastic.max_failures); the evaluation then runs again at the same step on the
@@ -17,7 +18,7 @@ does their evaluation.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from raytrain.config import Config
 from raytrain.control import steps
@@ -30,10 +31,16 @@ from raytrain.control.runstate import Interrupted, Repairing, State
 
 @dataclass(frozen=True)
 class HeldOutLoss:
-    """The held-out loss of the committed parameters: the mean over ``rows`` held-out rows."""
+    """The held-out loss of the committed parameters: the mean over ``rows`` held-out rows; and eval.metrics,
+    each the mean over the held-out targets' elements."""
 
     loss: float
     rows: int
+    metrics: dict = field(default_factory=dict)
+
+    def row(self) -> dict:
+        """Its fields in a step's metrics row: ``eval_loss``, ``eval_rows``, ``eval_<metric>``."""
+        return {"eval_loss": self.loss, "eval_rows": self.rows, **{f"eval_{k}": v for k, v in self.metrics.items()}}
 
 
 def evaluate(group: WorkerGroup, members: list[Member], columns: int, timeout_s: float, step: int,
@@ -49,7 +56,9 @@ def evaluate(group: WorkerGroup, members: list[Member], columns: int, timeout_s:
     last = [r for r in reports if r.loss_sum is not None]
     assert len(last) == columns, (len(last), columns)
     rows = sum(r.rows for r in last)
-    return HeldOutLoss(sum(r.loss_sum for r in last) / rows, rows)
+    metrics = {name: sum(r.metric_sums[name] for r in last) / max(1, sum(r.metric_counts[name] for r in last))
+               for name in last[0].metric_sums}
+    return HeldOutLoss(sum(r.loss_sum for r in last) / rows, rows, metrics)
 
 
 def evaluating(crew: Crew, ledger: Ledger, cfg: Config) -> State:
@@ -62,5 +71,5 @@ def evaluating(crew: Crew, ledger: Ledger, cfg: Config) -> State:
     except WorkersLost as lost:
         return Repairing(tuple(lost.dead), Interrupted.EVAL)
     assert ledger.held_row is not None, "an evaluation follows a committed step"
-    ledger.held_row.update(eval_loss=held_out.loss, eval_rows=held_out.rows, eval_s=round(time.perf_counter() - t0, 3))
+    ledger.held_row.update(**held_out.row(), eval_s=round(time.perf_counter() - t0, 3))
     return steps.after_commit(ledger, cfg, evaluated=True)

@@ -11,7 +11,7 @@ import os
 import re
 import signal
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group

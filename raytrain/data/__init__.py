@@ -16,7 +16,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "order": ("epoch_order", "sample_ids", "replica_slices", "even_shares", "step_positions", "microbatch_bounds"),
+    "order": ("epoch_order", "sample_ids", "replica_slices", "even_shares", "step_positions", "microbatch_bounds",
+              "sample_seeds", "position_epochs", "HELD_OUT_EPOCH"),
     "held_out": ("held_out_count", "training_rows", "held_out_source", "held_out_ids"),
     "shards": ("Files",),
     "samples": ("DataSource", "SampleSpec", "TensorSpec"),

@@ -82,7 +82,8 @@ class StepReport:
 
 @dataclass
 class EvalReport:
-    """One worker's reply to ``evaluate``: a last stage's sum of held-out losses over its rows."""
+    """One worker's reply to ``evaluate``: a last stage's sum of held-out losses over its rows, and of each
+    of eval.metrics over its targets' elements (with their counts)."""
 
     rank: int
     step: int
@@ -90,6 +91,8 @@ class EvalReport:
     error: str = ""
     loss_sum: Optional[float] = None
     rows: int = 0
+    metric_sums: dict = field(default_factory=dict)
+    metric_counts: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Runs one pipeline worker's plan for one step: one loop over the actions, one short method per action kind.
 
 Sends are non-blocking and receives block, as raytrain.pipeline.checker simulates them, so a plan that
-passes the checker cannot deadlock here. With virtual stages the worker holds several model chunks and
+passes the checker cannot deadlock here. An activation is a tensor or a tuple of tensors
+(raytrain.worker.activations). With virtual stages the worker holds several model chunks and
 every tensor in flight is keyed by (chunk, micro-batch); between two chunks of this worker nothing is
 sent: the next chunk's forward takes the previous one's output (detached, as a received activation
 would be) and its backward hands the input gradient straight back. Everything a step holds while it
@@ -16,11 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from raytrain.pipeline import split_backward
+from raytrain.worker import activations
+from raytrain.worker.activations import Activation
+from raytrain.worker.metrics import HeldOutMetrics
 from raytrain.pipeline.actions import COMPUTE, Action, ActionKind
 from raytrain.testing.faults import PhaseHook
 from raytrain.worker.generation import Generation
@@ -37,20 +40,21 @@ class StepBuffers:
     gen: Generation
     step: int
     hook: PhaseHook
-    x: Optional[torch.Tensor]  # (share, T) token ids: this replica's inputs (first stage) ...
+    x: Optional[torch.Tensor]  # (share, ...) this replica's inputs (first stage: token ids, features) ...
     y: Optional[torch.Tensor]  # ... and targets (last stage)
     loss_sum: torch.Tensor  # sum over this replica's samples of their loss (last stage)
     # keyed by (chunk, micro-batch):
-    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # activation received (or handed over)
-    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # output (scaled loss on the last stage)
-    output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # gradient received for it
-    input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # gradient to send back
+    inputs: dict[Key, Activation] = field(default_factory=dict)  # activation received (or handed over)
+    outputs: dict[Key, Activation] = field(default_factory=dict)  # output (scaled loss on the last stage)
+    output_grads: dict[Key, list[torch.Tensor]] = field(default_factory=dict)  # gradients received for it
+    input_grads: dict[Key, list[torch.Tensor]] = field(default_factory=dict)  # gradients to send back
     weight_halves: dict[Key, split_backward.WeightGradients] = field(default_factory=dict)  # backwards whose W is due
     sends: list[Any] = field(default_factory=list)  # torch.distributed work of the sends in flight
     busy_s: float = 0.0  # time in compute actions
     peak_live: int = 0  # most (chunk, micro-batch) activations alive at once (forward done, weight gradients not)
     events: Optional[list[tuple[str, float, float]]] = None  # (action, start, end) when traced
     backward_started: bool = False
+    metrics: Optional[HeldOutMetrics] = None  # eval.metrics summed over the last stage's samples (evaluations)
 
 
 class PlanExecutor:
@@ -76,9 +80,11 @@ class PlanExecutor:
         }
 
     def run(self, gen: Generation, step: int, x: Optional[torch.Tensor], y: Optional[torch.Tensor],
-            hook: PhaseHook, trace: bool) -> StepBuffers:
-        """Every action of ``gen.plan`` in order, then wait for the sends; the gradients are accumulated."""
-        buf = StepBuffers(gen, step, hook, x, y, torch.zeros((), device=self.device), events=[] if trace else None)
+            hook: PhaseHook, trace: bool, metrics: Optional[HeldOutMetrics] = None) -> StepBuffers:
+        """Every action of ``gen.plan`` in order, then wait for the sends; the gradients are accumulated.
+        ``metrics``: what an evaluation measures of the last chunk's outputs beside the loss."""
+        buf = StepBuffers(gen, step, hook, x, y, torch.zeros((), device=self.device), events=[] if trace else None,
+                          metrics=metrics)
         hook("forward", step)
         for i, action in enumerate(gen.plan):
             t0 = time.perf_counter()
@@ -98,19 +104,25 @@ class PlanExecutor:
             work.wait()
         return buf
 
-    def output_of(self, chunk: int, example: torch.Tensor) -> torch.Tensor:
-        """Chunk ``chunk``'s output for ``example``, without gradients (to learn its shape)."""
-        with torch.no_grad(), self.autocast():
-            return self.chunks[chunk](example)
+    def output_of(self, chunk: int, example: Activation) -> Activation:
+        """Chunk ``chunk``'s output for ``example``, without gradients, in eval mode (to learn its shape:
+        a batch norm updates no statistics, a dropout draws no random numbers)."""
+        module = self.chunks[chunk]
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad(), self.autocast():
+                return module(example)
+        finally:
+            module.train(was_training)
 
     # --- one method per action kind ---------------------------------------------------------------
 
     def _recv_activation(self, a: Action, buf: StepBuffers) -> None:
         lo, hi = buf.gen.mb_bounds[a.mb]
         place = buf.gen.chunks[a.chunk]
-        x = torch.empty(hi - lo, *place.input_tail, dtype=place.input_dtype, device=self.device)
-        dist.recv(x, src=place.prev_rank)
-        buf.inputs[(a.chunk, a.mb)] = x.requires_grad_(x.is_floating_point())
+        buf.inputs[(a.chunk, a.mb)] = activations.receive(hi - lo, place.input_shapes, place.input_is_tuple,
+                                                          place.prev_rank, self.device)
 
     def _forward(self, a: Action, buf: StepBuffers) -> None:
         lo, hi = buf.gen.mb_bounds[a.mb]
@@ -118,7 +130,7 @@ class PlanExecutor:
         if place.is_first:
             inp = buf.x[lo:hi]
         elif place.prev_chunk is not None:  # a hand-off from this worker's previous chunk
-            inp = buf.outputs[(place.prev_chunk, a.mb)].detach().requires_grad_()
+            inp = activations.detached(buf.outputs[(place.prev_chunk, a.mb)])
             buf.inputs[key] = inp
         else:
             inp = buf.inputs[key]
@@ -129,19 +141,19 @@ class PlanExecutor:
                 loss = self.loss_fn(out, buf.y[lo:hi])
             value = loss.detach()
             buf.loss_sum += (value.full_tensor() if isinstance(value, DTensor) else value) * (hi - lo)
+            if buf.metrics is not None:
+                buf.metrics.add(out, buf.y[lo:hi])
             out = loss * ((hi - lo) / self.global_batch)  # share of the global batch: grads then just sum
         buf.outputs[key] = out
         buf.peak_live = max(buf.peak_live, len(buf.outputs) + len(buf.weight_halves))
 
     def _send_activation(self, a: Action, buf: StepBuffers) -> None:
         dst = buf.gen.chunks[a.chunk].next_rank
-        buf.sends.append(dist.isend(buf.outputs[(a.chunk, a.mb)].detach().contiguous(), dst=dst))
+        buf.sends.extend(activations.send(buf.outputs[(a.chunk, a.mb)], dst))
 
     def _recv_gradient(self, a: Action, buf: StepBuffers) -> None:
         key = (a.chunk, a.mb)
-        grad = torch.empty_like(buf.outputs[key])
-        dist.recv(grad, src=buf.gen.chunks[a.chunk].next_rank)
-        buf.output_grads[key] = grad
+        buf.output_grads[key] = activations.receive_grads(buf.outputs[key], buf.gen.chunks[a.chunk].next_rank)
 
     def _backward(self, a: Action, buf: StepBuffers) -> None:
         if not buf.backward_started:
@@ -149,21 +161,23 @@ class PlanExecutor:
             buf.backward_started = True
         place, key = buf.gen.chunks[a.chunk], (a.chunk, a.mb)
         out = buf.outputs.pop(key)
-        out_grad = None if place.is_last else buf.output_grads.pop(key)
+        out_grads = None if place.is_last else buf.output_grads.pop(key)
         with self._around_loss(a.chunk, buf):
-            if key in buf.gen.split:
-                input_grad, buf.weight_halves[key] = split_backward.backward_input(out, out_grad, buf.inputs.pop(key))
+            if key in buf.gen.split:  # one tensor each way: prepare refuses to split tuples
+                grad, buf.weight_halves[key] = split_backward.backward_input(
+                    out, None if out_grads is None else out_grads[0], buf.inputs.pop(key))
+                input_grads = [grad]
             else:
-                out.backward(out_grad)
-                input_grad = None if place.is_first else buf.inputs.pop(key).grad
+                activations.backward(out, out_grads)
+                input_grads = None if place.is_first else activations.input_grads(buf.inputs.pop(key))
         if place.prev_chunk is not None:  # the previous chunk is this worker's: hand the gradient back
-            buf.output_grads[(place.prev_chunk, a.mb)] = input_grad
-        elif input_grad is not None:
-            buf.input_grads[key] = input_grad
+            buf.output_grads[(place.prev_chunk, a.mb)] = input_grads
+        elif input_grads is not None and not place.is_first:
+            buf.input_grads[key] = input_grads
 
     def _send_gradient(self, a: Action, buf: StepBuffers) -> None:
         dst = buf.gen.chunks[a.chunk].prev_rank
-        buf.sends.append(dist.isend(buf.input_grads.pop((a.chunk, a.mb)).contiguous(), dst=dst))
+        buf.sends.extend(activations.send_grads(buf.input_grads.pop((a.chunk, a.mb)), dst))
 
     def _weight_gradients(self, a: Action, buf: StepBuffers) -> None:
         with self._around_loss(a.chunk, buf):

@@ -20,11 +20,14 @@ from raytrain.config import Config
 from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.pipeline import checker, schedule
 from raytrain.pipeline.actions import Action, Placement
+from raytrain.worker import activations
+from raytrain.worker.activations import Activation, TensorShape
 from raytrain.worker.groups import Groups, init_groups
 
-# Shape handshake: [ndim, dtype code, dims...] padded to this length.
-_SHAPE_MSG_LEN = 10
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+SHAPE_MSG_LEN = 64
+"""Shape handshake: [is a tuple, tensors, then per tensor: ndim, dtype code, dims...], padded to this length."""
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool, torch.float64,
+           torch.uint8, torch.int16, torch.int8]
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,19 @@ class ChunkPlace:
     next_rank: Optional[int]
     prev_chunk: Optional[int]
     """This worker's chunk that is the previous stage (a local hand-off), else None."""
-    input_tail: Optional[tuple[int, ...]] = None
-    """Per-sample shape of the activation it receives (None on the first stage: token ids)."""
-    input_dtype: Optional[torch.dtype] = None
+    input_shapes: tuple[TensorShape, ...] = ()
+    """Per-sample shape and dtype of each tensor of the activation it receives (the samples' inputs on the
+    first stage)."""
+    input_is_tuple: bool = False
+    """Whether that activation is a tuple of tensors, not one tensor."""
+
+    @property
+    def input_tail(self) -> Optional[tuple]:
+        """The per-sample shape of its input (a tuple of them for a tuple activation); None on the first stage."""
+        if self.is_first:
+            return None
+        tails = tuple(k.tail for k in self.input_shapes)
+        return tails if self.input_is_tuple else tails[0]
 
 
 @dataclass(frozen=True)
@@ -88,17 +101,18 @@ class Generation:
     groups: Groups
 
 
-ChunkOutput = Callable[[int, torch.Tensor], torch.Tensor]
+ChunkOutput = Callable[[int, Activation], Activation]
 """(chunk, example input) -> that chunk's output, without gradients."""
 
 
 def form_generation(cfg: Config, rank: int, mesh: Mesh, shares: list[int], store: StoreAddress, number: int,
-                    chunk_output: ChunkOutput, device: torch.device,
+                    chunk_output: ChunkOutput, device: torch.device, sample_inputs: TensorShape,
                     on_groups: Callable[[Groups], None] = lambda groups: None) -> Generation:
     """Form generation ``number``'s process groups and learn the input shape of each of this worker's chunks
     (collective over every member). ``shares`` are the replicas' samples of the global batch; the shards of
     a replica divide its share. ``chunk_output`` runs a chunk's layers on an example input (no grad); it is
-    given the generation's groups first (a sharded stage re-forms its FSDP wrapping on them)."""
+    given the generation's groups first (a sharded stage re-forms its FSDP wrapping on them).
+    ``sample_inputs``: a sample's inputs, what the first stage takes."""
     replica, stage = mesh.coords(rank)
     shard, tp_index = mesh.shard(rank), mesh.tp_index(rank)
     par = cfg.parallel
@@ -110,7 +124,7 @@ def form_generation(cfg: Config, rank: int, mesh: Mesh, shares: list[int], store
         return mesh.rank(replica=replica, shard=shard, stage=worker, tp=tp_index)
 
     places = [_place(placement, stage, chunk, column_rank) for chunk in range(placement.chunks)]
-    chunks = _exchange_shapes(cfg.model.seq_len, places, chunk_output, device)
+    chunks = _exchange_shapes(sample_inputs, places, chunk_output, device)
     plan = tuple(schedule.build_plan(par.schedule, mesh.pp, par.microbatches, par.split_backward,
                                      par.virtual_stages)[stage])
     slices = data.even_shares(shares[replica], mesh.fsdp)
@@ -148,35 +162,50 @@ def for_evaluation(gen: Generation) -> Generation:
                                chunk_last_grad_actions=(-1,) * len(gen.chunks))
 
 
-def _exchange_shapes(seq_len: int, chunks: list[ChunkPlace], chunk_output: ChunkOutput,
+def _exchange_shapes(sample_inputs: TensorShape, chunks: list[ChunkPlace], chunk_output: ChunkOutput,
                      device: torch.device) -> tuple[ChunkPlace, ...]:
-    """Learn the per-sample shape and dtype of each chunk's input from the previous stage, and tell the next:
-    chunk by chunk in pipeline order, a hand-off between two chunks of this worker without a message."""
-    learned: dict[int, tuple[Optional[tuple[int, ...]], Optional[torch.dtype]]] = {}
-    outputs: dict[int, torch.Tensor] = {}  # chunk -> its example output, for a local next chunk
+    """Learn the per-sample shapes and dtypes of each chunk's input from the previous stage, and tell the
+    next: chunk by chunk in pipeline order, a hand-off between two chunks of this worker without a message."""
+    learned: dict[int, tuple[tuple[TensorShape, ...], bool]] = {}
+    outputs: dict[int, Activation] = {}  # chunk -> its example output, for a local next chunk
     sends = []
     for c in sorted(range(len(chunks)), key=lambda c: chunks[c].stage):
-        place, tail, dtype = chunks[c], None, None
+        place = chunks[c]
         if place.is_first:
-            example = torch.zeros(1, seq_len, dtype=torch.long, device=device)
+            kinds, is_tuple = (sample_inputs,), False
         elif place.prev_chunk is not None:
             example = outputs[place.prev_chunk]
-            tail, dtype = tuple(example.shape[1:]), example.dtype
+            kinds, is_tuple = activations.shapes(example), isinstance(example, tuple)
         else:
-            msg = torch.zeros(_SHAPE_MSG_LEN, dtype=torch.long, device=device)
+            msg = torch.zeros(SHAPE_MSG_LEN, dtype=torch.long, device=device)
             dist.recv(msg, src=place.prev_rank)
-            ndim, code = int(msg[0]), int(msg[1])
-            tail, dtype = tuple(int(d) for d in msg[2 : 2 + ndim - 1]), _DTYPES[code]
-            example = torch.zeros(1, *tail, dtype=dtype, device=device)
-        learned[c] = tail, dtype
+            kinds, is_tuple = _decode_shapes(msg.tolist())
+        learned[c] = kinds, is_tuple
         if not place.is_last:
-            outputs[c] = out = chunk_output(c, example)
+            outputs[c] = out = chunk_output(c, activations.zeros(1, kinds, is_tuple, device))
             if place.next_rank is not None:
-                msg = torch.zeros(_SHAPE_MSG_LEN, dtype=torch.long, device=device)
-                msg[0], msg[1] = out.dim(), _DTYPES.index(out.dtype)
-                msg[2 : 2 + out.dim() - 1] = torch.tensor(out.shape[1:])
+                msg = torch.tensor(_encode_shapes(out), dtype=torch.long, device=device)
                 sends.append((dist.isend(msg, dst=place.next_rank), msg))
     for work, _ in sends:
         work.wait()
-    return tuple(dataclasses.replace(place, input_tail=learned[c][0], input_dtype=learned[c][1])
+    return tuple(dataclasses.replace(place, input_shapes=learned[c][0], input_is_tuple=learned[c][1])
                  for c, place in enumerate(chunks))
+
+
+def _encode_shapes(out: Activation) -> list[int]:
+    """The handshake message of an activation (see SHAPE_MSG_LEN)."""
+    kinds = activations.shapes(out)
+    msg = [int(isinstance(out, tuple)), len(kinds)]
+    for k in kinds:
+        msg += [len(k.tail), _DTYPES.index(k.dtype), *k.tail]
+    assert len(msg) <= SHAPE_MSG_LEN, f"an activation of {len(kinds)} tensors is too large to describe: {kinds}"
+    return msg + [0] * (SHAPE_MSG_LEN - len(msg))
+
+
+def _decode_shapes(msg: list[int]) -> tuple[tuple[TensorShape, ...], bool]:
+    is_tuple, count, at, kinds = bool(msg[0]), msg[1], 2, []
+    for _ in range(count):
+        ndim, code = msg[at], msg[at + 1]
+        kinds.append(TensorShape(tuple(msg[at + 2: at + 2 + ndim]), _DTYPES[code]))
+        at += 2 + ndim
+    return tuple(kinds), is_tuple

@@ -118,7 +118,11 @@ class ShardedLayers:
         for value, (boxes, split) in zip(full_values(), parts):
             self._own(value, boxes, split)
         self.buffers = [b.to(device) for b in buffers]
-        """The stage's buffers (rotary tables, masks: not sharded), in module order."""
+        """The stage's buffers (rotary tables, masks, batch norm's statistics: not sharded), in module order."""
+        self.part = shard * tp + tp_index
+        """Which file of its stage this worker writes: one per (shard, tp rank)."""
+        self.written = self.split if tp_index > 0 else None
+        """tp rank 0 writes the parts every tp rank holds (raytrain.worker.stage_state)."""
         self.module: Optional[nn.Module] = None
         self.comm_log: CommLog = None
 

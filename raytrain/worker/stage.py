@@ -32,30 +32,32 @@ import functools
 import gc
 import math
 import os
+import pickle
 import resource
 import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
-from raytrain import checkpoint, data
+from raytrain import data
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.config.prepared import Slot, WorkerSpec
-from raytrain.models.layers import Recomputed, build_model
+from raytrain.models.user_code import register_api_model
 from raytrain.reports import BackgroundSave, EvalReport, JoinReport, ShardReport, StepReport
 from raytrain.reports.oom import reraise_out_of_memory
 from raytrain.optim.optimizer import apply_step, make_optimizer
 from raytrain.testing.faults import PhaseHook, phase_hook
 from raytrain.worker.saving import ShardSaves
-from raytrain.worker.executor import PlanExecutor, cut_into_chunks
+from raytrain.worker.activations import TensorShape
+from raytrain.worker.executor import PlanExecutor
 from raytrain.worker.generation import Generation, form_generation
-from raytrain.worker.gradsync import GradientBuckets, clip_global_norm
+from raytrain.worker.gradsync import clip_global_norm
 from raytrain.worker.groups import Groups, destroy_groups
 from raytrain.worker.stage_eval import HeldOutLoss
+from raytrain.worker.stage_layers import Grads, stage_layers
 from raytrain.worker.stage_state import StageState
 
 HookFactory = Callable[[list[str], int, int, int], PhaseHook]
@@ -69,6 +71,8 @@ class Stage:
                  leaving: Callable[[], bool] = lambda: False):
         cfg, source, num_samples, chunks = spec.cfg, spec.source, spec.num_samples, spec.chunks(slot)
         stage, shard, tp = slot.stage, slot.shard, slot.tp
+        if spec.model_code is not None:  # the Python API's model function: model.factory names it
+            register_api_model(pickle.loads(spec.model_code))
         self.cfg = cfg
         self.leaving = leaving  # whether this worker was told to leave (raytrain.worker.drain): its vote says so,
         # unless the step holds it (its replacement is starting: raytrain.control.drain)
@@ -78,21 +82,18 @@ class Stage:
         if cfg.resources.use_gpu:
             torch.cuda.set_device(self.device)
         self.stage, self.shard_index, self.tp_index = stage, shard, tp
-        # with parallel.fsdp > 1: this shard's rows, with parallel.tp > 1: this tp rank's boxes, wrapped per
-        # generation (its first join makes the executor)
-        # chunks: the global layer indices of each model chunk this worker holds (one unless virtual stages)
-        self.chunk_lengths = [len(chunk) for chunk in chunks]
-        self.sharded, module, names, self.loss_fn = _stage_layers(cfg, chunks, shard, tp, self.device)
-        self.params = self.sharded.params if self.sharded is not None else list(module.parameters())
-        self.grads = None if self.sharded is not None else GradientBuckets(self.params, None)
-        self.executor = None if self.sharded is not None else self._executor(
-            module, cut_into_chunks(module, self.chunk_lengths))
+        # replicated, this shard's rows (fsdp), or this tp rank's boxes (tp), wrapped per generation
+        self.layers = stage_layers(cfg, chunks, shard, tp, self.device)
+        self.params, self.loss_fn = self.layers.params, self.layers.loss_fn
+        self.grads: Optional[Grads] = None  # this generation's gradient reduction (its join makes it) ...
+        self.executor: Optional[PlanExecutor] = None  # ... and executor
         self.optimizer = make_optimizer(self.params, cfg.train)
-        held = self.sharded
-        written = held.split if held is not None and tp > 0 else None  # tp rank 0 writes the parts all hold
-        self.state = StageState(names, self.params, self.optimizer, self.device, cfg.train.fused_optimizer,
-                                held.rows if held else None, held.slices if held else None, written)
+        held = self.layers
+        self.state = StageState(held.names, self.params, self.optimizer, self.device, cfg.train.fused_optimizer,
+                                held.rows, held.slices, held.written)
         self.dataset: Optional[data.Dataset] = None  # opened on the first join (first and last stages)
+        inputs = source.sample.inputs  # what the first stage's layers take
+        self.sample_inputs = TensorShape(inputs.shape, getattr(torch, inputs.dtype))
         self.held_out = HeldOutLoss(cfg, source, num_samples, self.device)
         self.committed = 0  # steps applied so far; the next step to run
         self.prepared: Optional[int] = None  # a step whose gradients are reduced but not yet applied
@@ -101,7 +102,7 @@ class Stage:
         self.rank: Optional[int] = None  # its rank in the last generation it joined: reports after leave name it
         self.make_hook = make_hook
         self.hook = PhaseHook()  # called at every phase point; the last join's faults arm it
-        self.saves = ShardSaves(self.state, stage, _part(cfg, shard, tp) if self.sharded is not None else None)
+        self.saves = ShardSaves(self.state, stage, self.layers.part)
         self.joins = 0  # join attempts so far, successful or not
 
     # --- membership ------------------------------------------------------------------------------
@@ -120,37 +121,29 @@ class Stage:
             self.hook("join", self.committed)
         self.gen = form_generation(self.cfg, rank, mesh, shares, store, generation,
                                    lambda chunk, example: self.executor.output_of(chunk, example), self.device,
-                                   on_groups=lambda groups: self._on_groups(groups, mesh, rank))
+                                   self.sample_inputs, on_groups=lambda groups: self._on_groups(groups, mesh, rank))
         if self.dataset is None and (self.gen.is_first or self.gen.is_last):  # it reads inputs or targets
             self.dataset = data.open_dataset(self.source.train, self.cfg)  # files open as steps reach them
         return JoinReport(rank=rank, committed=self.committed, pid=os.getpid(), node=os.uname().nodename,
                           params=sum(p.numel() for p in self.params))
 
     def _on_groups(self, groups: Groups, mesh: Mesh, rank: int) -> None:
-        """Point the gradient reduction at this generation's groups (a sharded stage re-wraps on them)."""
-        if self.sharded is None:
-            self.grads.group = groups.dp_group
-            return
-        self.grads = self.sharded.wrap(groups, mesh, rank, self.optimizer)
-        self.executor = self._executor(self.sharded.module, self.sharded.chunks)
-
-    def _executor(self, module: nn.Module, chunks: list[nn.Module]) -> PlanExecutor:
-        return PlanExecutor(module, chunks, self.loss_fn, self.grads, self.device, _autocast(self.cfg, self.device),
-                            self.cfg.train.global_batch,
-                            loss_parallel if self.cfg.parallel.tp > 1 else contextlib.nullcontext)
+        """Wrap the layers on this generation's groups (a sharded or tensor-parallel stage re-wraps), and make
+        the executor that runs them."""
+        self.grads = self.layers.wrap(groups, mesh, rank, self.optimizer)
+        self.executor = PlanExecutor(self.layers.module, self.layers.chunks, self.loss_fn, self.grads, self.device,
+                                     _autocast(self.cfg, self.device), self.cfg.train.global_batch,
+                                     loss_parallel if self.cfg.parallel.tp > 1 else contextlib.nullcontext)
 
     def leave(self) -> None:
         """Drop this worker's process groups (after a failure they may be broken); state stays.
 
         Every reference to the groups goes, so their connections really close and peers blocked in
-        a collective with this worker fail at once rather than at the timeout.
+        a collective with this worker fail at once rather than at the timeout. The layers keep the values
+        and the prepared gradients (a vote that failed may still be rolled forward).
         """
-        self.gen = None
-        if self.sharded is not None:  # the wrapping holds the groups; the values stay in self.params
-            self.sharded.release()
-            self.executor = self.grads = None
-        else:
-            self.grads.detach_group()
+        self.gen = self.executor = None
+        self.layers.release()
         destroy_groups()
         if self.joins:
             gc.collect()  # a full collection: worth it only once a join may have left groups behind
@@ -238,11 +231,11 @@ class Stage:
         ids = data.sample_ids(cfg.train.seed, self.num_samples, begin, end)
         x = y = None
         if self.dataset is not None:
-            x, y = (t.to(self.device, non_blocking=True) for t in self.dataset.batch(ids))
+            seeds = data.sample_seeds(cfg.train.seed, ids, data.position_epochs(self.num_samples, begin, end))
+            x, y = (t.to(self.device, non_blocking=True) for t in self.dataset.batch(ids, seeds))
         report.data_s = time.perf_counter() - t_start
         self.grads.zero()
-        if self.sharded is not None:  # FSDP2's all-gathers and reduce-scatters go into the trace too
-            self.sharded.comm_log = [] if trace else None
+        self.layers.comm_log = [] if trace else None  # FSDP2's all-gathers and reduce-scatters go into the trace
         buf = self.executor.run(gen, step, x, y, self.hook, trace)
         t_sync = time.perf_counter()
         self.hook("allreduce", step)  # peers are all-reducing now
@@ -258,7 +251,7 @@ class Stage:
             report.loss_sum = float(buf.loss_sum)
         if trace:
             events = buf.events + [("allreduce wait", t_sync, t_reduced), ("clip", t_reduced, t_end)]
-            events += self.sharded.comm_log if self.sharded is not None else []
+            events += self.layers.comm_log or []
             report.events = [(name, a - t_start, b - t_start) for name, a, b in events]
         if cfg.run.record_samples and gen.is_first and gen.tp_index == 0:
             report.sample_ids = ids
@@ -272,7 +265,7 @@ class Stage:
             return report
         self.hook("eval", self.committed)
         try:
-            loss_sum, rows = self.held_out.loss_sum(self.executor, self.gen, self.committed, self.dataset)
+            loss_sum, rows, metrics = self.held_out.loss_sum(self.executor, self.gen, self.committed, self.dataset)
         except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
             reraise_out_of_memory(e)  # not a peer's failure: this worker leaves the run (raytrain.worker.actor)
             report.error = f"{type(e).__name__}: {str(e)[:300]}"
@@ -281,6 +274,7 @@ class Stage:
             return report
         if self.gen.is_last and self.gen.tp_index == 0:
             report.loss_sum, report.rows = loss_sum, rows
+            report.metric_sums, report.metric_counts = metrics.sums, metrics.counts
         report.ok = True
         return report
 
@@ -318,11 +312,6 @@ def _autocast(cfg: Config, device: torch.device):
     return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=cfg.resources.bf16)
 
 
-def _part(cfg: Config, shard: int, tp: int) -> int:
-    """Which file of its stage a worker writes: one per (shard, tp rank)."""
-    return shard * cfg.parallel.tp + tp
-
-
 def share_finite(report: StepReport, grads) -> bool:
     """Whether this worker's share of the step (its loss, its gradients) is finite."""
     if report.loss_sum is not None and not math.isfinite(report.loss_sum):
@@ -341,34 +330,6 @@ def world_vote(finite: bool, leaving: bool, device: torch.device) -> tuple[bool,
     counts = torch.tensor([0.0 if finite else 1.0, 1.0 if leaving else 0.0], device=device)
     dist.all_reduce(counts)
     return not bool(counts[0] > 0), bool(counts[1] > 0)
-
-
-def _stage_layers(cfg: Config, chunks: list[list[int]], shard: int, tp: int, device: torch.device):
-    """(sharded or tensor-parallel layers, or None; the replicated module or None; global parameter names;
-    loss function) of the layers of ``chunks``, in chunk order."""
-    layer_ids = [i for chunk in chunks for i in chunk]
-    if cfg.parallel.tp > 1 and cfg.parallel.fsdp == 1:
-        from raytrain.worker.tensor_parallel import TensorParallelLayers  # DTensor: imported only when used
-
-        split = TensorParallelLayers(cfg, layer_ids, tp, cfg.parallel.tp, device, [len(chunk) for chunk in chunks])
-        return split, None, split.names, split.loss_fn
-    if cfg.parallel.fsdp > 1:
-        # Imported here: FSDP2 and DTensor take a second to import, which a replicated stage's start-up skips.
-        from raytrain.worker.sharded import ShardedLayers
-
-        sharded = ShardedLayers(cfg, layer_ids, shard, cfg.parallel.fsdp, device, cfg.parallel.tp, tp,
-                                [len(chunk) for chunk in chunks])
-        return sharded, None, sharded.names, sharded.loss_fn
-    module, names, loss_fn = _replicated_stage(cfg, layer_ids, device)
-    return None, module, names, loss_fn
-
-
-def _replicated_stage(cfg: Config, layer_ids: list[int], device: torch.device):
-    """This stage's whole layers on ``device`` (every replica holds them), their global names, the loss."""
-    spec = build_model(cfg.model, cfg.train.seed, layer_ids)
-    layers = [Recomputed(layer) for layer in spec.layers] if cfg.train.activation_checkpointing else spec.layers
-    module = nn.Sequential(*layers).to(device)  # parameters in the same order: names stay global
-    return module, spec.param_names(), spec.loss_fn
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -20,6 +20,7 @@ from raytrain.config import Config
 from raytrain.testing.faults import PhaseHook
 from raytrain.worker.executor import PlanExecutor
 from raytrain.worker.generation import Generation, for_evaluation
+from raytrain.worker.metrics import HeldOutMetrics
 
 
 class HeldOutLoss:
@@ -31,14 +32,14 @@ class HeldOutLoss:
         self.dataset: Optional[data.Dataset] = None  # data.eval_path's rows, opened on first use
 
     def loss_sum(self, executor: PlanExecutor, gen: Generation, step: int,
-                 train_rows: Optional[data.Dataset]) -> tuple[float, int]:
-        """Sum over this worker's share of the held-out rows of their mean next-token loss (meaningful
-        on the last stage only), and how many rows that share is, run by the stage's executor of this
-        generation. ``train_rows``: the stage's training dataset (data.eval_fraction's rows follow its
-        training rows); ``step`` only labels the pass."""
+                 train_rows: Optional[data.Dataset]) -> tuple[float, int, HeldOutMetrics]:
+        """Sum over this worker's share of the held-out rows of their mean loss (meaningful on the last
+        stage only), how many rows that share is, and eval.metrics' sums over them, run by the stage's
+        executor of this generation. ``train_rows``: the stage's training dataset (data.eval_fraction's rows
+        follow its training rows); ``step`` only labels the pass."""
         plan, rows, B = for_evaluation(gen), self._rows(gen, train_rows), self.cfg.train.global_batch
         first = data.held_out_source(self.cfg, self.source, self.num_samples)[1]
-        module, total = executor.module, 0.0
+        module, total, metrics = executor.module, 0.0, HeldOutMetrics(self.cfg.eval.metrics)
         was_training = module.training
         module.eval()
         try:
@@ -47,17 +48,18 @@ class HeldOutLoss:
                     x = y = None
                     if rows is not None:
                         ids = data.held_out_ids(first, batch, B, gen.batch_offset, gen.batch_offset + gen.share)
-                        x, y = (t.to(self.device, non_blocking=True) for t in rows.batch(ids))
-                    total += float(executor.run(plan, step, x, y, PhaseHook(), trace=False).loss_sum)
+                        seeds = data.sample_seeds(self.cfg.train.seed, ids, [data.HELD_OUT_EPOCH] * len(ids))
+                        x, y = (t.to(self.device, non_blocking=True) for t in rows.batch(ids, seeds, training=False))
+                    total += float(executor.run(plan, step, x, y, PhaseHook(), trace=False, metrics=metrics).loss_sum)
         finally:
             module.train(was_training)
-        return total, self.cfg.eval.batches * gen.share
+        return total, self.cfg.eval.batches * gen.share, metrics
 
     def _rows(self, gen: Generation, train_rows: Optional[data.Dataset]) -> Optional[data.Dataset]:
         """The dataset the held-out rows are read from (first and last stages only; None elsewhere)."""
         if not (gen.is_first or gen.is_last):
             return None
-        if self.cfg.data.eval_path is None:
+        if self.source.held_out is None:  # data.eval_fraction's rows: the training samples' last ones
             return train_rows
         if self.dataset is None:
             self.dataset = data.open_dataset(data.held_out_source(self.cfg, self.source, self.num_samples)[0], self.cfg)

@@ -267,6 +267,8 @@ class TensorParallelLayers:
         self.module: Optional[nn.Module] = None
         self.chunks: list[nn.Module] = []
         self.comm_log = None  # the trace of FSDP's collectives; DTensor's are not traced
+        self.part = index  # one file per tp rank
+        self.written = self.split if index > 0 else None  # rank 0 writes the parameters every rank holds whole
 
     def wrap(self, groups: Groups, mesh: Mesh, rank: int, optimizer: torch.optim.Optimizer) -> "TensorParallelGrads":
         """Parallelise a fresh copy of the stage on this generation's tp group, holding the current values;

@@ -35,6 +35,7 @@ def adopt(module: torch.nn.Module, device: torch.device, buffers: list[torch.Ten
         assert len(own) == len(buffers), (len(own), len(buffers))
         for buffer, value in zip(own, buffers):  # to_empty left them uninitialised
             buffer.copy_(value)
+        buffers[:] = own  # the module's from now on: what the stage trains (batch norm's statistics) stays its state
         local = [p.to_local() if isinstance(p, DTensor) else p for p in wrapped]
         for new, old in zip(local, params):
             assert new.shape == old.shape, (new.shape, old.shape)
