@@ -237,6 +237,7 @@ BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give 
     ("data.text_column=''", "name the text column"),
     ("data.tokenizer=''", "holding tokenizer.json"),
     ("data.eval_fraction=1", "a fraction in [0, 1)"),
+    ("model.options=[1, 2]", "a mapping of names"),
     ("data.eval_path=/nonexistent/heldout.parquet", "no such file"),
     ("data.builtin=mnist", "stdlib, digits"),
     ("data.inputs=[]", "list of numeric column names"),

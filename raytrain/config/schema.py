@@ -50,6 +50,9 @@ class ModelConfig:
     """Vocabulary size; the built-in corpus is bytes, so 256."""
     factory: Optional[str] = None
     """Optional ``module:function`` returning a user model (see raytrain.models.layers.build_model)."""
+    options: dict = field(default_factory=dict)
+    """model.factory's own settings (widths, depths, ...), read by the factory from the config it is given
+    (``model_cfg.options["hidden"]``); raytrain only carries them."""
     hf: Optional[str] = None
     """A local Hugging Face causal-LM directory (config.json, safetensors if pretrained); its config sets
     the architecture, so n_layer, d_model, n_head and vocab_size are read from it."""
@@ -72,6 +75,10 @@ class ModelConfig:
         require(self.hf_cut in HF_CUTS, "model.hf_cut", self.hf_cut, f"use one of {', '.join(HF_CUTS)}")
         require(self.hf is None or (isinstance(self.hf, str) and self.hf.strip() != ""), "model.hf", self.hf,
                 "give a directory path")
+        require(isinstance(self.options, dict) and all(isinstance(k, str) for k in self.options), "model.options",
+                self.options, "a mapping of names to values, read by model.factory")
+        require(not self.options or self.factory is not None, "model.options", self.options,
+                "they are model.factory's settings: set model.factory, or unset them")
         if self.factory is not None:
             module, _, function = self.factory.partition(":")
             require(all(p.isidentifier() for p in module.split(".")) and function.isidentifier(), "model.factory",

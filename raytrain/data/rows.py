@@ -109,7 +109,8 @@ def as_tensor(value, what: str) -> "torch.Tensor":
 
     if isinstance(value, torch.Tensor):
         return value
-    return torch.from_numpy(np.ascontiguousarray(as_sample_array(np.asarray(value), what)))
+    # contiguous and writable: a view of Arrow's (read-only) buffers is copied, torch's tensors are writable
+    return torch.from_numpy(np.require(as_sample_array(np.asarray(value), what), requirements=["C", "W"]))
 
 
 def parquet_part(paths: Sequence[str], names: list[str]) -> Callable[[int], Columns]:

@@ -1,7 +1,8 @@
 """The run's metrics where people already look: TensorBoard and MLflow (``run.loggers``).
 
 metrics.jsonl stays the source of truth; a logger gets the same rows as they arrive and writes, per
-step, the scalars ``loss``, ``eval_loss``, ``lr``, ``grad_norm`` and ``samples_per_s``, each event
+step, the scalars ``loss``, ``eval_loss`` (and eval.metrics' ``eval_accuracy``, ...), ``lr``, ``grad_norm``
+and ``samples_per_s``, each event
 as a count (``events/repair``: how many so far, at the step it happened after), and at the end
 ``goodput``. TensorBoard's files go to ``<run dir>/tensorboard`` (torch's SummaryWriter, which needs
 the ``tensorboard`` package); MLflow logs to its tracking URI (``MLFLOW_TRACKING_URI``, else a
@@ -41,7 +42,8 @@ class MetricLoggers:
         for row in rows:
             if "event" not in row:
                 self._step = row["step"]
-                values = {k: float(row[k]) for k in SCALARS if isinstance(row.get(k), (int, float))}
+                values = {k: float(v) for k, v in row.items()
+                          if (k in SCALARS or k.startswith("eval_")) and isinstance(v, (int, float))}
             elif row["event"] == "goodput":
                 values = {"goodput": row["goodput"]}
             else:

@@ -42,7 +42,7 @@ class RunReporter:
         self.steps: list[dict] = []
         self.events: list[dict] = []
         self.traces: dict[int, dict] = {}  # step -> rank -> events
-        self.last_eval: Optional[tuple[int, float]] = None  # (step, eval_loss) of the latest held-out loss
+        self.last_eval: Optional[tuple[int, dict]] = None  # (step, its eval_* values) of the latest evaluation
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self._loggers = MetricLoggers(list(loggers), run_dir)  # run.loggers: TensorBoard, MLflow
         self._last_print = 0.0
@@ -62,7 +62,7 @@ class RunReporter:
             else:
                 self.steps.append(row)
                 if "eval_loss" in row:
-                    self.last_eval = (row["step"], row["eval_loss"])
+                    self.last_eval = (row["step"], evaluated(row))
         self._metrics.flush()
         self._loggers.add(rows)
         stepped = any("event" not in row for row in rows)  # a batch of events alone repeats no progress line
@@ -91,11 +91,12 @@ class RunReporter:
         self.stream.flush()
 
     def _eval_text(self, row: dict) -> str:
-        """The latest held-out loss, and the step it is of when that is not this row's."""
+        """The latest held-out loss and eval.metrics, and the step they are of when that is not this row's."""
         if self.last_eval is None:
             return ""
-        step, loss = self.last_eval
-        return f" | eval_loss {loss:.4f}" + ("" if step == row["step"] else f" (step {step})")
+        step, values = self.last_eval
+        text = " ".join(f"{k} {v:.4f}" for k, v in values.items())
+        return f" | {text}" + ("" if step == row["step"] else f" (step {step})")
 
     def _print(self, text: str) -> None:
         self.stream.write(("\n" if self._tty else "") + text + "\n")
@@ -121,13 +122,14 @@ def plot_loss(steps: list[dict], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     known = [r for r in steps if r.get("loss") is not None]
     ax.plot([r["step"] for r in known], [r["loss"] for r in known], lw=1.5, label="training loss")
-    evaluated = [r for r in steps if "eval_loss" in r]
-    if evaluated:  # eval.every: the held-out loss at the steps it was computed
-        ax.plot([r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated], "o-", lw=1.5, ms=4,
+    measured = [r for r in steps if "eval_loss" in r]
+    if measured:  # eval.every: the held-out loss at the steps it was computed, and eval.metrics beside it
+        ax.plot([r["step"] for r in measured], [r["eval_loss"] for r in measured], "o-", lw=1.5, ms=4,
                 label="held-out loss (eval_loss)")
-        ax.legend()
+        ax.legend(loc="upper left")
+        _plot_metrics(ax, measured)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss" if evaluated else "training loss")
+    ax.set_ylabel("loss" if measured else "training loss")
     ax.set_title(f"raytrain {title}")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -183,3 +185,20 @@ def write_chrome_trace(traces: dict[int, dict], path: str) -> None:
         offset_us += longest * 1e6 + 1000.0
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def evaluated(row: dict) -> dict:
+    """A step row's held-out values: eval_loss, then eval.metrics' (``eval_accuracy``, ...)."""
+    return {k: v for k, v in row.items() if k.startswith("eval_") and k not in ("eval_rows", "eval_s")}
+
+
+def _plot_metrics(ax, measured: list[dict]) -> None:
+    """eval.metrics on a second axis of the loss picture (accuracy, top5 in [0, 1]; mse, mae as measured)."""
+    names = [k for k in evaluated(measured[-1]) if k != "eval_loss"]
+    if not names:
+        return
+    right = ax.twinx()
+    for name, style in zip(names, ("s--", "^--", "v--", "d--")):
+        right.plot([r["step"] for r in measured], [r[name] for r in measured], style, lw=1.2, ms=4, label=name)
+    right.set_ylabel(", ".join(names))
+    right.legend(loc="upper right")

@@ -31,7 +31,7 @@ from raytrain.driver.memory import check_run_memory
 from raytrain.driver.placement import request, reserve
 from raytrain.driver.plan import remove_if_empty
 from raytrain.driver.rendezvous import RendezvousStore, preload_torch_distributed
-from raytrain.driver.report import RunReporter
+from raytrain.driver.report import RunReporter, evaluated
 from raytrain.driver.signals import Aborted, StopOnSignal
 from raytrain.reports import RunSummary
 from raytrain.reports.oom import FIT_ADVICE
@@ -74,6 +74,8 @@ class Result:
     eval_loss: Optional[float] = None
     """With eval.every: the last held-out loss (computed after the last step, so of the final
     parameters, unless the run stopped early); None without evaluation."""
+    eval_metrics: dict = field(default_factory=dict)
+    """With eval.metrics: their last values, by name (``eval_accuracy``, ...)."""
     goodput: Optional[dict] = None
     """The share of the wall time from the launch spent in committed steps, and badput by cause
     (raytrain.control.goodput.Goodput.record); None when the coordinator ended with a signal."""
@@ -84,7 +86,7 @@ class Result:
                 "checkpoint": self.checkpoint, "run_dir": self.run_dir, "layout": self.layout,
                 "failures": self.failures, "recovery_s": self.recovery_s,
                 "coordinator_restarts": self.coordinator_restarts, "stopped": self.stopped,
-                "skipped_steps": self.skipped_steps, "eval_loss": self.eval_loss,
+                "skipped_steps": self.skipped_steps, "eval_loss": self.eval_loss, **self.eval_metrics,
                 **({"goodput": self.goodput["goodput"], "badput_s": self.goodput["badput_s"]} if self.goodput else {}),
                 **({"auto_layout": self.auto_layout["chosen"]} if self.auto_layout else {})}
 
@@ -130,7 +132,7 @@ def _result(plan: PreparedRun, summary: RunSummary, restarts: int, reporter: Run
     timed = [r for r in steps[1:] if "step_s" in r]  # the first step pays for warm-up
     batch = plan.cfg.train.global_batch
     samples_per_s = len(timed) * batch / sum(r["step_s"] for r in timed) if timed else 0.0
-    evaluated = [r["eval_loss"] for r in steps if "eval_loss" in r]
+    measured = [r for r in steps if "eval_loss" in r]
     goodput = [e for e in reporter.events if e["event"] == "goodput"]
     return Result(
         steps=summary.steps, final_loss=steps[-1]["loss"] if steps else float("nan"),
@@ -139,7 +141,8 @@ def _result(plan: PreparedRun, summary: RunSummary, restarts: int, reporter: Run
         final_pids=summary.final_pids, committed_steps=summary.committed_steps, failures=summary.failures,
         recovery_s=summary.recovery_s, coordinator_restarts=restarts, stopped=summary.stopped,
         skipped_steps=[s + 1 for s in summary.skipped_steps], state_digests=summary.digests,
-        eval_loss=evaluated[-1] if evaluated else None,
+        eval_loss=measured[-1]["eval_loss"] if measured else None,
+        eval_metrics={k: v for k, v in evaluated(measured[-1]).items() if k != "eval_loss"} if measured else {},
         goodput={k: v for k, v in goodput[-1].items() if k != "event"} if goodput else None,
     )
 

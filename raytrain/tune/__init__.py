@@ -26,7 +26,8 @@ from typing import Any, Optional
 import ray
 from ray import tune
 
-from raytrain.config import RENAMED_KEYS, Config, ParallelConfig, all_keys, build_config, flatten_sections
+from raytrain.config import RENAMED_KEYS, Config, all_keys, build_config, flatten_sections
+from raytrain.config.schema import EVAL_METRICS
 from raytrain.config.layout import Layout
 from raytrain.config.mesh import Mesh
 from raytrain.driver.placement import worker_bundle
@@ -39,7 +40,7 @@ LAYOUT_KEYS = ("parallel.dp", "parallel.fsdp", "parallel.tp", "parallel.pp", "pa
 LAYOUTS = "layouts"
 """Space key for an explicit list of layouts, each a mapping of parallel.* keys (a grid over them)."""
 SCHEDULERS = ("none", "asha", "pbt")
-METRICS = ("samples_per_s", "loss", "eval_loss")
+METRICS = ("samples_per_s", "loss", "eval_loss", *(f"eval_{m}" for m in EVAL_METRICS))
 
 
 @dataclass
@@ -78,9 +79,14 @@ class SweepConfig:
     def __post_init__(self):
         if self.metric not in METRICS:
             raise ValueError(f"sweep.metric={self.metric!r}: use one of {', '.join(METRICS)}")
-        if self.metric == "eval_loss" and not build_config(flatten_sections(self.base, "sweep base")).eval.every:
-            raise ValueError("sweep.metric=eval_loss needs eval.every > 0 in the base config (and held-out rows: "
+        base = build_config(flatten_sections(self.base, "sweep base"))
+        if self.metric.startswith("eval_") and not base.eval.every:
+            raise ValueError(f"sweep.metric={self.metric} needs eval.every > 0 in the base config (and held-out rows: "
                              "data.eval_fraction or data.eval_path), so that every trial computes it")
+        if self.metric.startswith("eval_") and self.metric != "eval_loss" \
+                and self.metric.removeprefix("eval_") not in base.eval.metrics:
+            raise ValueError(f"sweep.metric={self.metric} needs {self.metric.removeprefix('eval_')!r} in the base "
+                             "config's eval.metrics, so that every trial measures it")
         if self.mode not in ("max", "min"):
             raise ValueError(f"sweep.mode={self.mode!r}: use max or min")
         if self.scheduler not in SCHEDULERS:
@@ -252,8 +258,8 @@ def raytrain_trainable(params: dict) -> None:
         if checkpoint.read_manifest(local_ckpt)["step"] >= trial_config(base, overrides).train.steps:
             return  # paused (PBT) or interrupted at its last step: nothing is left to train
     cfg = trial_config(base, overrides)
-    state = {"first_step_s": None, "samples": 0, "seconds": 0.0, "eval_loss": float("nan"), "eval_step": 0,
-             "ended": False}
+    state = {"first_step_s": None, "samples": 0, "seconds": 0.0, "eval_step": 0, "ended": False,
+             "eval": {"eval_loss": float("nan"), **{f"eval_{m}": float("nan") for m in cfg.eval.metrics}}}
 
     def report(rows: list[dict]) -> None:
         for row in rows:
@@ -271,9 +277,10 @@ def raytrain_trainable(params: dict) -> None:
                 "bubble": row.get("bubble"), "layout": cfg.layout().label, "first_step_s": state["first_step_s"],
             }
             if "eval_loss" in row:
-                state["eval_loss"], state["eval_step"] = row["eval_loss"], row["step"]
-            if cfg.eval.every:  # every report has the latest value (NaN before the first): Tune wants its metric in each
-                metrics.update(eval_loss=state["eval_loss"], eval_step=state["eval_step"])
+                state["eval"].update({k: row[k] for k in state["eval"]})
+                state["eval_step"] = row["step"]
+            if cfg.eval.every:  # every report has the latest values (NaN before the first): Tune wants its metric in each
+                metrics.update(state["eval"], eval_step=state["eval_step"])
             ckpt = tune.Checkpoint.from_directory(row["checkpoint"]) if row.get("checkpoint") else None
             try:
                 tune.report(metrics, checkpoint=ckpt)
@@ -558,6 +565,14 @@ class TrialRow:
     first_step_s: float
     eval_loss: float = float("nan")
     """The last held-out loss the trial reported (NaN without eval.every)."""
+    eval_metrics: dict = field(default_factory=dict)
+    """The last eval.metrics the trial reported, by their names (``eval_accuracy``, ...)."""
+
+    def value(self, metric: str) -> float:
+        """The trial's figure for one of METRICS (NaN when it reported none)."""
+        if metric.startswith("eval_") and metric != "eval_loss":
+            return self.eval_metrics.get(metric, float("nan"))
+        return getattr(self, metric)
 
 
 def trial_statuses(experiment_path: str) -> dict[str, str]:
@@ -588,8 +603,9 @@ def summarize(grid, sweep: SweepConfig) -> list[TrialRow]:
             trial_id=m.get("trial_id", "?"), layout=m.get("layout", "?"), params=params, status=status,
             steps=m.get("step", 0), loss=m.get("loss", float("nan")), samples_per_s=m.get("samples_per_s", 0.0),
             first_step_s=m.get("first_step_s") or float("nan"), eval_loss=m.get("eval_loss", float("nan")),
+            eval_metrics={k: v for k, v in m.items() if k.startswith("eval_") and k not in ("eval_loss", "eval_step")},
         ))
-    return sorted(rows, key=lambda r: _rank_value(getattr(r, sweep.metric), sweep.mode), reverse=sweep.mode == "max")
+    return sorted(rows, key=lambda r: _rank_value(r.value(sweep.metric), sweep.mode), reverse=sweep.mode == "max")
 
 
 def _rank_value(value: float, mode: str) -> float:
