@@ -513,8 +513,12 @@ def assert_same_params(got: dict, want: dict, rtol: float = 1e-5) -> None:
 def reference_state(cfg, steps=None) -> dict:
     from raytrain.testing.reference import train_reference
 
+    from raytrain.models.layers import persistent_buffer_names
+
     model, _ = train_reference(cfg, steps)
-    return {k: v.detach() for k, v in model.named_parameters()}  # a tied parameter once, as checkpoints hold it
+    params = {k: v.detach() for k, v in model.named_parameters()}  # a tied parameter once, as checkpoints hold it
+    names = persistent_buffer_names(list(model), range(len(model)))  # buffers that are state, as checkpoints hold them
+    return {**params, **{n: b.detach() for n, b in zip(names, model.buffers()) if n is not None}}
 
 
 def pid_alive(pid: int) -> bool:

@@ -13,7 +13,7 @@ from raytrain.data import text as text_data
 from raytrain.data.columns import column_names
 from raytrain.data.corpus import data_files, eval_files
 from raytrain.data.rows import MapDataset, RowDataset, Transform, block_part, column_sampler, parquet_part
-from raytrain.data.samples import Blocks, DataSource, Objects, SampleSpec, Samples
+from raytrain.data.samples import Blocks, DataSource, Objects, SampleSpec, Samples, TensorSpec
 from raytrain.data.shards import Files
 from raytrain.data.tokens import ShardedDataset, TokenDataset
 
@@ -45,11 +45,23 @@ def counted_source(cfg: Config) -> DataSource:
     """The run's files counted by opening (decoding) every one of them in this process: for the one-process
     reference and tools; a run's driver counts them from their metadata instead (raytrain.driver.plan)."""
     def counted(paths: list[str]) -> Files:
+        if cfg.data.inputs is not None:  # rows: the footer counts them
+            import pyarrow.parquet as pq
+
+            return Files(tuple(paths), tuple(pq.ParquetFile(p).metadata.num_rows for p in paths))
         return Files(tuple(paths), tuple(len(open_dataset(p, cfg)) for p in paths))
 
     held = eval_files(cfg)
-    return DataSource(counted(data_files(cfg)), SampleSpec.tokens(cfg.model.seq_len),
-                      None if held is None else counted(held))
+    train = counted(data_files(cfg))
+    spec = SampleSpec.tokens(cfg.model.seq_len) if cfg.data.inputs is None else spec_of(open_rows(train, cfg.data))
+    return DataSource(train, spec, None if held is None else counted(held))
+
+
+def spec_of(dataset: Dataset) -> SampleSpec:
+    """The shape of a dataset's samples, from its first one."""
+    x, y = dataset.batch([0])
+    return SampleSpec(TensorSpec(tuple(x.shape[1:]), str(x.dtype).removeprefix("torch.")),
+                      TensorSpec(tuple(y.shape[1:]), str(y.dtype).removeprefix("torch.")))
 
 
 def open_rows(source: Union[Files, Blocks], d: DataConfig) -> RowDataset:

@@ -152,6 +152,19 @@ class ModelSpec:
         return names
 
 
+def persistent_buffer_names(layers: Sequence[nn.Module], layer_ids: Sequence[int]) -> list[Optional[str]]:
+    """Of each buffer of ``nn.Sequential(*layers)``, in its ``buffers()`` order (a shared one once): its global
+    name (``"3.running_mean"``: the layer's global index, then its name in the layer) when it is state (in
+    ``state_dict``: batch norm's statistics), else None (a rotary table a layer rebuilds)."""
+    stage = nn.Sequential(*layers)
+    persistent = set(stage.state_dict(keep_vars=True))
+    names: list[Optional[str]] = []
+    for name, _ in stage.named_buffers():
+        local, _, rest = name.partition(".")
+        names.append(f"{layer_ids[int(local)]}.{rest}" if name in persistent else None)
+    return names
+
+
 def build_model(cfg: ModelConfig, seed: int, layer_ids: Optional[Sequence[int]] = None) -> ModelSpec:
     """Build the layers ``layer_ids`` (all when None), initialised identically under every layout.
 

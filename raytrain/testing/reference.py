@@ -5,22 +5,30 @@ the layout does not change the math)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from raytrain import checkpoint, data
 from raytrain.config import Config
+from raytrain.data.rows import MapDataset
 from raytrain.models.layers import build_model
+from raytrain.models.user_code import API_MODEL, register_api_model
 from raytrain.optim.optimizer import apply_step, make_optimizer
 
 
 def train_reference(
-    cfg: Config, steps: int | None = None, resume_from: str | None = None
+    cfg: Config, steps: int | None = None, resume_from: str | None = None, dataset=None, model=None
 ) -> tuple[nn.Sequential, list[float]]:
     """Train up to step ``steps`` (default train.steps) with full batches in this process.
 
-    ``resume_from`` continues from a checkpoint written by any layout. Returns the model and losses.
+    ``resume_from`` continues from a checkpoint written by any layout; ``dataset`` (a map-style torch
+    Dataset) and ``model`` (a model function) as ``raytrain.train`` takes them. Returns the model and losses.
     """
+    if model is not None:
+        register_api_model(model)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, factory=API_MODEL))
     torch.manual_seed(cfg.train.seed)
     spec = build_model(cfg.model, cfg.train.seed)
     model = nn.Sequential(*spec.layers)
@@ -30,16 +38,19 @@ def train_reference(
         state = checkpoint.merged_state(resume_from)
         names = [n for n, _ in model.named_parameters()]  # a tied parameter once, as checkpoints hold it
         with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(state["model"][name])
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name in state["model"]:  # a buffer that is not state (a rotary table) is not in it
+                    tensor.copy_(state["model"][name])
         checkpoint.load_optimizer_state(optimizer, names, state["optim"])
         start = checkpoint.read_manifest(resume_from)["step"]
-    dataset = data.open_dataset(data.counted_source(cfg).train, cfg)
-    num_samples = data.training_rows(cfg, len(dataset))
+    samples = MapDataset(dataset) if dataset is not None else data.open_dataset(data.counted_source(cfg).train, cfg)
+    num_samples = data.training_rows(cfg, len(samples))
     B = cfg.train.global_batch
     losses = []
     for step in range(start, cfg.train.steps if steps is None else steps):
-        x, y = dataset.batch(data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B))
+        ids = data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
+        epochs = data.position_epochs(num_samples, step * B, (step + 1) * B)
+        x, y = samples.batch(ids, data.sample_seeds(cfg.train.seed, ids, epochs))
         optimizer.zero_grad(set_to_none=True)
         loss = spec.loss_fn(model(x), y)
         loss.backward()

@@ -41,7 +41,7 @@ from raytrain.checkpoint.assemble import slices_entry
 from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
-from raytrain.models.layers import Recomputed
+from raytrain.models.layers import Recomputed, persistent_buffer_names
 from raytrain.models.tensor_plan import rows_of_stack
 from raytrain.pipeline.actions import WEIGHT
 from raytrain.pipeline.schedule import build_plan
@@ -119,6 +119,7 @@ class ShardedLayers:
             self._own(value, boxes, split)
         self.buffers = [b.to(device) for b in buffers]
         """The stage's buffers (rotary tables, masks, batch norm's statistics: not sharded), in module order."""
+        self.buffer_names = persistent_buffer_names(self.meta_layers, layer_ids)
         self.part = shard * tp + tp_index
         """Which file of its stage this worker writes: one per (shard, tp rank)."""
         self.written = self.split if tp_index > 0 else None

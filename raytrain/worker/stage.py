@@ -58,7 +58,7 @@ from raytrain.worker.gradsync import clip_global_norm
 from raytrain.worker.groups import Groups, destroy_groups
 from raytrain.worker.stage_eval import HeldOutLoss
 from raytrain.worker.stage_layers import Grads, stage_layers
-from raytrain.worker.stage_state import StageState
+from raytrain.worker.stage_state import StageBuffers, StageState
 
 HookFactory = Callable[[list[str], int, int, int], PhaseHook]
 """(fault specs, replica, stage, shard) -> the hook of the worker at that slot."""
@@ -89,8 +89,9 @@ class Stage:
         self.executor: Optional[PlanExecutor] = None  # ... and executor
         self.optimizer = make_optimizer(self.params, cfg.train)
         held = self.layers
+        buffers = StageBuffers(held.buffer_names, held.buffers, writes=held.part in (None, 0))
         self.state = StageState(held.names, self.params, self.optimizer, self.device, cfg.train.fused_optimizer,
-                                held.rows, held.slices, held.written)
+                                held.rows, held.slices, held.written, buffers)
         self.dataset: Optional[data.Dataset] = None  # opened on the first join (first and last stages)
         inputs = source.sample.inputs  # what the first stage's layers take
         self.sample_inputs = TensorShape(inputs.shape, getattr(torch, inputs.dtype))
@@ -189,6 +190,7 @@ class Stage:
                               error="skipped: a worker leaves the run before this step")
         report = StepReport(rank=self.rank, step=step, ok=False, committed=self.committed)
         try:
+            self.state.buffers.before_step(step)  # a step tried again starts from the statistics it started from
             self._prepare(step, trace, report)
             self.prepared = step
             finite, report.drain_after = world_vote(share_finite(report, self.grads), self.leaving() and not hold,
@@ -240,6 +242,7 @@ class Stage:
         t_sync = time.perf_counter()
         self.hook("allreduce", step)  # peers are all-reducing now
         self.grads.finish()
+        self.state.buffers.average((gen.groups.dp_group, gen.groups.fsdp_group))  # the replicas' statistics agree
         t_reduced = time.perf_counter()
         grad_norm = clip_global_norm(self.grads, cfg.train.grad_clip, (gen.groups.fsdp_group, gen.groups.pp_group),
                                      tp_group=gen.groups.tp_group)

@@ -17,7 +17,7 @@ from torch import nn
 
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
-from raytrain.models.layers import Recomputed, build_model
+from raytrain.models.layers import Recomputed, build_model, persistent_buffer_names
 from raytrain.worker.executor import cut_into_chunks
 from raytrain.worker.gradsync import GradientBuckets
 from raytrain.worker.groups import Groups
@@ -44,7 +44,10 @@ class StageLayers(Protocol):
     params: list[torch.Tensor]
     """The values this worker holds of each parameter (whole, its rows, its slices): what the optimizer steps."""
     buffers: list[torch.Tensor]
-    """The stage's buffers, whole on every kind (batch norm's statistics, rotary tables)."""
+    """The stage's buffers, whole on every kind (batch norm's statistics, rotary tables), in module order."""
+    buffer_names: list[Optional[str]]
+    """Of each of ``buffers``: its global name when it is state (checkpointed, kept equal on the replicas),
+    else None."""
     loss_fn: Callable
     module: Optional[nn.Module]
     """The stage as this generation runs it (None between ``release`` and ``wrap``) ..."""
@@ -80,6 +83,7 @@ class ReplicatedLayers:
         self.names, self.loss_fn = spec.param_names(), spec.loss_fn
         self.params = list(self.module.parameters())
         self.buffers = list(self.module.buffers())
+        self.buffer_names = persistent_buffer_names(spec.layers, layer_ids)
         self.grads = GradientBuckets(self.params, None)
 
     def wrap(self, groups: Groups, mesh: Mesh, rank: int, optimizer: torch.optim.Optimizer) -> GradientBuckets:

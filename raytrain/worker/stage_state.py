@@ -1,4 +1,4 @@
-"""A stage's parameters and optimizer state, by global parameter name: broadcast, shards, digest.
+"""A stage's parameters, buffers and optimizer state, by global parameter name: broadcast, shards, digest.
 
 What a worker hands to a new peer (``broadcast``), writes to and reads from checkpoints (``shard``,
 ``load``), and what must be identical on every replica of a stage (``digest``). A sharded stage's
@@ -17,12 +17,56 @@ import torch.distributed as dist
 from raytrain import checkpoint
 
 
+class StageBuffers:
+    """A stage's buffers that are state (batch norm's running statistics), by global name: checkpointed (by
+    one worker of the stage: every shard and tp rank holds them whole), handed to new peers, averaged over
+    the data-parallel replicas after every step so that they stay identical, and put back when a step is
+    tried again."""
+
+    def __init__(self, names: list[Optional[str]], buffers: list[torch.Tensor], writes: bool):
+        """``buffers`` is read at every call (a sharded stage re-points its items each generation); ``names``
+        the global name of each, None for one that is not state; ``writes``: this worker saves them."""
+        self._names, self._buffers, self.writes = names, buffers, writes
+        self._before: Optional[tuple[int, list[torch.Tensor]]] = None  # (step, values) from its first attempt
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, b) for n, b in zip(self._names, self._buffers) if n is not None]
+
+    def broadcast(self, src_rank: int, group) -> None:
+        for _, b in self.items():
+            dist.broadcast(b, src=src_rank, group=group)
+
+    def average(self, groups) -> None:
+        """Average the floating ones over each of ``groups`` (the dp and fsdp groups: every replica and shard
+        of the stage saw its own samples); collective over each."""
+        floating = [b for _, b in self.items() if b.is_floating_point()]
+        for group in groups:
+            if group is None or not floating:
+                continue
+            size = dist.get_world_size(group)
+            for b in floating:
+                dist.all_reduce(b, group=group)
+                b.div_(size)
+
+    def before_step(self, step: int) -> None:
+        """Keep their values at a step's first attempt; put them back at another attempt of the same step
+        (its forward already moved them once)."""
+        if self._before is not None and self._before[0] == step:
+            with torch.no_grad():
+                for (_, b), value in zip(self.items(), self._before[1]):
+                    b.copy_(value)
+        elif self.items():
+            self._before = (step, [b.detach().clone() for _, b in self.items()])
+
+
 class StageState:
-    """Views of one stage's parameters (in module order, with their global names) and its optimizer."""
+    """Views of one stage's parameters (in module order, with their global names), its buffers that are
+    state, and its optimizer."""
 
     def __init__(self, names: list[str], params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                  device: torch.device, fused_optimizer: bool, rows: Optional[list[tuple[int, int, int]]] = None,
-                 slices: Optional[list[list]] = None, written: Optional[list[bool]] = None):
+                 slices: Optional[list[list]] = None, written: Optional[list[bool]] = None,
+                 buffers: Optional[StageBuffers] = None):
         """``params`` is read at every call (a sharded stage re-points its items each generation);
         ``rows`` are the (start, stop, total) rows of dim 0 of each that this worker owns, None when whole;
         ``slices`` the checkpoint's ``slices`` entry of each (raytrain.checkpoint.assemble: the boxes of it,
@@ -31,6 +75,7 @@ class StageState:
         those every tp rank holds the same part of: rank 0 writes them, so no piece is in two files."""
         self.names, self.params, self.optimizer, self.device, self.rows = names, params, optimizer, device, rows
         self.slices, self.written = slices, written
+        self.buffers = buffers or StageBuffers([], [], False)
         self._step_device = device if fused_optimizer else torch.device("cpu")  # where AdamW keeps ``step``
 
     def broadcast(self, src_rank: int, group, committed: int) -> int:
@@ -43,6 +88,7 @@ class StageState:
                 state = self.optimizer.state[p]
                 for key in sorted(state):
                     self._broadcast_(state[key], src_rank, group)
+            self.buffers.broadcast(src_rank, group)
             count = torch.tensor([committed], dtype=torch.long, device=self.device)
             dist.broadcast(count, src=src_rank, group=group)
         return int(count)
@@ -71,8 +117,9 @@ class StageState:
         device, so a synchronous save costs no copy of the state."""
         take = _snapshot if copy else _as_saved
         mine = set(self.names) if self.written is None else {n for n, w in zip(self.names, self.written) if w}
+        buffers = {n: take(b) for n, b in self.buffers.items()} if self.buffers.writes else {}
         shard = {
-            "model": {n: take(p) for n, p in zip(self.names, self.params) if n in mine},
+            "model": {**{n: take(p) for n, p in zip(self.names, self.params) if n in mine}, **buffers},
             "optim": {n: {k: take(v) for k, v in st.items()} for n, st in self._optimizer_state().items() if n in mine},
             "rng": torch.get_rng_state(),
         }
@@ -94,10 +141,11 @@ class StageState:
         else:
             rows = self.rows or [None] * len(self.names)
             wanted = {n: None if r is None else tuple(r) for n, r in zip(self.names, rows)}
+        wanted.update({n: None for n, _ in self.buffers.items()})  # whole on every worker
         with torch.no_grad():
             pieces = checkpoint.load_into(ckpt_dir, wanted, self._destination(ckpt_dir))
         loaded = pieces.tensors()
-        missing = [n for n in self.names if n not in loaded["model"]]
+        missing = [n for n in [*self.names, *(n for n, _ in self.buffers.items())] if n not in loaded["model"]]
         if missing:
             raise checkpoint.CheckpointError(
                 f"{ckpt_dir} lacks parameters {missing[:3]} of this model: was it written by another model config?"
@@ -113,7 +161,7 @@ class StageState:
 
     def _destination(self, ckpt_dir: str):
         """Where a loaded piece goes: the parameter itself, or its optimizer state tensor (made on first use)."""
-        by_name = dict(zip(self.names, self.params))
+        by_name = {**dict(zip(self.names, self.params)), **dict(self.buffers.items())}
 
         def destination(name: str, key: Optional[str], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             p = by_name[name]
@@ -138,7 +186,7 @@ class StageState:
         optimizer (no state yet) differs from one given zero state by a broadcast."""
         h = hashlib.sha256(f"committed {committed}\n".encode())
         optim = self._optimizer_state()
-        by_name = dict(zip(self.names, self.params))
+        by_name = {**dict(zip(self.names, self.params)), **dict(self.buffers.items())}
         for name in sorted(by_name):
             _hash_tensor(h, name, by_name[name])
             for key in sorted(optim.get(name, {})):

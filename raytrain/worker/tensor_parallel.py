@@ -43,7 +43,7 @@ from raytrain.checkpoint.assemble import slices_entry, stack_dim
 from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
-from raytrain.models.layers import Recomputed
+from raytrain.models.layers import Recomputed, persistent_buffer_names
 from raytrain.models.tensor_plan import (EXPERT_SPLITS, PARAM_ROWS, SEQUENCE_REGION, SEQUENCE_REGIONS, SUMMED_EXPERTS,
                                          TAIL_GRAD_SUM, VOCAB_EMBEDDING, VOCAB_PARALLEL, Box, layer_plan,
                                          sequence_parallel, split_of)
@@ -267,6 +267,7 @@ class TensorParallelLayers:
         self.module: Optional[nn.Module] = None
         self.chunks: list[nn.Module] = []
         self.comm_log = None  # the trace of FSDP's collectives; DTensor's are not traced
+        self.buffer_names = persistent_buffer_names(self.meta_layers, layer_ids)
         self.part = index  # one file per tp rank
         self.written = self.split if index > 0 else None  # rank 0 writes the parameters every rank holds whole
 
