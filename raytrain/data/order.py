@@ -63,12 +63,13 @@ def sample_seeds(seed: int, ids: Sequence[int], epochs: Sequence[int]) -> np.nda
     """A 64-bit seed per sample, a pure function of (train.seed, epoch, sample id) (splitmix64 of the three):
     what data.transform and a dataset's random augmentations draw from, so every layout and every resize
     sees the same pixels, and each epoch new ones."""
-    mixed = np.asarray(ids, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    mixed ^= (np.asarray(epochs, dtype=np.uint64) + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9)
-    mixed ^= np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * np.uint64(0x94D049BB133111EB)
-    for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
-        mixed = (mixed ^ (mixed >> np.uint64(shift))) * np.uint64(factor)
-    return mixed ^ (mixed >> np.uint64(31))
+    with np.errstate(over="ignore"):  # multiplication modulo 2**64 is the mix
+        mixed = np.asarray(ids, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        mixed ^= (np.asarray(epochs, dtype=np.uint64) + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9)
+        mixed ^= np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * np.uint64(0x94D049BB133111EB)
+        for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            mixed = (mixed ^ (mixed >> np.uint64(shift))) * np.uint64(factor)
+        return mixed ^ (mixed >> np.uint64(31))
 
 
 def position_epochs(num_samples: int, start: int, stop: int) -> np.ndarray:
