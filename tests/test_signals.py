@@ -1,5 +1,7 @@
-"""SIGTERM / Ctrl-C stop a run at a step boundary after a checkpoint; a killed driver leaves nothing behind."""
+"""SIGTERM / Ctrl-C stop a run at a step boundary after a checkpoint, the same signal twice within a second
+is one request, a later one aborts, and a killed driver leaves nothing behind."""
 
+import io
 import json
 import os
 import signal
@@ -11,14 +13,16 @@ from pathlib import Path
 import pytest
 
 from raytrain import checkpoint
+from raytrain.driver.signals import SAME_SIGNAL_WINDOW_S, Aborted, StopOnSignal, Verdict, judge
 from tests.helpers import pid_alive
 
-pytestmark = pytest.mark.ray  # every test runs the CLI on a Ray
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 120
 GROUP_STOP_S = 10
 """From a SIGTERM to the whole process group to the exit: 2 s here; ray.shutdown on the dead embedded Ray
 would add 10 s, or block 60 s and exit 1."""
+LATER_S = 1.5
+"""A second signal this long after the first: a person who means to abort."""
 
 
 def _start_cli(ray_cluster, tmp_path, data_cache, *extra, env=None):
@@ -32,18 +36,68 @@ def _start_cli(ray_cluster, tmp_path, data_cache, *extra, env=None):
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
 
 
-def _wait_for_training(tmp_path, proc) -> list[int]:
-    """Block until the run has trained a few steps; returns its workers' pids."""
+def _wait_for_training(tmp_path, proc, steps: int = 3) -> list[int]:
+    """Block until the run has committed ``steps`` steps; returns its workers' pids."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline and proc.poll() is None:
         for metrics in (tmp_path / "runs").glob("*/metrics.jsonl"):
             rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             started = [r for r in rows if r.get("event") == "started"]
-            if started and sum("loss" in r and "event" not in r for r in rows) >= 3:
+            if started and sum("loss" in r and "event" not in r for r in rows) >= steps:
                 return started[0]["pids"]
         time.sleep(0.2)
     proc.kill()
-    raise AssertionError(f"the run did not start training: {proc.communicate()[1][-3000:]}")
+    raise AssertionError(f"the run did not train {steps} steps: {proc.communicate()[1][-3000:]}")
+
+
+def _assert_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 30
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_alive(p) for p in pids), "a worker outlived the stopped run"
+
+
+def _summary(out: str) -> dict:
+    """The JSON summary, the last line of the CLI's stdout."""
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# --- the verdict on each signal, without Ray ------------------------------------------------------
+
+
+def test_the_same_signal_within_the_window_is_one_request_and_any_other_aborts():
+    term, int_ = signal.SIGTERM, signal.SIGINT
+    assert judge(None, term, 100.0) is Verdict.STOP
+    assert judge((term, 100.0), term, 100.000004) is Verdict.SAME  # timeout: the child, then its group
+    assert judge((term, 100.0), term, 100.0 + SAME_SIGNAL_WINDOW_S - 0.01) is Verdict.SAME
+    assert judge((term, 100.0), term, 100.0 + SAME_SIGNAL_WINDOW_S) is Verdict.ABORT
+    assert judge((term, 100.0), term, 100.0 + LATER_S) is Verdict.ABORT
+    assert judge((term, 100.0), int_, 100.000004) is Verdict.ABORT  # another signal is no repeat
+
+
+def test_two_signals_microseconds_apart_are_one_stop_and_one_a_moment_later_aborts():
+    stream = io.StringIO()
+    before = signal.getsignal(signal.SIGTERM)
+    with StopOnSignal(stream) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while "the same stop request" not in stream.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the reader thread notes the second delivery
+        assert stop.reason == "SIGTERM" and stop.aborted is None, stream.getvalue()
+        assert stream.getvalue().count("SIGTERM: stopping at the next step boundary") == 1
+        assert "SIGTERM again 0.0" in stream.getvalue()
+        time.sleep(LATER_S)
+        with pytest.raises(Aborted) as aborted:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here, at once
+        assert aborted.value.reason == "SIGTERM" and stop.aborted == "SIGTERM"
+        reader = stop._reader
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not reader.is_alive(), "the reader thread outlived its StopOnSignal"
+
+
+# --- the CLI on Ray ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -58,15 +112,12 @@ def test_a_stop_signal_stops_at_a_step_boundary_with_a_checkpoint(ray_cluster, t
         proc.kill()
     assert time.monotonic() - sent < 30
     assert proc.returncode == 128 + sig, err[-3000:]
-    summary = json.loads(out.strip().splitlines()[-1])
+    summary = _summary(out)
     assert summary["stopped"] == sig.name and 3 <= summary["steps"] < 100000
     assert checkpoint.read_manifest(summary["checkpoint"])["step"] == summary["steps"]
     checkpoint.load_shards(summary["checkpoint"])
     assert f"{sig.name}: stopping at the next step boundary" in err and "Traceback" not in err
-    deadline = time.monotonic() + 30
-    while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(pid_alive(p) for p in workers), "a worker outlived the stopped run"
+    _assert_gone(workers)
 
 
 def test_a_killed_driver_takes_its_workers_along(ray_cluster, tmp_path, data_cache):
@@ -83,6 +134,7 @@ def test_a_killed_driver_takes_its_workers_along(ray_cluster, tmp_path, data_cac
     assert not any(pid_alive(p) for p in workers), "a worker outlived its killed driver by 30 s"
 
 
+@pytest.mark.ray
 def test_sigterm_to_the_whole_process_group_of_an_embedded_ray_exits_143_in_seconds(tmp_path, data_cache):
     """``timeout``, systemd and Slurm signal every process of the job: the embedded Ray's own servers
     end with the driver's signal, and the driver must still report and exit at once, not wait on them.
@@ -130,12 +182,16 @@ def _driver_core_log(pid: int) -> str:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_second_signal_aborts_at_once_in_one_line(ray_cluster, tmp_path, data_cache, sig):
-    proc = _start_cli(ray_cluster, tmp_path, data_cache, "--set", "checkpoint.every=2")
+def test_a_signal_repeated_a_moment_later_aborts_in_one_line(
+        ray_cluster, tmp_path, data_cache, sig):
+    """A worker frozen in step 10 (the ``pause`` fault) holds the stop short of its step boundary, so the
+    second signal, 1.5 s after the first, finds the run still stopping: it aborts at once, in one line."""
+    proc = _start_cli(ray_cluster, tmp_path, data_cache, "--set", "checkpoint.every=2",
+                      "--set", "elastic.faults=['0:0@9:pause']")
     try:
-        _wait_for_training(tmp_path, proc)
+        workers = _wait_for_training(tmp_path, proc, steps=9)
         proc.send_signal(sig)
-        time.sleep(0.05)
+        time.sleep(LATER_S)
         sent = time.monotonic()
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
@@ -145,6 +201,7 @@ def test_a_second_signal_aborts_at_once_in_one_line(ray_cluster, tmp_path, data_
     assert proc.returncode == 128 + sig, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert f"raytrain: aborted by {sig.name}" in err.strip().splitlines()[-1]
-    published = checkpoint.list_checkpoints(str(next((tmp_path / "runs").glob("*/checkpoints"))))
-    for _, uri in published:  # the abort never leaves a half-published checkpoint as latest
+    ckpt_dir = str(next((tmp_path / "runs").glob("*/checkpoints")))
+    for _, uri in checkpoint.list_checkpoints(ckpt_dir):  # the abort never leaves a half-published checkpoint
         checkpoint.load_shards(uri)
+    _assert_gone(workers)
