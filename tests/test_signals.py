@@ -1,5 +1,6 @@
 """SIGTERM / Ctrl-C stop a run at a step boundary after a checkpoint, the same signal twice within a second
-is one request, a later one aborts, and a killed driver leaves nothing behind."""
+is one request, a later one aborts naming the last checkpoint, the summary is the last line of stdout, and a
+killed driver leaves nothing behind."""
 
 import io
 import json
@@ -7,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -97,6 +99,28 @@ def test_two_signals_microseconds_apart_are_one_stop_and_one_a_moment_later_abor
     assert not reader.is_alive(), "the reader thread outlived its StopOnSignal"
 
 
+_REPORTING = textwrap.dedent("""
+    import os, signal, sys
+    from raytrain.driver.signals import Aborted, ProcessSignals
+    signals = ProcessSignals().__enter__()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+    except Aborted as e:
+        print("aborted by", e.reason, flush=True)
+    signals.ended()
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("the summary line", flush=True)
+    signals.reported(143)
+    print("never printed", flush=True)
+""")
+
+
+def test_the_cli_process_aborts_before_its_run_ends_and_exits_once_its_summary_is_out():
+    proc = subprocess.run([sys.executable, "-c", _REPORTING], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stdout.splitlines() == ["aborted by SIGTERM", "the summary line"], proc.stdout
+
+
 # --- the CLI on Ray ---------------------------------------------------------------------------------
 
 
@@ -182,10 +206,11 @@ def _driver_core_log(pid: int) -> str:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_repeated_a_moment_later_aborts_in_one_line(
+def test_a_signal_repeated_a_moment_later_aborts_with_a_summary_naming_the_last_checkpoint(
         ray_cluster, tmp_path, data_cache, sig):
     """A worker frozen in step 10 (the ``pause`` fault) holds the stop short of its step boundary, so the
-    second signal, 1.5 s after the first, finds the run still stopping: it aborts at once, in one line."""
+    second signal, 1.5 s after the first, finds the run still stopping: it aborts at once, and stdout's last
+    line still says so and names the last checkpoint committed (step 8's)."""
     proc = _start_cli(ray_cluster, tmp_path, data_cache, "--set", "checkpoint.every=2",
                       "--set", "elastic.faults=['0:0@9:pause']")
     try:
@@ -201,7 +226,11 @@ def test_a_signal_repeated_a_moment_later_aborts_in_one_line(
     assert proc.returncode == 128 + sig, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert f"raytrain: aborted by {sig.name}" in err.strip().splitlines()[-1]
+    summary = _summary(out)
     ckpt_dir = str(next((tmp_path / "runs").glob("*/checkpoints")))
+    assert summary["aborted"] is True and summary["stopped"] == sig.name
+    assert summary["checkpoint"] == checkpoint.latest(ckpt_dir) and summary["steps"] == 8
+    assert checkpoint.read_manifest(summary["checkpoint"])["step"] == 8
     for _, uri in checkpoint.list_checkpoints(ckpt_dir):  # the abort never leaves a half-published checkpoint
         checkpoint.load_shards(uri)
     _assert_gone(workers)

@@ -73,6 +73,7 @@ def ensure_ray(min_cpus: int = 0) -> None:
     cluster that answers within PROBE_TIMEOUT_S, or that Ray does not join within CONNECT_TIMEOUT_S."""
     if ray.is_initialized():
         return
+    kept = _callers_sigterm_handler()
     address = os.environ.get("RAY_ADDRESS")
     if address:
         _probe(address)
@@ -83,6 +84,17 @@ def ensure_ray(min_cpus: int = 0) -> None:
                  include_dashboard=False)
         _embedded = True
         reaper.start()  # nothing of this embedded Ray outlives the driver, even a SIGKILLed one
+    if kept is not None:
+        signal.signal(signal.SIGTERM, kept)
+
+
+def _callers_sigterm_handler() -> Optional[Callable]:
+    """The SIGTERM handler that this process's caller installed (the CLI's: raytrain.driver.signals), which
+    ``ray.init`` would replace with its own (exit at once); None when there is none or not the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    handler = signal.getsignal(signal.SIGTERM)
+    return handler if callable(handler) else None
 
 
 def cluster_reachable() -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from enum import Enum
@@ -50,11 +51,20 @@ def judge(first: Optional[tuple[int, float]], signum: int, at: float,
 
 
 class Aborted(KeyboardInterrupt):
-    """A stop signal that aborts: the run is abandoned without waiting for the step boundary."""
+    """A stop signal that aborts: the run is abandoned without waiting for the step boundary.
 
-    def __init__(self, reason: str):
+    ``checkpoint`` is the last one the run committed (None when it published none and resumed from none),
+    ``steps`` its step; ``run_dir`` the run's directory (None when the run had not started)."""
+
+    def __init__(self, reason: str, checkpoint: Optional[str] = None, steps: int = 0,
+                 run_dir: Optional[str] = None):
         super().__init__(f"{reason} again: aborting without waiting for the step boundary")
-        self.reason = reason
+        self.reason, self.checkpoint, self.steps, self.run_dir = reason, checkpoint, steps, run_dir
+
+    def summary(self) -> dict:
+        """The JSON object the CLI prints as its last line of stdout for an aborted run."""
+        return {"steps": self.steps, "checkpoint": self.checkpoint, "run_dir": self.run_dir,
+                "stopped": self.reason, "aborted": True}
 
 
 class StopOnSignal:
@@ -155,6 +165,53 @@ class StopOnSignal:
             self._say([line])
         if self.aborted is not None:
             raise Aborted(self.aborted)
+
+
+class ProcessSignals:
+    """For the CLI's process, outside a run (where StopOnSignal takes over and then gives these handlers
+    back): a stop signal never ends it with a traceback, nor before its summary line is out.
+
+    Until the command's run has ended, SIGINT and SIGTERM raise Aborted (nothing runs yet that a step
+    boundary could save, or the run itself reports the abort). From ``ended()`` they are only noted, while
+    the summary is written; from ``reported(code)`` they end the process at once with ``code`` (a signal
+    noted in between, at once then), since all that is left is tearing Ray down. Main thread only."""
+
+    def __init__(self):
+        self.code: Optional[int] = None
+        self._ended = False
+        self._noted = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> "ProcessSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def ended(self) -> None:
+        """The run has ended: a signal from now on waits for the summary line."""
+        self._ended = True
+
+    def reported(self, code: int) -> None:
+        """The summary line is out: a signal from now on (or one noted since ``ended``) exits with ``code``."""
+        self.code = code
+        if self._noted:
+            self._exit_now()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.code is not None:
+            self._exit_now()
+        if not self._ended:
+            raise Aborted(signal.Signals(signum).name)
+        self._noted = True
+
+    def _exit_now(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.code)
 
 
 def exit_code(reason: str) -> int:
