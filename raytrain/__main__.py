@@ -28,9 +28,9 @@ def run() -> None:
 
 
 def _exit(code: int) -> None:
-    """Exit with ``code``. When a signal to the whole process group (``timeout``, systemd, Slurm) also
-    ended the embedded Ray, exit at once: ``ray.shutdown`` (atexit's too) would block on its dead GCS,
-    then end the process with code 1."""
+    """Exit with ``code``. When a signal to every process of the job (Slurm's or systemd's control group;
+    a process group's spares it) also ended the embedded Ray, exit at once: ``ray.shutdown`` (atexit's
+    too) would block on its dead GCS, then end the process with code 1."""
     connect = sys.modules.get("raytrain.driver.connect")  # imported by the commands that start a Ray
     if connect is not None and not connect.shutdown_embedded():
         sys.stdout.flush()

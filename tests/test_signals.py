@@ -25,13 +25,16 @@ GROUP_STOP_S = 10
 would add 10 s, or block 60 s and exit 1."""
 LATER_S = 1.5
 """A second signal this long after the first: a person who means to abort."""
+NO_RAY = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+"""The environment of a CLI that starts an embedded Ray."""
 
 
-def _start_cli(ray_cluster, tmp_path, data_cache, *extra, env=None):
+def _start_cli(ray_cluster, tmp_path, data_cache, *extra, env=None, wrapper=()):
     """``python -m raytrain train`` of a run that never ends by itself, in a session of its own, on
-    ``ray_cluster`` (or with ``env``, the environment as given: RAY_ADDRESS unset, an embedded Ray)."""
+    ``ray_cluster`` (or with ``env``, the environment as given: RAY_ADDRESS unset, an embedded Ray), run
+    by the command ``wrapper`` (``timeout ...``) when given."""
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.address) if env is None else env
-    cmd = [sys.executable, "-m", "raytrain", "train", "--config", "experiments/configs/tiny.yaml",
+    cmd = [*wrapper, sys.executable, "-m", "raytrain", "train", "--config", "experiments/configs/tiny.yaml",
            "--set", "train.steps=100000", "--set", f"run.dir={tmp_path / 'runs'}", "--set", "run.trace_steps=0",
            "--set", f"data.cache_dir={data_cache}", "--set", "data.max_bytes=200000", *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=dict(env, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
@@ -158,44 +161,41 @@ def test_a_killed_driver_takes_its_workers_along(ray_cluster, tmp_path, data_cac
     assert not any(pid_alive(p) for p in workers), "a worker outlived its killed driver by 30 s"
 
 
+def _expire(proc) -> None:
+    """Make the ``timeout`` running ``proc`` act as when its duration runs out: coreutils timeout takes a
+    SIGALRM as its own alarm (it then signals the child, then its process group)."""
+    os.kill(proc.pid, signal.SIGALRM)
+
+
 @pytest.mark.ray
-def test_sigterm_to_the_whole_process_group_of_an_embedded_ray_exits_143_in_seconds(tmp_path, data_cache):
-    """``timeout``, systemd and Slurm signal every process of the job: the embedded Ray's own servers
-    end with the driver's signal, and the driver must still report and exit at once, not wait on them.
-    The signal may end the coordinator before it saves, so the run reports the last published
-    checkpoint: the test signals once one is published (it failed once, signalled before step 10's)."""
-    proc = _start_cli(None, tmp_path, data_cache, "--set", "checkpoint.every=2",
-                      env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+@pytest.mark.parametrize("how", ["timeout", "kill -TERM -PGID"])
+def test_sigterm_to_the_process_group_of_an_embedded_ray_run_stops_it_at_a_step_boundary(tmp_path, data_cache, how):
+    """``timeout -s TERM`` and ``kill -TERM -PGID`` signal the driver's whole process group (``timeout`` the
+    driver first, then the group: often two SIGTERMs microseconds apart), with the embedded Ray started
+    beside it and no checkpoint.every: the run still stops at a step boundary after a checkpoint, and its
+    summary is the one line of stdout. ``timeout --preserve-status`` passes on the driver's 143 (without
+    it, timeout exits 124)."""
+    wrapper = ("timeout", "--preserve-status", "-s", "TERM", "600") if how == "timeout" else ()
+    proc = _start_cli(None, tmp_path, data_cache, "--set", "checkpoint.every=0", env=NO_RAY, wrapper=wrapper)
     try:
         workers = _wait_for_training(tmp_path, proc)
-        _wait_for_a_checkpoint(tmp_path, proc)
         sent = time.monotonic()
-        os.killpg(proc.pid, signal.SIGTERM)
+        _expire(proc) if how == "timeout" else os.killpg(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=90)
         took = time.monotonic() - sent
     finally:
         proc.kill()
     assert proc.returncode == 143, f"{err[-3000:]}\nstdout: {out[-1000:]}\n{_driver_core_log(proc.pid)}"
     assert took < GROUP_STOP_S, f"{took:.1f} s from the signal to the exit\n{err[-3000:]}"
-    summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["stopped"] == "SIGTERM" and summary["checkpoint"] is not None
-    assert checkpoint.read_manifest(summary["checkpoint"])["step"] == summary["steps"]
-    assert "Traceback" not in err
-    deadline = time.monotonic() + 30
-    while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(pid_alive(p) for p in workers), "a worker outlived the stopped run"
-
-
-def _wait_for_a_checkpoint(tmp_path, proc) -> None:
-    """Block until the run has published a checkpoint."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        if any(checkpoint.latest(str(d)) for d in (tmp_path / "runs").glob("*/checkpoints")):
-            return
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"the run published no checkpoint: {proc.communicate()[1][-3000:]}")
+    assert len(out.splitlines()) == 1, out  # Ray's own output went to stderr
+    summary = _summary(out)
+    assert summary["stopped"] == "SIGTERM" and 3 <= summary["steps"] < 100000
+    manifest = checkpoint.read_manifest(summary["checkpoint"])
+    assert manifest["step"] == summary["steps"]
+    assert [s for s, _ in checkpoint.list_checkpoints(os.path.dirname(summary["checkpoint"]))] == [summary["steps"]]
+    assert "SIGTERM: stopping at the next step boundary" in err
+    assert "aborted" not in err and "Traceback" not in err, err[-3000:]
+    _assert_gone(workers)
 
 
 def _driver_core_log(pid: int) -> str:

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import ray
 
-from raytrain.compat import RAY_WORKER_LOGGER, resolve_auto_ray_address
+from raytrain.compat import RAY_WORKER_LOGGER, ray_processes_in_a_session_of_their_own, resolve_auto_ray_address
 from raytrain.driver import reaper
 from raytrain.driver.placement import ResourcesUnavailable
 
@@ -80,8 +80,9 @@ def ensure_ray(min_cpus: int = 0) -> None:
         _init_bounded(address)
     else:
         global _embedded
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus) if min_cpus else None,
-                 include_dashboard=False)
+        with ray_processes_in_a_session_of_their_own():  # a signal to the driver's group spares them
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus) if min_cpus else None,
+                     include_dashboard=False)
         _embedded = True
         reaper.start()  # nothing of this embedded Ray outlives the driver, even a SIGKILLed one
     if kept is not None:
@@ -100,7 +101,7 @@ def _callers_sigterm_handler() -> Optional[Callable]:
 def cluster_reachable() -> bool:
     """Whether the connected cluster's GCS still accepts a TCP connection (within PROBE_TIMEOUT_S).
 
-    A SIGTERM to the driver's whole process group (``timeout``, systemd, Slurm) also ends an embedded
+    A SIGTERM to every process of the job (Slurm's and systemd's control groups) also ends an embedded
     Ray's GCS; every Ray call that needs it (removing a placement group, killing an actor, shutting
     down) then blocks for a minute before Ray gives up. The driver asks this first and skips them.
     """

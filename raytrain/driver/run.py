@@ -194,7 +194,7 @@ def _run_coordinators(plan: RunPlan, placement, reporter: RunReporter, on_rows, 
                 return summary, restarts
             except ray.exceptions.RayError as e:
                 if stop.reason is not None and (_coordinator_lost(e) or (embedded() and not cluster_reachable())):
-                    # The signal reached the coordinator's process too (a whole process group or cgroup was
+                    # The signal reached the coordinator's process too (every process of the job was
                     # signalled): the user asked to stop, so stop at the last checkpoint rather than restart.
                     # With an embedded Ray the signal may end its object store first, so the wait on the
                     # coordinator fails as a lost object rather than a lost actor: the same stop.
