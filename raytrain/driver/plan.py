@@ -72,6 +72,7 @@ def prepare(cfg: Config) -> RunPlan:
     try:
         resume = _resume_source(cfg, root, ckpt_dir)
         _check_checkpoint_dir(ckpt_dir)
+        lineage = (resume and checkpoint.continued_lineage(resume)) or checkpoint.new_lineage()
     except ValueError:
         if cfg.run.name is None:  # the run that claimed this directory never starts: leave nothing behind
             remove_if_empty(os.path.join(root, run_name))
@@ -79,7 +80,7 @@ def prepare(cfg: Config) -> RunPlan:
     cfg = dataclasses.replace(
         cfg,
         run=dataclasses.replace(cfg.run, dir=root, name=run_name),
-        checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir),
+        checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir, lineage=lineage),
     )
     return RunPlan(cfg=cfg, layout=layout, source=source, num_samples=num_samples, resume=resume,
                    held_out=held_out)

@@ -135,8 +135,9 @@ def _aborted(plan: RunPlan, reason: str) -> Aborted:
 
 
 def _last_committed(cfg, resume: Optional[str]) -> Optional[str]:
-    """The last checkpoint the run published, else the one it resumed from (None when neither)."""
-    return checkpoint.latest(cfg.checkpoint.dir) or resume
+    """The last checkpoint the run published (of its lineage: a run forked from an older checkpoint of
+    checkpoint.dir never counts the newer ones beside it), else the one it resumed from (None when neither)."""
+    return checkpoint.latest_of(cfg.checkpoint.dir, cfg.checkpoint.lineage) or resume
 
 
 def _result(plan: RunPlan, summary: RunSummary, restarts: int, reporter: RunReporter) -> Result:
