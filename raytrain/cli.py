@@ -7,8 +7,12 @@ import contextlib
 import json
 import sys
 import warnings
+from typing import TYPE_CHECKING, Optional, TextIO
 
 from raytrain.config import load_config
+
+if TYPE_CHECKING:
+    from raytrain.driver.signals import ProcessSignals
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,24 +41,40 @@ EXIT_CODES = """exit codes: 0 done; 1 a step failed (the worker's error is print
 input (nothing started); 3 the cluster cannot be reached or cannot grant the resources; 4 capacity lost
 during the run, or out of memory (a worker ran out and the run could not go on: the line names it and
 what to change); 5 a non-finite loss or gradient (nothing of that step applied); 130 / 143 stopped by
-SIGINT / SIGTERM at a step boundary, after a checkpoint"""
+SIGINT / SIGTERM at a step boundary, after a checkpoint (the same signal again within a second is the same
+request; a later one aborts, naming the last checkpoint committed). The last line of stdout is a JSON
+summary"""
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, out: Optional[TextIO] = None,
+         signals: Optional["ProcessSignals"] = None) -> int:
+    """Run one command; its exit code. Its result (a JSON line) goes to ``out`` (default stdout);
+    ``signals`` are the process's stop-signal handlers when the CLI is the process (raytrain.__main__)."""
+    from raytrain.driver.signals import ProcessSignals
+
     args = _parser().parse_args(argv)
+    out = out or sys.stdout
+    signals = signals or ProcessSignals()  # not entered: its reports change nothing
     if args.command == "sweep":
-        return _sweep(args)
+        return _sweep(args, out)
     if args.command == "export":
-        return _export(args)
+        return _export(args, out)
+    return _train(args, out, signals)
+
+
+def _train(args, out: TextIO, signals: "ProcessSignals") -> int:
+    """``train``: its summary line however it ends, unless it ends on bad input or a failure (a line on stderr)."""
     from raytrain.api import ResourcesUnavailable, train
     from raytrain.control.coordinator import CapacityLost, NonFiniteLoss, OutOfMemoryLost, StepFailed
     from raytrain.driver.signals import exit_code
 
+    result = None
     try:
         with warnings_on_one_line():
             cfg = load_config(args.config, args.overrides)
         # train() validates data, resume and layout (raytrain.driver.plan.prepare) before any actor starts.
         result = train(cfg)
+        signals.ended()
     except ValueError as e:
         return _fail(f"config error: {e}", 2)
     except ResourcesUnavailable as e:
@@ -67,13 +87,31 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"non-finite loss: {e}", 5)
     except StepFailed as e:
         return _fail(f"step failed: {e}", 1)
-    except KeyboardInterrupt as e:  # a second signal (signals.Aborted), or Ctrl-C before the run started
-        reason = getattr(e, "reason", "SIGINT")
-        _fail(f"aborted by {reason}: the run did not wait for a step boundary; every published checkpoint "
-              "is intact (--set checkpoint.resume=latest)", exit_code(reason))
-        return _aborted(exit_code(reason))
-    print(json.dumps(result.summary()))
-    return exit_code(result.stopped) if result.stopped else 0
+    except KeyboardInterrupt as e:  # an aborting signal (signals.Aborted), or Ctrl-C before the run started
+        signals.ended()
+        if result is None:
+            return _report_abort(out, e, signals)
+    return _report(out, result.summary(), exit_code(result.stopped) if result.stopped else 0, signals)
+
+
+def _report_abort(out: TextIO, error: KeyboardInterrupt, signals: "ProcessSignals") -> int:
+    """An aborted run's line on stderr and summary line on stdout, naming the last checkpoint it committed."""
+    from raytrain.driver.signals import Aborted, exit_code
+
+    reason = getattr(error, "reason", "SIGINT")
+    summary = (error if isinstance(error, Aborted) else Aborted(reason)).summary()
+    kept = (f"the last checkpoint it committed, {summary['checkpoint']} (step {summary['steps']}), is intact "
+            "(--set checkpoint.resume=latest)" if summary["checkpoint"] else "it committed no checkpoint")
+    _fail(f"aborted by {reason}: the run did not wait for a step boundary; {kept}", exit_code(reason))
+    return _aborted(_report(out, summary, exit_code(reason), signals))
+
+
+def _report(out: TextIO, summary: dict, code: int, signals: "ProcessSignals") -> int:
+    """Write the command's result line (the last line of its stdout); returns ``code``."""
+    out.write(json.dumps(summary) + "\n")
+    out.flush()
+    signals.reported(code)
+    return code
 
 
 @contextlib.contextmanager
@@ -95,18 +133,18 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _export(args) -> int:
+def _export(args, out: TextIO) -> int:
     from raytrain.models.export import export_hf
 
     try:
         step_dir = export_hf(args.checkpoint, args.out, args.dtype, args.trust_remote_code)
     except ValueError as e:  # a CheckpointError too
         return _fail(f"export: {e}", 2)
-    print(json.dumps({"exported": step_dir, "out": args.out}))
+    print(json.dumps({"exported": step_dir, "out": args.out}), file=out, flush=True)
     return 0
 
 
-def _sweep(args) -> int:
+def _sweep(args, out: TextIO) -> int:
     from raytrain import tune as rt_tune
     from raytrain.driver.placement import ResourcesUnavailable
     from raytrain.driver.run import ensure_ray  # importing the driver starts its background import of torch
@@ -123,7 +161,7 @@ def _sweep(args) -> int:
             stop.resume_command = _resume_command(args, where)
             grid = rt_tune.run_sweep(sweep, resume=args.resume)
             stop.reporting()
-            return _sweep_report(grid, sweep, stop.reason, _resume_command(args, where))
+            return _sweep_report(grid, sweep, stop.reason, _resume_command(args, where), out)
     except ValueError as e:
         print(f"raytrain: sweep config error: {e}", file=sys.stderr)
         return 2
@@ -155,7 +193,7 @@ def _aborted(code: int, bound_s: float = 20.0) -> int:
     return code
 
 
-def _sweep_report(grid, sweep, reason, command: str) -> int:
+def _sweep_report(grid, sweep, reason, command: str, out: TextIO) -> int:
     """The ranked table, reports and JSON line; a stopped sweep's are marked partial, with no "best"."""
     from raytrain import tune as rt_tune
     from raytrain.driver.signals import exit_code
@@ -170,11 +208,13 @@ def _sweep_report(grid, sweep, reason, command: str) -> int:
     if reason or finished + sum(r.status == "error" for r in rows) < total:
         for line in rt_tune.progress_lines(rows, total, reason, command):
             print(line, file=sys.stderr)
-        print(json.dumps({**summary, "interrupted": True, "signal": reason, "resume": command, "best": None}))
+        print(json.dumps({**summary, "interrupted": True, "signal": reason, "resume": command, "best": None}),
+              file=out, flush=True)
         return exit_code(reason) if reason else 1
     best = rows[0] if rows else None
     print(json.dumps({**summary, "interrupted": False, "best": None if best is None else {
-        "layout": best.layout, "params": best.params, "samples_per_s": best.samples_per_s, "loss": best.loss}}))
+        "layout": best.layout, "params": best.params, "samples_per_s": best.samples_per_s, "loss": best.loss}}),
+        file=out, flush=True)
     return 0 if not any(r.status == "error" for r in rows) else 1
 
 

@@ -109,7 +109,7 @@ def test_pruning_keeps_the_newest(tmp_path):
     for step in (1, 2, 3, 4):
         d = checkpoint.step_dir(base, step)
         checkpoint.publish(d, {"step": step, "shards": [checkpoint.save_shard(d, 0, {"model": {}, "optim": {}})]})
-    checkpoint.prune(base, keep=2)
+    checkpoint.prune(base, keep=2, lineage=None)
     assert [s for s, _ in checkpoint.list_checkpoints(base)] == [3, 4]
 
 

@@ -49,3 +49,23 @@ def test_rays_draining_nodes_can_be_read(ray_session):
     from raytrain.compat import draining_nodes
 
     assert ray_session.get_runtime_context().get_node_id() not in draining_nodes()
+
+
+def test_the_processes_ray_init_starts_can_be_put_in_a_session_of_their_own():
+    import inspect
+    import os
+
+    from ray._private import services
+
+    from raytrain.compat import ray_processes_in_a_session_of_their_own
+
+    assert "ConsolePopen(" in inspect.getsource(services.start_ray_process)  # how ray.init starts each process
+    original = services.ConsolePopen
+    with ray_processes_in_a_session_of_their_own():
+        child = services.ConsolePopen(["sleep", "5"])
+    try:
+        assert os.getsid(child.pid) == child.pid != os.getsid(0)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert services.ConsolePopen is original

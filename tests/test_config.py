@@ -249,6 +249,7 @@ BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give 
     ("checkpoint.resume=''", "latest"),
     ("checkpoint.keep=0", ">= 1"),
     ("checkpoint.async_save=maybe", "true or false"),
+    ("checkpoint.lineage=''", "leave it unset"),
     ("elastic.min_dp=0", ">= 1"),
     ("elastic.max_dp=0", ">= 1"),
     ("elastic.grow_poll_s=0", "> 0"),

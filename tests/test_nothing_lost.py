@@ -72,10 +72,10 @@ def test_pruning_never_removes_the_newest_finite_checkpoint(tmp_path):
     _publish(base, 2)
     _publish(base, 4, finite=False)
     _publish(base, 6, finite=False)
-    checkpoint.prune(base, keep=2)
+    checkpoint.prune(base, keep=2, lineage=None)
     assert [s for s, _ in checkpoint.list_checkpoints(base)] == [2, 4, 6]
     _publish(base, 8)
-    checkpoint.prune(base, keep=2)
+    checkpoint.prune(base, keep=2, lineage=None)
     assert [s for s, _ in checkpoint.list_checkpoints(base)] == [6, 8]
 
 
@@ -93,7 +93,7 @@ def test_a_second_save_of_a_step_gets_a_new_directory_and_latest_is_the_last_pub
     older = _publish(base, 2)  # a run resumed from an older step publishes last: it is the latest
     assert checkpoint.latest(base) == older
     assert [s for s, _ in checkpoint.list_checkpoints(base)] == [4, 4, 6, 2]
-    checkpoint.prune(base, keep=2)
+    checkpoint.prune(base, keep=2, lineage=None)
     assert sorted(os.listdir(base)) == ["step_00000002", "step_00000006"]  # the unpublished leftover is gone
 
 

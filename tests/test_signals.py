@@ -1,49 +1,130 @@
-"""SIGTERM / Ctrl-C stop a run at a step boundary after a checkpoint; a killed driver leaves nothing behind."""
+"""SIGTERM / Ctrl-C stop a run at a step boundary after a checkpoint, the same signal twice within a second
+is one request, a later one aborts naming the last checkpoint, the summary is the last line of stdout, and a
+killed driver leaves nothing behind."""
 
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
 from raytrain import checkpoint
+from raytrain.driver.signals import SAME_SIGNAL_WINDOW_S, Aborted, StopOnSignal, Verdict, judge
 from tests.helpers import pid_alive
 
-pytestmark = pytest.mark.ray  # every test runs the CLI on a Ray
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 120
 GROUP_STOP_S = 10
 """From a SIGTERM to the whole process group to the exit: 2 s here; ray.shutdown on the dead embedded Ray
 would add 10 s, or block 60 s and exit 1."""
+LATER_S = 1.5
+"""A second signal this long after the first: a person who means to abort."""
+NO_RAY = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+"""The environment of a CLI that starts an embedded Ray."""
 
 
-def _start_cli(ray_cluster, tmp_path, data_cache, *extra, env=None):
+def _start_cli(ray_cluster, tmp_path, data_cache, *extra, env=None, wrapper=()):
     """``python -m raytrain train`` of a run that never ends by itself, in a session of its own, on
-    ``ray_cluster`` (or with ``env``, the environment as given: RAY_ADDRESS unset, an embedded Ray)."""
+    ``ray_cluster`` (or with ``env``, the environment as given: RAY_ADDRESS unset, an embedded Ray), run
+    by the command ``wrapper`` (``timeout ...``) when given."""
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.address) if env is None else env
-    cmd = [sys.executable, "-m", "raytrain", "train", "--config", "experiments/configs/tiny.yaml",
+    cmd = [*wrapper, sys.executable, "-m", "raytrain", "train", "--config", "experiments/configs/tiny.yaml",
            "--set", "train.steps=100000", "--set", f"run.dir={tmp_path / 'runs'}", "--set", "run.trace_steps=0",
            "--set", f"data.cache_dir={data_cache}", "--set", "data.max_bytes=200000", *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=dict(env, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
 
 
-def _wait_for_training(tmp_path, proc) -> list[int]:
-    """Block until the run has trained a few steps; returns its workers' pids."""
+def _wait_for_training(tmp_path, proc, steps: int = 3) -> list[int]:
+    """Block until the run has committed ``steps`` steps; returns its workers' pids."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline and proc.poll() is None:
         for metrics in (tmp_path / "runs").glob("*/metrics.jsonl"):
             rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             started = [r for r in rows if r.get("event") == "started"]
-            if started and sum("loss" in r and "event" not in r for r in rows) >= 3:
+            if started and sum("loss" in r and "event" not in r for r in rows) >= steps:
                 return started[0]["pids"]
         time.sleep(0.2)
     proc.kill()
-    raise AssertionError(f"the run did not start training: {proc.communicate()[1][-3000:]}")
+    raise AssertionError(f"the run did not train {steps} steps: {proc.communicate()[1][-3000:]}")
+
+
+def _assert_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 30
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_alive(p) for p in pids), "a worker outlived the stopped run"
+
+
+def _summary(out: str) -> dict:
+    """The JSON summary, the last line of the CLI's stdout."""
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# --- the verdict on each signal, without Ray ------------------------------------------------------
+
+
+def test_the_same_signal_within_the_window_is_one_request_and_any_other_aborts():
+    term, int_ = signal.SIGTERM, signal.SIGINT
+    assert judge(None, term, 100.0) is Verdict.STOP
+    assert judge((term, 100.0), term, 100.000004) is Verdict.SAME  # timeout: the child, then its group
+    assert judge((term, 100.0), term, 100.0 + SAME_SIGNAL_WINDOW_S - 0.01) is Verdict.SAME
+    assert judge((term, 100.0), term, 100.0 + SAME_SIGNAL_WINDOW_S) is Verdict.ABORT
+    assert judge((term, 100.0), term, 100.0 + LATER_S) is Verdict.ABORT
+    assert judge((term, 100.0), int_, 100.000004) is Verdict.ABORT  # another signal is no repeat
+
+
+def test_two_signals_microseconds_apart_are_one_stop_and_one_a_moment_later_aborts():
+    stream = io.StringIO()
+    before = signal.getsignal(signal.SIGTERM)
+    with StopOnSignal(stream) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while "the same stop request" not in stream.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the reader thread notes the second delivery
+        assert stop.reason == "SIGTERM" and stop.aborted is None, stream.getvalue()
+        assert stream.getvalue().count("SIGTERM: stopping at the next step boundary") == 1
+        assert "SIGTERM again 0.0" in stream.getvalue()
+        time.sleep(LATER_S)
+        with pytest.raises(Aborted) as aborted:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here, at once
+        assert aborted.value.reason == "SIGTERM" and stop.aborted == "SIGTERM"
+        reader = stop._reader
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not reader.is_alive(), "the reader thread outlived its StopOnSignal"
+
+
+_REPORTING = textwrap.dedent("""
+    import os, signal, sys
+    from raytrain.driver.signals import Aborted, ProcessSignals
+    signals = ProcessSignals().__enter__()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+    except Aborted as e:
+        print("aborted by", e.reason, flush=True)
+    signals.ended()
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("the summary line", flush=True)
+    signals.reported(143)
+    print("never printed", flush=True)
+""")
+
+
+def test_the_cli_process_aborts_before_its_run_ends_and_exits_once_its_summary_is_out():
+    proc = subprocess.run([sys.executable, "-c", _REPORTING], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stdout.splitlines() == ["aborted by SIGTERM", "the summary line"], proc.stdout
+
+
+# --- the CLI on Ray ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -58,15 +139,12 @@ def test_a_stop_signal_stops_at_a_step_boundary_with_a_checkpoint(ray_cluster, t
         proc.kill()
     assert time.monotonic() - sent < 30
     assert proc.returncode == 128 + sig, err[-3000:]
-    summary = json.loads(out.strip().splitlines()[-1])
+    summary = _summary(out)
     assert summary["stopped"] == sig.name and 3 <= summary["steps"] < 100000
     assert checkpoint.read_manifest(summary["checkpoint"])["step"] == summary["steps"]
     checkpoint.load_shards(summary["checkpoint"])
     assert f"{sig.name}: stopping at the next step boundary" in err and "Traceback" not in err
-    deadline = time.monotonic() + 30
-    while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(pid_alive(p) for p in workers), "a worker outlived the stopped run"
+    _assert_gone(workers)
 
 
 def test_a_killed_driver_takes_its_workers_along(ray_cluster, tmp_path, data_cache):
@@ -83,43 +161,41 @@ def test_a_killed_driver_takes_its_workers_along(ray_cluster, tmp_path, data_cac
     assert not any(pid_alive(p) for p in workers), "a worker outlived its killed driver by 30 s"
 
 
-def test_sigterm_to_the_whole_process_group_of_an_embedded_ray_exits_143_in_seconds(tmp_path, data_cache):
-    """``timeout``, systemd and Slurm signal every process of the job: the embedded Ray's own servers
-    end with the driver's signal, and the driver must still report and exit at once, not wait on them.
-    The signal may end the coordinator before it saves, so the run reports the last published
-    checkpoint: the test signals once one is published (it failed once, signalled before step 10's)."""
-    proc = _start_cli(None, tmp_path, data_cache, "--set", "checkpoint.every=2",
-                      env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+def _expire(proc) -> None:
+    """Make the ``timeout`` running ``proc`` act as when its duration runs out: coreutils timeout takes a
+    SIGALRM as its own alarm (it then signals the child, then its process group)."""
+    os.kill(proc.pid, signal.SIGALRM)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("how", ["timeout", "kill -TERM -PGID"])
+def test_sigterm_to_the_process_group_of_an_embedded_ray_run_stops_it_at_a_step_boundary(tmp_path, data_cache, how):
+    """``timeout -s TERM`` and ``kill -TERM -PGID`` signal the driver's whole process group (``timeout`` the
+    driver first, then the group: often two SIGTERMs microseconds apart), with the embedded Ray started
+    beside it and no checkpoint.every: the run still stops at a step boundary after a checkpoint, and its
+    summary is the one line of stdout. ``timeout --preserve-status`` passes on the driver's 143 (without
+    it, timeout exits 124)."""
+    wrapper = ("timeout", "--preserve-status", "-s", "TERM", "600") if how == "timeout" else ()
+    proc = _start_cli(None, tmp_path, data_cache, "--set", "checkpoint.every=0", env=NO_RAY, wrapper=wrapper)
     try:
         workers = _wait_for_training(tmp_path, proc)
-        _wait_for_a_checkpoint(tmp_path, proc)
         sent = time.monotonic()
-        os.killpg(proc.pid, signal.SIGTERM)
+        _expire(proc) if how == "timeout" else os.killpg(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=90)
         took = time.monotonic() - sent
     finally:
         proc.kill()
     assert proc.returncode == 143, f"{err[-3000:]}\nstdout: {out[-1000:]}\n{_driver_core_log(proc.pid)}"
     assert took < GROUP_STOP_S, f"{took:.1f} s from the signal to the exit\n{err[-3000:]}"
-    summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["stopped"] == "SIGTERM" and summary["checkpoint"] is not None
-    assert checkpoint.read_manifest(summary["checkpoint"])["step"] == summary["steps"]
-    assert "Traceback" not in err
-    deadline = time.monotonic() + 30
-    while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(pid_alive(p) for p in workers), "a worker outlived the stopped run"
-
-
-def _wait_for_a_checkpoint(tmp_path, proc) -> None:
-    """Block until the run has published a checkpoint."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        if any(checkpoint.latest(str(d)) for d in (tmp_path / "runs").glob("*/checkpoints")):
-            return
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"the run published no checkpoint: {proc.communicate()[1][-3000:]}")
+    assert len(out.splitlines()) == 1, out  # Ray's own output went to stderr
+    summary = _summary(out)
+    assert summary["stopped"] == "SIGTERM" and 3 <= summary["steps"] < 100000
+    manifest = checkpoint.read_manifest(summary["checkpoint"])
+    assert manifest["step"] == summary["steps"]
+    assert [s for s, _ in checkpoint.list_checkpoints(os.path.dirname(summary["checkpoint"]))] == [summary["steps"]]
+    assert "SIGTERM: stopping at the next step boundary" in err
+    assert "aborted" not in err and "Traceback" not in err, err[-3000:]
+    _assert_gone(workers)
 
 
 def _driver_core_log(pid: int) -> str:
@@ -130,12 +206,17 @@ def _driver_core_log(pid: int) -> str:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_second_signal_aborts_at_once_in_one_line(ray_cluster, tmp_path, data_cache, sig):
-    proc = _start_cli(ray_cluster, tmp_path, data_cache, "--set", "checkpoint.every=2")
+def test_a_signal_repeated_a_moment_later_aborts_with_a_summary_naming_the_last_checkpoint(
+        ray_cluster, tmp_path, data_cache, sig):
+    """A worker frozen in step 10 (the ``pause`` fault) holds the stop short of its step boundary, so the
+    second signal, 1.5 s after the first, finds the run still stopping: it aborts at once, and stdout's last
+    line still says so and names the last checkpoint committed (step 8's)."""
+    proc = _start_cli(ray_cluster, tmp_path, data_cache, "--set", "checkpoint.every=2",
+                      "--set", "elastic.faults=['0:0@9:pause']")
     try:
-        _wait_for_training(tmp_path, proc)
+        workers = _wait_for_training(tmp_path, proc, steps=9)
         proc.send_signal(sig)
-        time.sleep(0.05)
+        time.sleep(LATER_S)
         sent = time.monotonic()
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
@@ -145,6 +226,11 @@ def test_a_second_signal_aborts_at_once_in_one_line(ray_cluster, tmp_path, data_
     assert proc.returncode == 128 + sig, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert f"raytrain: aborted by {sig.name}" in err.strip().splitlines()[-1]
-    published = checkpoint.list_checkpoints(str(next((tmp_path / "runs").glob("*/checkpoints"))))
-    for _, uri in published:  # the abort never leaves a half-published checkpoint as latest
+    summary = _summary(out)
+    ckpt_dir = str(next((tmp_path / "runs").glob("*/checkpoints")))
+    assert summary["aborted"] is True and summary["stopped"] == sig.name
+    assert summary["checkpoint"] == checkpoint.latest(ckpt_dir) and summary["steps"] == 8
+    assert checkpoint.read_manifest(summary["checkpoint"])["step"] == 8
+    for _, uri in checkpoint.list_checkpoints(ckpt_dir):  # the abort never leaves a half-published checkpoint
         checkpoint.load_shards(uri)
+    _assert_gone(workers)

@@ -29,6 +29,12 @@ A published checkpoint is immutable: every save writes into a directory that did
 so a second save of the same step (a resumed run, a save retried after a repair) goes to
 ``step_<NNNNNNNN>.<n>``. Each manifest carries a sequence number one above every manifest already
 in the directory, so "latest" is the checkpoint published last, whatever its step.
+
+Each manifest also names its *lineage*: the chain of runs that wrote it (a fresh run starts one, a run
+resumed from the newest checkpoint of one continues it: ``continued_lineage``), and each save's directory
+names it from the start (``LINEAGE_FILE``). Pruning deletes only its own lineage's checkpoints and
+unfinished saves, so a run never deletes what another run wrote. Manifests written before lineages (none
+recorded) stay readable; they belong to no run's lineage.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import os
 import pickle
 import re
 import tempfile
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -65,6 +72,9 @@ _CHUNK = 8 << 20
 """Bytes read at a time when hashing a file: memory stays bounded whatever the shard's size."""
 _ZIP_MAGIC = b"PK\x03\x04"
 """What every file torch.save writes starts with; anything else is not a shard raytrain wrote."""
+LINEAGE_FILE = "lineage.txt"
+"""Written first into each save's directory: the lineage of the run saving, so that pruning can tell its
+own unfinished saves (no manifest yet) from another run's."""
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _STEP_DIR = re.compile(r"^step_(\d{8})(?:\.(\d+))?$")
 
@@ -101,14 +111,23 @@ def step_dir(base: str, step: int) -> str:
     return join_uri(base, f"step_{step:08d}")
 
 
-def new_step_dir(base: str, step: int) -> str:
-    """A directory for a new save of ``step`` that no earlier save (published or not) has used."""
+def new_step_dir(base: str, step: int, lineage: Optional[str] = None) -> str:
+    """A directory for a new save of ``step`` that no earlier save (published or not) has used; with a
+    ``lineage``, marked as that lineage's (LINEAGE_FILE) before anything else is written into it."""
     fs, path = filesystem(base)
     taken = {info.base_name for info in _entries(fs, path)}
     name, attempt = f"step_{step:08d}", 0
     while (f"{name}.{attempt}" if attempt else name) in taken:
         attempt += 1
-    return join_uri(base, f"{name}.{attempt}" if attempt else name)
+    ckpt_dir = join_uri(base, f"{name}.{attempt}" if attempt else name)
+    if lineage is not None:
+        write_bytes(join_uri(ckpt_dir, LINEAGE_FILE), lineage.encode())
+    return ckpt_dir
+
+
+def new_lineage() -> str:
+    """A lineage of its own, for a run that continues none."""
+    return uuid.uuid4().hex[:16]
 
 
 def _entries(fs: pafs.FileSystem, path: str) -> list[pafs.FileInfo]:
@@ -380,6 +399,8 @@ class Published:
     """Publication order within its directory (0 for manifests written before raytrain recorded it)."""
     finite: bool
     """Every parameter and optimizer value was finite when it was saved."""
+    lineage: Optional[str] = None
+    """The chain of runs that wrote it (None for manifests written before raytrain recorded it)."""
 
 
 def list_published(base: str) -> list[Published]:
@@ -397,7 +418,8 @@ def list_published(base: str) -> list[Published]:
             continue  # no manifest: a save that never finished, not a checkpoint
         attempt = int(match.group(2) or 0)
         found.append((manifest.get("seq", 0), int(match.group(1)), attempt,
-                      Published(int(match.group(1)), uri, manifest.get("seq", 0), manifest.get("finite", True))))
+                      Published(int(match.group(1)), uri, manifest.get("seq", 0), manifest.get("finite", True),
+                                manifest.get("lineage"))))
     return [p for *_, p in sorted(found, key=lambda t: t[:3])]
 
 
@@ -410,6 +432,25 @@ def latest(base: str) -> Optional[str]:
     """The checkpoint published last under ``base`` (None if there is none)."""
     found = list_published(base)
     return found[-1].uri if found else None
+
+
+def latest_of(base: str, lineage: Optional[str]) -> Optional[str]:
+    """The checkpoint of ``lineage`` published last under ``base`` (None if there is none)."""
+    found = [p for p in list_published(base) if p.lineage == lineage]
+    return found[-1].uri if found else None
+
+
+def continued_lineage(ckpt_dir: str) -> Optional[str]:
+    """The lineage that a run resumed from ``ckpt_dir`` (a published checkpoint) continues: the one it
+    records when it is that lineage's newest checkpoint in its directory. None for an older one (the run
+    forks from it: a lineage of its own, which never prunes the checkpoints after it) and for one that
+    records no lineage."""
+    lineage = read_manifest(ckpt_dir).get("lineage")
+    if lineage is None:
+        return None
+    base, name = ckpt_dir.rstrip("/").rsplit("/", 1)
+    newest = latest_of(base, lineage)
+    return lineage if newest is not None and newest.rsplit("/", 1)[1] == name else None
 
 
 def resolve(path: str) -> str:
@@ -425,21 +466,37 @@ def resolve(path: str) -> str:
     return found
 
 
-def prune(base: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` published checkpoints, and every unpublished leftover.
+def prune(base: str, keep: int, lineage: Optional[str]) -> None:
+    """Delete all but the newest ``keep`` published checkpoints of ``lineage``, and its unfinished saves.
 
-    The newest checkpoint whose values are all finite is never deleted, however old. Only the run
-    that holds ``base`` (raytrain.driver.lease) prunes, after a publish, so no save is in flight.
+    Only checkpoints whose manifest records ``lineage``, and saves without a manifest whose LINEAGE_FILE
+    names it, are deleted (None: those that record none, as raytrain wrote before lineages): another
+    lineage's are never touched, even by a run that shares ``base`` against the lease. The newest
+    checkpoint of ``lineage`` whose values are all finite is never deleted, however old. Only the run that
+    holds ``base`` (raytrain.driver.lease) prunes, after a publish, so none of its saves is in flight.
     """
     fs, path = filesystem(base)
-    published = list_published(base)
-    kept = {p.uri for p in published[-keep:]}
-    finite = [p for p in published if p.finite]
+    every = list_published(base)
+    published = {p.uri for p in every}
+    own = [p for p in every if p.lineage == lineage]
+    kept = {p.uri for p in own[-keep:]}
+    finite = [p for p in own if p.finite]
     if finite:
         kept.add(finite[-1].uri)
+    doomed = {p.uri for p in own} - kept
     for info in _entries(fs, path):
-        if _STEP_DIR.match(info.base_name) and join_uri(base, info.base_name) not in kept:
+        uri = join_uri(base, info.base_name)
+        leftover = _STEP_DIR.match(info.base_name) and uri not in published
+        if uri in doomed or (leftover and _marked_lineage(uri) == lineage):
             fs.delete_dir(info.path)
+
+
+def _marked_lineage(ckpt_dir: str) -> Optional[str]:
+    """The lineage a save's directory was marked with when it began (None: unmarked)."""
+    try:
+        return read_bytes(join_uri(ckpt_dir, LINEAGE_FILE)).decode(errors="replace")
+    except CheckpointError:
+        return None
 
 
 # --- optimizer state by global name --------------------------------------------------------------

@@ -7,7 +7,8 @@ Imports are lazy: importing this module costs neither torch nor Ray.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 RAY_WORKER_LOGGER = "ray._private.worker"
 """The logger of ``ray.init``'s messages (the driver filters one it cannot avoid triggering)."""
@@ -48,3 +49,26 @@ def draining_nodes() -> dict[str, int]:
     import ray._private.state
 
     return dict(ray._private.state.state.get_draining_nodes())
+
+
+@contextlib.contextmanager
+def ray_processes_in_a_session_of_their_own() -> Iterator[None]:
+    """While active, the processes ``ray.init`` starts for an embedded Ray (its GCS, raylet, agents: each
+    a ``ConsolePopen`` of ``ray._private.services``) start in a session of their own. A signal to the
+    driver's process group (``timeout``, ``kill -TERM -PGID``, a shell's job control) then reaches the driver
+    alone, which stops the run at a step boundary with a checkpoint, rather than also ending the Ray that
+    the run needs to get there. Ray 2.60 has no option for it. The processes still end with the driver:
+    Ray starts them with PR_SET_PDEATHSIG, and raytrain.driver.reaper kills what is left."""
+    from ray._private import services
+
+    original = services.ConsolePopen
+
+    class InOwnSession(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "start_new_session": True})
+
+    services.ConsolePopen = InOwnSession
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original

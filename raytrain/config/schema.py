@@ -375,6 +375,10 @@ class CheckpointConfig:
     its parameters and AdamW moments: 12 bytes per parameter it owns) and training goes on while the files are
     written; the manifest is published once every file is durable. The run's last save, and one before a stop,
     are waited for."""
+    lineage: Optional[str] = None
+    """Set by raytrain (prepare replaces a value given): the chain of runs whose checkpoints this run continues,
+    recorded in each manifest. A fresh run starts one; a run resumed from a lineage's newest checkpoint
+    continues it. A run prunes (checkpoint.keep) only its own lineage's checkpoints."""
 
     def __post_init__(self):
         require(self.every >= 0, "checkpoint.every", self.every, "use >= 0 (0: only at the end)")
@@ -383,6 +387,8 @@ class CheckpointConfig:
                 "give a directory or URI, or unset it (<run_dir>/checkpoints)")
         require(not _blank(self.resume), "checkpoint.resume", self.resume,
                 "give a step directory, a checkpoint.dir, or 'latest'; or unset it")
+        require(not _blank(self.lineage), "checkpoint.lineage", self.lineage,
+                "leave it unset: raytrain sets it (the chain of runs a run's checkpoints belong to)")
 
 
 @dataclass

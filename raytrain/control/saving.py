@@ -25,10 +25,10 @@ def save_checkpoint(group: WorkerGroup, savers: list[Member], step: int, cfg: Co
                     stage_layers: list[list[list[int]]]) -> str:
     """Have ``savers`` (one member per slot, in slot order) write their shards into a new directory under
     checkpoint.dir, publish its manifest and prune; returns the directory. WorkersLost if a saver died."""
-    ckpt_dir = checkpoint.new_step_dir(cfg.checkpoint.dir, step)
+    ckpt_dir = checkpoint.new_step_dir(cfg.checkpoint.dir, step, cfg.checkpoint.lineage)
     shards = group.save(savers, ckpt_dir)
     checkpoint.publish(ckpt_dir, manifest(step, shards, cfg, mesh, stage_layers))
-    checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep)
+    checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.lineage)
     return ckpt_dir
 
 
@@ -61,7 +61,7 @@ class PendingSave:
 def start_background_save(group: WorkerGroup, savers: list[Member], step: int, cfg: Config, mesh: Mesh) -> PendingSave:
     """Have ``savers`` (one member per slot) snapshot their shards and write them into a new directory in the
     background; returns once every snapshot is taken. WorkersLost if a saver died."""
-    ckpt_dir, t0 = checkpoint.new_step_dir(cfg.checkpoint.dir, step), time.perf_counter()
+    ckpt_dir, t0 = checkpoint.new_step_dir(cfg.checkpoint.dir, step, cfg.checkpoint.lineage), time.perf_counter()
     stalls = group.start_save(savers, ckpt_dir)
     return PendingSave(ckpt_dir, step, list(savers), mesh, t0, max(stalls))
 
@@ -79,7 +79,7 @@ def publish_background_save(pending: PendingSave, shards: list[ShardReport], cfg
                             stage_layers: list[list[list[int]]]) -> str:
     """Publish a background save whose files are all durable (the manifest last), then prune."""
     checkpoint.publish(pending.ckpt_dir, manifest(pending.step, shards, cfg, pending.mesh, stage_layers))
-    checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep)
+    checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.lineage)
     return pending.ckpt_dir
 
 
@@ -164,9 +164,10 @@ class Checkpoints:
 
 
 def manifest(step: int, shards: list[ShardReport], cfg: Config, mesh: Mesh, stage_layers: list[list[list[int]]]) -> dict:
-    """A checkpoint's manifest: its step, the layout it was saved from, its shards and the run's config."""
+    """A checkpoint's manifest: its step, the run's lineage (checkpoint.lineage), the layout it was saved
+    from, its shards and the run's config (whose model and data sections say which experiment it is)."""
     return {
-        "step": step, "samples_seen": step * cfg.train.global_batch,
+        "step": step, "lineage": cfg.checkpoint.lineage, "samples_seen": step * cfg.train.global_batch,
         "finite": all(s.finite for s in shards),
         "layout": {"dp": mesh.dp, "fsdp": mesh.fsdp, "tp": mesh.tp, "pp": mesh.pp, "stage_layers": stage_layers},
         "shards": [s.entry for s in shards], "config": cfg.to_dict(),

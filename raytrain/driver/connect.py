@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import ray
 
-from raytrain.compat import RAY_WORKER_LOGGER, resolve_auto_ray_address
+from raytrain.compat import RAY_WORKER_LOGGER, ray_processes_in_a_session_of_their_own, resolve_auto_ray_address
 from raytrain.driver import reaper
 from raytrain.driver.placement import ResourcesUnavailable
 
@@ -73,22 +73,35 @@ def ensure_ray(min_cpus: int = 0) -> None:
     cluster that answers within PROBE_TIMEOUT_S, or that Ray does not join within CONNECT_TIMEOUT_S."""
     if ray.is_initialized():
         return
+    kept = _callers_sigterm_handler()
     address = os.environ.get("RAY_ADDRESS")
     if address:
         _probe(address)
         _init_bounded(address)
     else:
         global _embedded
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus) if min_cpus else None,
-                 include_dashboard=False)
+        with ray_processes_in_a_session_of_their_own():  # a signal to the driver's group spares them
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus) if min_cpus else None,
+                     include_dashboard=False)
         _embedded = True
         reaper.start()  # nothing of this embedded Ray outlives the driver, even a SIGKILLed one
+    if kept is not None:
+        signal.signal(signal.SIGTERM, kept)
+
+
+def _callers_sigterm_handler() -> Optional[Callable]:
+    """The SIGTERM handler that this process's caller installed (the CLI's: raytrain.driver.signals), which
+    ``ray.init`` would replace with its own (exit at once); None when there is none or not the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    handler = signal.getsignal(signal.SIGTERM)
+    return handler if callable(handler) else None
 
 
 def cluster_reachable() -> bool:
     """Whether the connected cluster's GCS still accepts a TCP connection (within PROBE_TIMEOUT_S).
 
-    A SIGTERM to the driver's whole process group (``timeout``, systemd, Slurm) also ends an embedded
+    A SIGTERM to every process of the job (Slurm's and systemd's control groups) also ends an embedded
     Ray's GCS; every Ray call that needs it (removing a placement group, killing an actor, shutting
     down) then blocks for a minute before Ray gives up. The driver asks this first and skips them.
     """

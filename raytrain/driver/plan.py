@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Optional
 
 from raytrain import checkpoint, data
+from raytrain.checkpoint.experiment import experiment_difference, model_difference
 from raytrain.config import Config
 from raytrain.config.layout import Layout
 from raytrain.config.prepared import ModelFacts, PreparedRun
@@ -91,7 +92,8 @@ def _name_run(cfg: Config, layout: Layout) -> tuple[Config, Optional[str]]:
     ckpt_dir = cfg.checkpoint.dir or os.path.join(root, run_name, "checkpoints")
     try:
         resume = _resume_source(cfg, root, ckpt_dir)
-        _check_checkpoint_dir(ckpt_dir)
+        _check_checkpoint_dir(cfg, ckpt_dir, resume)
+        lineage = (resume and checkpoint.continued_lineage(resume)) or checkpoint.new_lineage()
     except ValueError:
         if cfg.run.name is None:  # the run that claimed this directory never starts: leave nothing behind
             remove_if_empty(os.path.join(root, run_name))
@@ -99,17 +101,34 @@ def _name_run(cfg: Config, layout: Layout) -> tuple[Config, Optional[str]]:
     cfg = dataclasses.replace(
         cfg,
         run=dataclasses.replace(cfg.run, dir=root, name=run_name),
-        checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir),
+        checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir, lineage=lineage),
     )
     return cfg, resume
 
 
-def _check_checkpoint_dir(ckpt_dir: str) -> None:
+def _check_checkpoint_dir(cfg: Config, ckpt_dir: str, resume: Optional[str]) -> None:
+    """checkpoint.dir takes files, and holds no other run's checkpoints unless this run resumes one of them: a
+    fresh run beside them would prune them (checkpoint.keep), and its ``latest`` would mix two runs."""
     try:
         checkpoint.check_writable(ckpt_dir)
     except checkpoint.CheckpointError as e:
         raise ValueError(f"checkpoint.dir={ckpt_dir!r}: {e}; point checkpoint.dir at a writable directory or a "
                          f"pyarrow.fs URI (s3://, gs://, hdfs://) whose credentials this machine has") from e
+    published = checkpoint.list_published(ckpt_dir)
+    if not published or (resume is not None and _same_dir(resume.rstrip("/").rsplit("/", 1)[0], ckpt_dir)):
+        return
+    default = "" if cfg.checkpoint.dir else f" (run.name={cfg.run.name!r}'s default)"
+    raise ValueError(
+        f"checkpoint.dir={ckpt_dir!r}{default} holds {len(published)} checkpoint(s) of another run (the newest: "
+        f"{published[-1].uri}, step {published[-1].step}), which this run would not resume but prune "
+        f"(checkpoint.keep={cfg.checkpoint.keep}); continue that run with checkpoint.resume=latest, or give this "
+        f"run a new checkpoint.dir" + (" (or run.name)" if default else ""))
+
+
+def _same_dir(a: str, b: str) -> bool:
+    """Whether two paths or URIs name one directory."""
+    (fs_a, path_a), (fs_b, path_b) = checkpoint.filesystem(a), checkpoint.filesystem(b)
+    return fs_a.type_name == fs_b.type_name and path_a.rstrip("/") == path_b.rstrip("/")
 
 
 def remove_if_empty(run_dir: str) -> None:
@@ -166,39 +185,61 @@ def _new_run_name(root: str, layout: Layout) -> str:
 
 def _resume_source(cfg: Config, root: str, ckpt_dir: str) -> Optional[str]:
     """The checkpoint ``checkpoint.resume`` names, checked; None when not resuming. Checked whole here (every
-    file's size and sha256, each a weights-only torch file), so a damaged one fails before any actor starts.
+    file's size and sha256, each a weights-only torch file), so a damaged one fails before any actor starts;
+    a checkpoint of another model (a ``model.*`` key that decides its parameters differs) is refused too.
 
-    ``latest`` means checkpoint.dir's latest when checkpoint.dir is set; else the checkpoint published
-    last by any run under run.dir (each run has its own default checkpoint directory).
+    ``latest`` means checkpoint.dir's latest when checkpoint.dir (or run.name) is set; else the checkpoint
+    published last by any run under run.dir (each run has its own default checkpoint directory). Either way
+    only a checkpoint of this experiment (``experiment_difference``: the same model and data) is taken, or a
+    ValueError says why none is.
     """
     if cfg.checkpoint.resume is None:
         return None
-    where = cfg.checkpoint.resume
-    if where == "latest":
-        where = ckpt_dir if cfg.checkpoint.dir or cfg.run.name else _newest_run_checkpoint(root) or ckpt_dir
     import_user_module("torch")  # verify loads torch: after the driver's background import of it, never beside it
+    key = f"checkpoint.resume={cfg.checkpoint.resume!r}"
     try:
-        resume = checkpoint.resolve(where)
+        resume = (_latest_of_this_experiment(cfg, root, ckpt_dir) if cfg.checkpoint.resume == "latest"
+                  else checkpoint.resolve(cfg.checkpoint.resume))
         manifest = checkpoint.verify(resume)
     except checkpoint.CheckpointError as e:
-        raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}; point it at another step_NNNNNNNN "
-                         f"directory or a checkpoint.dir that holds one, or drop it to start afresh") from e
+        raise ValueError(f"{key}: {e}; point it at another step_NNNNNNNN directory or a checkpoint.dir that holds "
+                         "one, or drop it to start afresh") from e
     if manifest["step"] >= cfg.train.steps:
-        raise ValueError(
-            f"checkpoint.resume={cfg.checkpoint.resume!r} ({resume}) is at step {manifest['step']}, not before "
-            f"train.steps={cfg.train.steps}; raise train.steps to train further"
-        )
+        raise ValueError(f"{key} ({resume}) is at step {manifest['step']}, not before train.steps={cfg.train.steps}; "
+                         "raise train.steps to train further")
+    other_model = model_difference(cfg, manifest.get("config"))
+    if other_model is not None:
+        raise ValueError(f"{key} ({resume}) holds another model: {other_model}; a checkpoint resumes only into "
+                         f"the model it was saved from: set {other_model.key}={other_model.there!r}, or drop "
+                         "checkpoint.resume to start afresh")
     return resume
 
 
-def _newest_run_checkpoint(root: str) -> Optional[str]:
-    """The checkpoint published last under ``<root>/*/checkpoints`` (by its manifest's time)."""
-    newest, newest_time = None, -1.0
-    for run in os.scandir(root) if os.path.isdir(root) else []:
-        found = checkpoint.latest(os.path.join(run.path, "checkpoints")) if run.is_dir() else None
-        if found is not None:
-            published = os.path.getmtime(os.path.join(found, checkpoint.MANIFEST))
-            if published > newest_time:
-                newest, newest_time = found, published
-    return newest
+def _latest_of_this_experiment(cfg: Config, root: str, ckpt_dir: str) -> str:
+    """``checkpoint.resume=latest``: the newest checkpoint of this experiment where ``_resume_source`` looks;
+    a CheckpointError when there is none at all, a ValueError naming what differs when none is of it."""
+    if cfg.checkpoint.dir or cfg.run.name:
+        where, newest = f"checkpoint.dir={ckpt_dir!r}", [checkpoint.resolve(ckpt_dir)]
+    else:
+        where, newest = f"run.dir={root!r}", _run_checkpoints_newest_first(root) or [checkpoint.resolve(ckpt_dir)]
+    skipped = []
+    for candidate in newest:
+        difference = experiment_difference(cfg, checkpoint.read_manifest(candidate).get("config"))
+        if difference is None:
+            return candidate
+        skipped.append(f"{candidate} has {difference}")
+    shown = "; ".join(skipped[:3]) + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+    raise ValueError(f"checkpoint.resume='latest': no checkpoint under {where} is of this experiment (the same "
+                     f"model and data): {shown}; to continue one anyway name it (checkpoint.resume=<its path>), or "
+                     "drop checkpoint.resume to start afresh")
 
+
+def _run_checkpoints_newest_first(root: str) -> list[str]:
+    """The latest checkpoint of each run under ``<root>/*/checkpoints``, the one published last first (by
+    its manifest's time)."""
+    found = []
+    for run in os.scandir(root) if os.path.isdir(root) else []:
+        latest = checkpoint.latest(os.path.join(run.path, "checkpoints")) if run.is_dir() else None
+        if latest is not None:
+            found.append((os.path.getmtime(os.path.join(latest, checkpoint.MANIFEST)), latest))
+    return [path for _, path in sorted(found, reverse=True)]

@@ -99,7 +99,8 @@ def run(plan: PreparedRun, stream=sys.stderr, on_rows: Optional[Callable[[list[d
     ``placement=(placement_group, first_bundle)`` runs the workers in bundles first_bundle.. of an
     existing placement group (a Tune trial's) instead of reserving one. SIGINT or SIGTERM (when
     called from the main thread) stop the run at the next step boundary after a checkpoint; the
-    Result's ``stopped`` names the signal. A second signal aborts at once.
+    Result's ``stopped`` names the signal. The same signal again within a second is that request; a later
+    one aborts at once, raising signals.Aborted, which names the last checkpoint the run committed.
     """
     assert not plan.cfg.parallel.auto, "parallel.auto chooses the layout before a run (raytrain.train)"
     launched = time.perf_counter()  # goodput's wall time counts from here
@@ -111,20 +112,36 @@ def run(plan: PreparedRun, stream=sys.stderr, on_rows: Optional[Callable[[list[d
         remove_if_empty(plan.run_dir)
         raise
     held = Lease(cfg.checkpoint.dir, plan.run_dir).acquire()  # a busy directory is a ValueError: exit 2
+    stop = StopOnSignal(stream)
     try:
         reporter = RunReporter(plan.run_dir, cfg.train.steps, plan.layout, stream, cfg.run.loggers)
         stream.write(f"[raytrain] {plan.layout.label}, {len(stages)} stage(s) "
                      f"{[f'{s[0]}-{s[-1]}' for s in stages]}, global batch {cfg.train.global_batch}, "
                      f"{plan.num_samples} samples" + (f" (+{plan.held_out} held out)" if plan.held_out else "")
                      + f"; run dir {plan.run_dir}\n")
-        with StopOnSignal(stream) as stop:
-            try:
-                summary, restarts = _run_coordinators(plan, placement, reporter, on_rows, stop, launched)
-            except KeyboardInterrupt:
-                raise Aborted(stop.aborted or "SIGINT") from None
+        with stop:
+            summary, restarts = _run_coordinators(plan, placement, reporter, on_rows, stop, launched)
+        return _result(plan, summary, restarts, reporter)
+    except KeyboardInterrupt as e:  # an aborting signal: StopOnSignal's, the CLI's outside it, or Ray's re-raise
+        raise _aborted(plan, stop.aborted or getattr(e, "reason", "SIGINT")) from None
     finally:
         held.release()
-    return _result(plan, summary, restarts, reporter)
+
+
+def _aborted(plan: RunPlan, reason: str) -> Aborted:
+    """The abort of ``plan``'s run by signal ``reason``, naming the last checkpoint the run committed."""
+    last = _last_committed(plan.cfg, plan.resume)
+    try:
+        steps = checkpoint.read_manifest(last)["step"] if last is not None else 0
+    except checkpoint.CheckpointError:
+        last, steps = None, 0
+    return Aborted(reason, last, steps, plan.run_dir)
+
+
+def _last_committed(cfg, resume: Optional[str]) -> Optional[str]:
+    """The last checkpoint the run published (of its lineage: a run forked from an older checkpoint of
+    checkpoint.dir never counts the newer ones beside it), else the one it resumed from (None when neither)."""
+    return checkpoint.latest_of(cfg.checkpoint.dir, cfg.checkpoint.lineage) or resume
 
 
 def _result(plan: PreparedRun, summary: RunSummary, restarts: int, reporter: RunReporter) -> Result:
@@ -178,7 +195,7 @@ def _run_coordinators(plan: PreparedRun, placement, reporter: RunReporter, on_ro
                 return summary, restarts
             except ray.exceptions.RayError as e:
                 if stop.reason is not None and (_coordinator_lost(e) or (embedded() and not cluster_reachable())):
-                    # The signal reached the coordinator's process too (a whole process group or cgroup was
+                    # The signal reached the coordinator's process too (every process of the job was
                     # signalled): the user asked to stop, so stop at the last checkpoint rather than restart.
                     # With an embedded Ray the signal may end its object store first, so the wait on the
                     # coordinator fails as a lost object rather than a lost actor: the same stop.
@@ -186,9 +203,9 @@ def _run_coordinators(plan: PreparedRun, placement, reporter: RunReporter, on_ro
                 if not _coordinator_lost(e) or restarts == cfg.elastic.coordinator_restarts:
                     reporter.add([{"event": "failed", "error": str(getattr(e, "cause", e)).splitlines()[0][:500]}])
                     if isinstance(e, ray.exceptions.OutOfMemoryError):  # the coordinator itself, each time
-                        raise coordinator_out_of_memory(e, checkpoint.latest(cfg.checkpoint.dir) or resume) from None
+                        raise coordinator_out_of_memory(e, _last_committed(cfg, resume)) from None
                     raise getattr(e, "cause", e) if isinstance(e, ray.exceptions.RayTaskError) else e from None
-                resume = checkpoint.latest(cfg.checkpoint.dir) or resume
+                resume = _last_committed(cfg, resume)
                 reporter.add([{"event": "coordinator_restarted", "resume_from": resume, "restarts": restarts + 1,
                                "reason": f"coordinator lost: {str(e).splitlines()[0][:200]}"}])
             finally:  # each clean-up given up once an embedded Ray ends with a signal to the whole group
@@ -218,7 +235,7 @@ def _placements(cfg, placement, groups: list) -> Reservation:
 def _stopped_without_coordinator(cfg, reporter: RunReporter, reason: str, resume: Optional[str]) -> RunSummary:
     """The summary of a run stopped by a signal that also ended its coordinator: it ends at the last
     published checkpoint (the steps after it were never committed to storage)."""
-    last = checkpoint.latest(cfg.checkpoint.dir) or resume
+    last = _last_committed(cfg, resume)
     step = checkpoint.read_manifest(last)["step"] if last is not None else 0
     reporter.add([{"event": "stopped", "step": step, "reason": reason, "checkpoint": last,
                    "note": "the coordinator ended with the signal; resume from this checkpoint"}])

@@ -514,7 +514,7 @@ class SweepStop(logging.Filter):
         tune_stop(signal.SIGUSR1, frame)
 
     def _watch_cluster(self) -> None:
-        """While Tune stops: a signal to the whole process group (``timeout``, systemd, Slurm) ends an
+        """While Tune stops: a signal to every process of the job (Slurm's, systemd's control group) ends an
         embedded Ray too, and Tune's clean-up then blocks a minute on each call to it; exit at once."""
         from raytrain.driver.connect import cluster_reachable, embedded
         from raytrain.driver.signals import exit_code

@@ -15,7 +15,7 @@ own when the grace period ends, and the run repairs the loss as any other. A not
 comes sooner than a step takes (the last step's time) cannot reach a boundary: the worker leaves at
 once, so its peers see the loss now rather than when the deadline cuts the step, and the run
 repairs it as a crash (a ``repair`` event, the step redone). Ray's own shutdown
-also SIGTERMs its workers (``ray stop``, an embedded Ray signalled as a process group): then the
+also SIGTERMs its workers (``ray stop``, an embedded Ray whose every process was signalled): then the
 worker's raylet, its parent, goes too, and the worker exits as soon as it has (PARENT_POLL_S).
 """
 
