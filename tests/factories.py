@@ -81,3 +81,57 @@ def sequence_parallel_block_after_a_plain_embedding(cfg):
     from raytrain.models.layers import Block, Head
 
     return [nn.Embedding(cfg.vocab_size, cfg.d_model), Block(cfg), Head(cfg)]
+
+
+class TiedHead(nn.Module):
+    """An output head whose weight is the token embedding's (tied embeddings)."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.norm = nn.LayerNorm(embedding.embedding_dim)
+        self.weight = embedding.weight
+
+    def forward(self, x):
+        return nn.functional.linear(self.norm(x), self.weight)
+
+
+def tied_embedding_head(cfg):
+    """A token model whose head shares the embedding's weight: pp puts the two on different stages."""
+    embedding = nn.Embedding(cfg.vocab_size, 16)
+    return [embedding, nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), TiedHead(embedding)]
+
+
+def tuple_activations(cfg):
+    """Stages that pass a tuple (hidden state, the token ids): a pipeline sends both, an integer one too."""
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(cfg.vocab_size, 16)
+
+        def forward(self, ids):
+            return self.tok(ids), ids
+
+    class Mix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+            self.again = nn.Embedding(cfg.vocab_size, 16)
+
+        def forward(self, pair):
+            h, ids = pair
+            return torch.tanh(self.proj(h)) + self.again(ids), ids
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = nn.Linear(16, cfg.vocab_size)
+
+        def forward(self, pair):
+            return self.out(pair[0])
+
+    return [Embed(), Mix(), Head()]
+
+
+def batch_norm_mlp(cfg):
+    """The digits MLP with a batch norm: its running statistics are state (buffers)."""
+    return nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))

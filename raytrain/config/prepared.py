@@ -27,6 +27,12 @@ class Tie:
     """Its global name: its name under the first layer that holds it."""
     layers: tuple[int, ...]
     """Every layer that holds it, in order."""
+    names: tuple[str, ...] = ()
+    """Its name under each of those layers (``"5.lm_head.weight"``), in the same order."""
+
+    def workers(self, stage_layers: list[list[list[int]]]) -> tuple[int, ...]:
+        """The pipeline workers that hold it (``stage_layers``: per worker, per chunk, its global layer ids)."""
+        return tuple(w for w, chunks in enumerate(stage_layers) if any(i in c for c in chunks for i in self.layers))
 
 
 @dataclass(frozen=True)
@@ -44,8 +50,7 @@ class ModelFacts:
     def ties_across(self, stage_layers: list[list[list[int]]]) -> tuple[Tie, ...]:
         """The ties whose layers more than one pipeline worker holds (``stage_layers``: per worker, per
         chunk, its global layer ids)."""
-        worker_of = {layer: worker for worker, chunks in enumerate(stage_layers) for chunk in chunks for layer in chunk}
-        return tuple(t for t in self.ties if len({worker_of[layer] for layer in t.layers}) > 1)
+        return tuple(t for t in self.ties if len(t.workers(stage_layers)) > 1)
 
 
 @dataclass(frozen=True)

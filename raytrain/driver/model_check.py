@@ -139,16 +139,27 @@ def model_facts(cfg: Config, layers: Optional[list]) -> ModelFacts:
     return ModelFacts(counts, shardable_rows(layers), find_ties(layers))
 
 
+def check_ties(cfg: Config, facts: ModelFacts, layout: Layout) -> None:
+    """A ValueError when tensor parallelism would split a parameter that two stages hold (an embedding tied
+    to the head): each stage keeps a copy and their gradients are summed (raytrain.worker.ties), which the
+    tp ranks' split copies do not support."""
+    across = facts.ties_across(layout.worker_layers)
+    if layout.tp > 1 and across:
+        model = f"model.hf={cfg.model.hf!r}" if cfg.model.hf else "the model"
+        raise ValueError(f"{model} ties {across[0].name} to layer {across[0].layers[-1]} (an input embedding and the "
+                         f"output head), which parallel.pp={layout.pp} puts on different stages and parallel.tp="
+                         f"{layout.tp} would split; use parallel.tp=1 (fsdp shards a tied parameter), parallel.pp=1, "
+                         "or untie them (tie_word_embeddings false)")
+
+
 def find_ties(layers: list) -> tuple[Tie, ...]:
     """Parameters held by more than one layer, each under its global name (its first layer's)."""
-    holders: dict[int, list[int]] = {}
-    names: dict[int, str] = {}
+    holders: dict[int, dict[int, str]] = {}  # parameter -> {layer: its name there}
     for index, layer in enumerate(layers):
         for name, param in layer.named_parameters():
-            if index not in holders.setdefault(id(param), []):
-                holders[id(param)].append(index)
-            names.setdefault(id(param), f"{index}.{name}")
-    return tuple(Tie(names[key], tuple(held)) for key, held in holders.items() if len(held) > 1)
+            holders.setdefault(id(param), {}).setdefault(index, f"{index}.{name}")
+    return tuple(Tie(next(iter(held.values())), tuple(held), tuple(held.values()))
+                 for held in holders.values() if len(held) > 1)
 
 
 def shardable_rows(layers: list) -> int:
@@ -205,7 +216,7 @@ def _check_factory_plan(cfg: Config, layers: list) -> None:
 
 def _hf_layout(cfg: Config, layers: list) -> Layout:
     """A Hugging Face model's layout: cut by parameter counts of its meta-device layers (or timed)."""
-    from raytrain.models.hf_plan import check_ties, hf_layout
+    from raytrain.models.hf_plan import hf_layout
     from raytrain.pipeline.partition import plan_cuts
 
     layout = hf_layout(cfg, layers)
@@ -215,7 +226,6 @@ def _hf_layout(cfg: Config, layers: list) -> Layout:
             raise ValueError("parallel.balance=time builds the whole model on the driver to time its layers, which "
                              "model.hf does not do; use parallel.balance=params or parallel.split_points")
         layout = dataclasses.replace(layout, cuts=tuple(plan_cuts(layers, layout.num_chunks)))
-    check_ties(cfg, layers, layout)
     return layout
 
 

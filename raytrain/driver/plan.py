@@ -23,8 +23,8 @@ from raytrain.data import shards
 from raytrain.driver.connect import run_root
 from raytrain.driver.data_check import check_data, split_held_out
 from raytrain.driver.loggers import check_loggers
-from raytrain.driver.model_check import (build_model_once, check_model_takes_samples, model_facts, needs_build,
-                                         plan_layout)
+from raytrain.driver.model_check import (build_model_once, check_model_takes_samples, check_ties, model_facts,
+                                         needs_build, plan_layout)
 from raytrain.models.layers import FACTORY_RETURNS
 from raytrain.models.user_code import API_MODEL, import_user_module, register_api_model
 
@@ -57,6 +57,7 @@ def prepare(cfg: Config, choose_layout: Optional[ChooseLayout] = None, dataset: 
 
         check_tensor_parallel(cfg, layers)
     layout = plan_layout(cfg, layers, checked.example)
+    check_ties(cfg, facts, layout)
     if cfg.model.factory is not None:
         check_model_takes_samples(cfg, layers, spec.loss_fn, checked.example(), layout, checked.target_range)
     cfg, resume = _name_run(cfg, layout)

@@ -128,7 +128,7 @@ def run(plan: PreparedRun, stream=sys.stderr, on_rows: Optional[Callable[[list[d
         held.release()
 
 
-def _aborted(plan: RunPlan, reason: str) -> Aborted:
+def _aborted(plan: PreparedRun, reason: str) -> Aborted:
     """The abort of ``plan``'s run by signal ``reason``, naming the last checkpoint the run committed."""
     last = _last_committed(plan.cfg, plan.resume)
     try:

@@ -52,18 +52,6 @@ def hf_layout(cfg: Config, layers: list[nn.Module]) -> Layout:
     return Layout.of(cfg.parallel).for_model(len(layers), f"model.hf={cfg.model.hf!r} (embedding, decoder layers, head)")
 
 
-def check_ties(cfg: Config, layers: list[nn.Module], layout: Layout) -> None:
-    """A ValueError when two stages would hold one tied parameter (tie_word_embeddings)."""
-    stage_of = {}
-    for stage, chunk in enumerate(layout.stage_ranges):
-        for index in chunk:
-            for param in layers[index].parameters():
-                if stage_of.setdefault(id(param), stage) != stage:
-                    raise ValueError(f"model.hf={cfg.model.hf!r} ties its input embedding and output head "
-                                     "(tie_word_embeddings), which parallel.pp>1 puts on different stages; use "
-                                     "parallel.pp=1, or untie them (tie_word_embeddings false in config.json)")
-
-
 def resolve_cut(cfg: Config) -> Config:
     """``cfg`` with model.hf_cut=auto resolved, so every worker cuts the same way: ``layers`` when the
     cut reproduces the model's own forward on a two-layer copy of its config and the directory's

@@ -65,16 +65,26 @@ def build_hf_stage(path: str, cut: str, seed: int, layer_ids: Optional[Sequence[
                                      use_safetensors=True, trust_remote_code=bool(trust_remote_code))
         return [WholeModel(whole, layers[0].reason)], 1
     ids = list(range(len(layers))) if layer_ids is None else list(layer_ids)
-    owned = [layers[i] for i in ids]
-    materialise(owned)
-    for index, layer in zip(ids, owned):
+    built = _with_tie_holders(layers, ids)  # a tied parameter gets the value the whole model gives it
+    materialise([layers[i] for i in built])
+    for index in built:
         torch.manual_seed(seed * 100_003 + index)
-        layer.apply(model._init_weights)  # HF's per-module initialiser: the one each family defines
+        layers[index].apply(model._init_weights)  # HF's per-module initialiser: the one each family defines
     if weights:
         names, sources = hf_names(model, layers), file_sources(model, weights)
-        for index, layer in zip(ids, owned):
-            load_layer(layer, index, names, sources, weights, model, path)
-    return owned, len(layers)
+        for index in built:
+            load_layer(layers[index], index, names, sources, weights, model, path)
+    return [layers[i] for i in ids], len(layers)
+
+
+def _with_tie_holders(layers: Sequence[nn.Module], ids: list[int]) -> list[int]:
+    """``ids`` and every other layer that holds a parameter of theirs (tied embeddings across stages), in
+    order: built beside them and initialised in the whole model's order, so that a stage holding a tied
+    parameter starts it from the value every layout gives it (the last holder's initialiser, or the weights
+    under its first name)."""
+    mine = {id(p) for i in ids for p in layers[i].parameters()}
+    holders = {i for i, layer in enumerate(layers) if any(id(p) in mine for p in layer.parameters())}
+    return sorted(set(ids) | holders)
 
 
 def materialise(layers: Sequence[nn.Module]) -> None:

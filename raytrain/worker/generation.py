@@ -107,18 +107,20 @@ ChunkOutput = Callable[[int, Activation], Activation]
 
 def form_generation(cfg: Config, rank: int, mesh: Mesh, shares: list[int], store: StoreAddress, number: int,
                     chunk_output: ChunkOutput, device: torch.device, sample_inputs: TensorShape,
-                    on_groups: Callable[[Groups], None] = lambda groups: None) -> Generation:
+                    on_groups: Callable[[Groups], None] = lambda groups: None,
+                    tie_workers: tuple[tuple[int, ...], ...] = ()) -> Generation:
     """Form generation ``number``'s process groups and learn the input shape of each of this worker's chunks
     (collective over every member). ``shares`` are the replicas' samples of the global batch; the shards of
     a replica divide its share. ``chunk_output`` runs a chunk's layers on an example input (no grad); it is
     given the generation's groups first (a sharded stage re-forms its FSDP wrapping on them).
-    ``sample_inputs``: a sample's inputs, what the first stage takes."""
+    ``sample_inputs``: a sample's inputs, what the first stage takes; ``tie_workers``: the pipeline workers
+    holding each parameter tied across stages (raytrain.worker.groups)."""
     replica, stage = mesh.coords(rank)
     shard, tp_index = mesh.shard(rank), mesh.tp_index(rank)
     par = cfg.parallel
     placement = Placement.of_schedule(par.schedule, mesh.pp, par.virtual_stages)
     backend = "nccl" if cfg.resources.use_gpu else "gloo"
-    groups = init_groups(mesh, rank, store, number, backend, cfg.elastic.detect_timeout_s)
+    groups = init_groups(mesh, rank, store, number, backend, cfg.elastic.detect_timeout_s, tie_workers)
     on_groups(groups)
     def column_rank(worker: int) -> int:  # the rank of pipeline worker ``worker`` of this column
         return mesh.rank(replica=replica, shard=shard, stage=worker, tp=tp_index)

@@ -109,12 +109,14 @@ class GradientBuckets:
 
 
 def clip_global_norm(grads, clip: float, groups: Sequence[Optional[dist.ProcessGroup]],
-                     tp_group: Optional[dist.ProcessGroup] = None) -> Optional[float]:
+                     tp_group: Optional[dist.ProcessGroup] = None,
+                     counted_elsewhere: Sequence[torch.Tensor] = ()) -> Optional[float]:
     """The global gradient norm over all shards and stages (``groups``: the fsdp group, then the pp group;
     the dp replicas already agree), with ``grads`` scaled down to ``clip`` when above it; None with
     clipping off (``clip`` 0: no collective). ``grads``: GradientBuckets or a sharded stage's gradients.
     With a ``tp_group``, ``grads`` are a tensor-parallel stage's: the squares of its split gradients are
-    summed over the tp group, its replicated ones (whole on every tp rank) counted once."""
+    summed over the tp group, its replicated ones (whole on every tp rank) counted once. ``counted_elsewhere``:
+    parameters tied to another stage's, whose worker counts them (raytrain.worker.ties)."""
     if clip == 0:
         return None
     if tp_group is not None:
@@ -123,6 +125,8 @@ def clip_global_norm(grads, clip: float, groups: Sequence[Optional[dist.ProcessG
         sq = split + whole
     else:
         sq = grads.squared_norm()
+    for p in counted_elsewhere:
+        sq = sq - p.grad.float().pow(2).sum()
     for group in groups:
         if group is not None:
             dist.all_reduce(sq, group=group)

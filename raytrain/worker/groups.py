@@ -6,7 +6,7 @@ change, so survivors can re-form without a restart.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
 
@@ -26,12 +26,17 @@ class Groups:
     """This rank's sharding group; None when fsdp == 1."""
     tp_group: Optional[dist.ProcessGroup] = None
     """This rank's tensor-parallel group (consecutive ranks, one node); None when tp == 1."""
+    tie_groups: dict = field(default_factory=dict)
+    """Pipeline workers that hold one tied parameter -> the group of this rank's column's ranks among them
+    (the pp group when they are all of them); only for sets this rank is in."""
 
 
 def init_groups(
-    mesh: Mesh, rank: int, store: StoreAddress, generation: int, backend: str, timeout_s: float
+    mesh: Mesh, rank: int, store: StoreAddress, generation: int, backend: str, timeout_s: float,
+    tie_workers: tuple[tuple[int, ...], ...] = (),
 ) -> Groups:
-    """Join generation ``generation`` of the run's process groups (collective over all ranks)."""
+    """Join generation ``generation`` of the run's process groups (collective over all ranks); ``tie_workers``:
+    each set of pipeline workers that hold a tied parameter, whose ranks in each column get a group."""
     client = dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout_s))
     prefixed = dist.PrefixStore(f"{store.namespace}/gen{generation}/", client)
     dist.init_process_group(
@@ -48,7 +53,23 @@ def init_groups(
             group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
             if rank in ranks:
                 mine[kind] = group
-    return Groups(mine["dp"], mine["pp"], mine["fsdp"], mine["tp"])
+    groups = Groups(mine["dp"], mine["pp"], mine["fsdp"], mine["tp"])
+    for workers in sorted(set(tie_workers)):
+        if len(workers) == mesh.pp:  # every stage holds it: the pp group is its group
+            groups.tie_groups[workers] = groups.pp_group
+            continue
+        for ranks in _tie_members(mesh, workers):
+            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+            if rank in ranks:
+                groups.tie_groups[workers] = group
+    return groups
+
+
+def _tie_members(mesh: Mesh, workers: tuple[int, ...]) -> list[list[int]]:
+    """The ranks of ``workers`` (pipeline workers) in every column of the grid, in the order every rank
+    creates their groups."""
+    return [[mesh.rank(replica=r, shard=f, stage=w, tp=t) for w in workers]
+            for r in range(mesh.dp) for f in range(mesh.fsdp) for t in range(mesh.tp)]
 
 
 def _group_members(mesh: Mesh) -> list[tuple[str, int, list[list[int]]]]:

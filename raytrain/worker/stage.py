@@ -59,6 +59,7 @@ from raytrain.worker.groups import Groups, destroy_groups
 from raytrain.worker.stage_eval import HeldOutLoss
 from raytrain.worker.stage_layers import Grads, stage_layers
 from raytrain.worker.stage_state import StageBuffers, StageState
+from raytrain.worker.ties import TiedParameters
 
 HookFactory = Callable[[list[str], int, int, int], PhaseHook]
 """(fault specs, replica, stage, shard) -> the hook of the worker at that slot."""
@@ -90,8 +91,10 @@ class Stage:
         self.optimizer = make_optimizer(self.params, cfg.train)
         held = self.layers
         buffers = StageBuffers(held.buffer_names, held.buffers, writes=held.part in (None, 0))
-        self.state = StageState(held.names, self.params, self.optimizer, self.device, cfg.train.fused_optimizer,
-                                held.rows, held.slices, held.written, buffers)
+        self.ties = TiedParameters(spec.ties, spec.stage_layers, stage, held.names)  # shared with other stages
+        written = [w and t for w, t in zip(held.written or [True] * len(held.names), self.ties.written(len(held.names)))]
+        self.state = StageState(self.ties.global_names(held.names), self.params, self.optimizer, self.device,
+                                cfg.train.fused_optimizer, held.rows, held.slices, written, buffers)
         self.dataset: Optional[data.Dataset] = None  # opened on the first join (first and last stages)
         inputs = source.sample.inputs  # what the first stage's layers take
         self.sample_inputs = TensorShape(inputs.shape, getattr(torch, inputs.dtype))
@@ -122,7 +125,8 @@ class Stage:
             self.hook("join", self.committed)
         self.gen = form_generation(self.cfg, rank, mesh, shares, store, generation,
                                    lambda chunk, example: self.executor.output_of(chunk, example), self.device,
-                                   self.sample_inputs, on_groups=lambda groups: self._on_groups(groups, mesh, rank))
+                                   self.sample_inputs, on_groups=lambda groups: self._on_groups(groups, mesh, rank),
+                                   tie_workers=self.ties.worker_sets)
         if self.dataset is None and (self.gen.is_first or self.gen.is_last):  # it reads inputs or targets
             self.dataset = data.open_dataset(self.source.train, self.cfg)  # files open as steps reach them
         return JoinReport(rank=rank, committed=self.committed, pid=os.getpid(), node=os.uname().nodename,
@@ -243,9 +247,10 @@ class Stage:
         self.hook("allreduce", step)  # peers are all-reducing now
         self.grads.finish()
         self.state.buffers.average((gen.groups.dp_group, gen.groups.fsdp_group))  # the replicas' statistics agree
+        self.ties.reduce(self.params, gen.groups)  # a parameter tied across stages: its copies' gradients summed
         t_reduced = time.perf_counter()
         grad_norm = clip_global_norm(self.grads, cfg.train.grad_clip, (gen.groups.fsdp_group, gen.groups.pp_group),
-                                     tp_group=gen.groups.tp_group)
+                                     gen.groups.tp_group, self.ties.counted_elsewhere(self.params))
         t_end = time.perf_counter()
         report.busy_s, report.wall_s, report.pipeline_s = buf.busy_s, t_end - t_start, t_sync - t_start
         report.peak_live, report.grad_norm, report.samples = buf.peak_live, grad_norm, len(ids)
