@@ -5,19 +5,28 @@ import torch
 from torch import nn
 
 
+def _in_a_worker() -> bool:
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
 class RaisesInForward(nn.Module):
+    """Raises in a worker actor's forward (the driver's check of the model on the first samples passes), as
+    a user's bug that only some batch or device shows would."""
+
     def forward(self, x):
-        raise ValueError("boom in forward: a user model's own error")
+        if _in_a_worker():
+            raise ValueError("boom in forward: a user model's own error")
+        return x
 
 
 def forward_raises(cfg):
-    """A model whose forward raises a ValueError, as a user's bug would."""
-    return [nn.Embedding(cfg.vocab_size, 8), RaisesInForward()]
+    """A model whose forward raises a ValueError in the workers, as a user's bug would."""
+    return [nn.Embedding(cfg.vocab_size, 8), RaisesInForward(), nn.Linear(8, cfg.vocab_size)]
 
 
 def raises_in_workers(cfg):
     """Builds on the driver, raises in a worker actor's constructor."""
-    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+    if _in_a_worker():
         raise ValueError("boom while building the model in a worker")
     return [nn.Embedding(cfg.vocab_size, 8), nn.Linear(8, cfg.vocab_size)]
 

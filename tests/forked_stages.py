@@ -64,7 +64,7 @@ def _run_worker(spec: WorkerSpec, rank: int, mesh: Mesh, store, out_dir: str, re
             if not report.ok:
                 raise RuntimeError(f"rank {rank} failed the evaluation after step {step + 1}: {report.error}")
             if report.loss_sum is not None:  # a last stage: its sum over its replica's (shard's) rows
-                held_out.append([step + 1, report.loss_sum, report.rows])
+                held_out.append([step + 1, report.loss_sum, report.rows, report.metric_sums, report.metric_counts])
     if evaluate_after:
         with open(os.path.join(out_dir, f"held-out-{rank}.json"), "w") as f:
             json.dump(held_out, f)
@@ -129,7 +129,21 @@ def held_out_losses(out_dir: str) -> dict[int, tuple[float, int]]:
     for name in sorted(os.listdir(out_dir)):
         if name.startswith("held-out-"):
             with open(os.path.join(out_dir, name)) as f:
-                for step, loss_sum, rows in json.load(f):
+                for step, loss_sum, rows, *_ in json.load(f):
                     total = sums.setdefault(step, [0.0, 0])
                     total[0], total[1] = total[0] + loss_sum, total[1] + rows
     return {step: (loss_sum / rows, rows) for step, (loss_sum, rows) in sorted(sums.items())}
+
+
+def held_out_metrics(out_dir: str) -> dict[int, dict[str, float]]:
+    """After ``run_stages(..., evaluate_after=...)``: step -> eval.metrics, each summed over the last stages'
+    reports and divided by their counts, as the coordinator does (raytrain.control.evaluation)."""
+    sums: dict[int, dict[str, list]] = {}
+    for name in sorted(os.listdir(out_dir)):
+        if name.startswith("held-out-"):
+            with open(os.path.join(out_dir, name)) as f:
+                for step, _, _, metric_sums, counts in json.load(f):
+                    for metric, value in metric_sums.items():
+                        total = sums.setdefault(step, {}).setdefault(metric, [0.0, 0])
+                        total[0], total[1] = total[0] + value, total[1] + counts[metric]
+    return {step: {m: value / count for m, (value, count) in by.items()} for step, by in sorted(sums.items())}

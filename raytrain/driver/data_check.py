@@ -100,6 +100,19 @@ def check_row_files(cfg: Config, paths: list[str], key: str) -> tuple[Files, Opt
     return Files(tuple(paths), tuple(counts)), None if low is None else (low, high)
 
 
+def check_metrics(cfg: Config, sample: SampleSpec) -> None:
+    """eval.metrics that the targets can give: accuracy and top5 count class ids (integer targets), mse and
+    mae compare float targets."""
+    floating = not sample.targets.is_integer
+    for metric in cfg.eval.metrics:
+        if metric in ("accuracy", "top5") and floating:
+            raise ValueError(f"eval.metrics={cfg.eval.metrics}: accuracy and top5 count class ids, and the targets are "
+                             f"{sample.targets.describe()}; use mse or mae")
+        if metric in ("mse", "mae") and not floating:
+            raise ValueError(f"eval.metrics={cfg.eval.metrics}: mse and mae compare float targets, and the targets are "
+                             f"{sample.targets.describe()} (class ids); use accuracy or top5")
+
+
 def _same_shape(train: SampleSpec, held: SampleSpec, where: str) -> None:
     if train != held:
         raise ValueError(f"{where}: the held-out samples are {held.inputs.describe()} -> {held.targets.describe()}, "

@@ -21,7 +21,7 @@ from raytrain.config.layout import Layout
 from raytrain.config.prepared import ModelFacts, PreparedRun
 from raytrain.data import shards
 from raytrain.driver.connect import run_root
-from raytrain.driver.data_check import check_data, split_held_out
+from raytrain.driver.data_check import check_data, check_metrics, split_held_out
 from raytrain.driver.loggers import check_loggers
 from raytrain.driver.model_check import (build_model_once, check_model_takes_samples, check_ties, model_facts,
                                          needs_build, plan_layout)
@@ -46,6 +46,7 @@ def prepare(cfg: Config, choose_layout: Optional[ChooseLayout] = None, dataset: 
         cfg = resolve_cut(with_hf_architecture(cfg))
     checked = check_data(cfg, dataset, eval_dataset)
     num_samples, held_out = split_held_out(cfg, checked.source)
+    check_metrics(cfg, checked.source.sample)
     spec = build_model_once(cfg) if needs_build(cfg) else None  # the one build of the model on the driver
     layers = None if spec is None else spec.layers
     facts = model_facts(cfg, layers)
@@ -145,7 +146,8 @@ def remove_if_empty(run_dir: str) -> None:
 
 def check_inputs(cfg: Config) -> None:
     """What the config names on this machine: data.path's entries name files, data.cache_dir takes files,
-    model.factory imports and has its function (what it returns is checked when plan_layout builds it)."""
+    model.factory, data.factory and data.transform import and name functions (what they return is checked
+    when prepare calls them)."""
     if cfg.data.path is not None:
         shards.resolve(cfg.data.path, "data.path")  # every entry names a file: listings only, nothing read
     if cfg.model.hf is not None and not os.path.isdir(os.path.expanduser(cfg.model.hf)):
@@ -155,15 +157,22 @@ def check_inputs(cfg: Config) -> None:
         shards.resolve(cfg.data.eval_path, "data.eval_path")
     data.check_cache_dir(cfg.data.cache_dir)
     check_loggers(cfg.run.loggers)
-    if cfg.model.factory is None:
+    for key in ("model.factory", "data.factory", "data.transform"):
+        section, field = key.split(".")
+        _check_function(key, getattr(getattr(cfg, section), field))
+
+
+def _check_function(key: str, spec: Optional[str]) -> None:
+    """``spec`` (``pkg.module:fn``, the value of ``key``) imports and names a function, when set."""
+    if spec is None:
         return
-    module_name, _, fn_name = cfg.model.factory.partition(":")
+    module_name, _, fn_name = spec.partition(":")
     try:
         module = import_user_module(module_name)
     except ImportError as e:
-        raise ValueError(f"model.factory={cfg.model.factory!r}: cannot import module {module_name!r} ({e})") from e
+        raise ValueError(f"{key}={spec!r}: cannot import module {module_name!r} ({e})") from e
     if not callable(getattr(module, fn_name, None)):
-        raise ValueError(f"model.factory={cfg.model.factory!r}: module {module_name!r} has no function {fn_name!r}")
+        raise ValueError(f"{key}={spec!r}: module {module_name!r} has no function {fn_name!r}")
 
 
 def _new_run_name(root: str, layout: Layout) -> str:

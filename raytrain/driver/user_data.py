@@ -18,6 +18,7 @@ from raytrain.config import Config
 from raytrain.data.rows import MapDataset, block_part, column_sampler
 from raytrain.data.samples import Blocks, Objects, SampleSpec, TensorSpec
 from raytrain.data.datasets import load_transform
+from raytrain.driver.connect import ensure_ray
 
 EXAMPLE_ROWS = 2
 """Samples a check decodes to learn a sample's shape (and that the model takes it)."""
@@ -30,9 +31,6 @@ def is_ray_dataset(value: Any) -> bool:
 def user_samples(dataset: Any, key: str, cfg: Config):
     """``dataset`` (named by ``key`` in the messages) as (samples, their spec, an example batch): a ValueError
     naming ``key`` and the fix when it cannot be read."""
-    from raytrain.driver.connect import ensure_ray
-
-    ensure_ray()
     if is_ray_dataset(dataset):
         return ray_blocks(dataset, key, cfg)
     if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
@@ -58,6 +56,7 @@ def torch_objects(dataset: Any, key: str):
         raise ValueError(f"{key} ({type(dataset).__name__}) cannot be pickled for the workers: {type(e).__name__}: "
                          f"{e}; keep open files, locks and connections out of it (open them in __getitem__)") from e
     example = _example(lambda ids: MapDataset(dataset).batch(ids), count, key)
+    ensure_ray()  # checked: only now does anything start
     return Objects(ray.put(payload), count), spec_of(example), example
 
 
@@ -66,6 +65,7 @@ def ray_blocks(dataset: Any, key: str, cfg: Config):
     decoded through data.inputs / data.targets (and data.transform)."""
     import ray
 
+    ensure_ray()
     d = cfg.data
     names = dataset.schema().names if dataset.schema() is not None else []
     if d.inputs is None:

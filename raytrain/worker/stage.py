@@ -147,7 +147,7 @@ class Stage:
         a collective with this worker fail at once rather than at the timeout. The layers keep the values
         and the prepared gradients (a vote that failed may still be rolled forward).
         """
-        self.gen = self.executor = None
+        self.gen = self.executor = self.grads = None  # a sharded or tp stage's gradient reducer holds the groups
         self.layers.release()
         destroy_groups()
         if self.joins:
