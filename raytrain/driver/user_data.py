@@ -67,22 +67,21 @@ def ray_blocks(dataset: Any, key: str, cfg: Config):
 
     ensure_ray()
     d = cfg.data
-    names = dataset.schema().names if dataset.schema() is not None else []
     if d.inputs is None:
-        raise ValueError(f"{key} is a Ray Dataset of columns {names}: set data.inputs and data.targets to the columns "
-                         "holding each sample's inputs and target")
+        raise ValueError(f"{key} is a Ray Dataset: set data.inputs and data.targets to the columns holding each "
+                         "sample's inputs and target")
+    dataset.context.execution_options.preserve_order = True  # the same order in every run that resumes it
+    refs = dataset.to_numpy_refs()
+    count_rows = ray.remote(num_cpus=0)(_block_rows)  # where each block lives: nothing travels but its count
+    kept = [(ref, n) for ref, n in zip(refs, ray.get([count_rows.remote(ref) for ref in refs])) if n > 0]
+    if not kept:
+        raise ValueError(f"{key} (a Ray Dataset) is empty: it holds no rows")
+    names = _block_columns(ray.get(kept[0][0]))
     wanted = [d.inputs] if isinstance(d.inputs, str) else list(d.inputs)
     missing = [c for c in wanted + [d.targets] if c not in names]
     if missing:
         which = "data.targets" if missing[0] == d.targets else "data.inputs"
         raise ValueError(f"{which} names column {missing[0]!r}, which {key} (a Ray Dataset) lacks; its columns: {names}")
-    dataset.context.execution_options.preserve_order = True  # the same order in every run that resumes it
-    refs = dataset.to_numpy_refs()
-    count_rows = ray.remote(num_cpus=0)(_block_rows)  # where each block lives: nothing travels but its count
-    counts = ray.get([count_rows.remote(ref) for ref in refs])
-    kept = [(ref, n) for ref, n in zip(refs, counts) if n > 0]
-    if not kept:
-        raise ValueError(f"{key} (a Ray Dataset) is empty: it holds no rows")
     blocks = Blocks(tuple(ref for ref, _ in kept), tuple(n for _, n in kept))
     sample = column_sampler(d.inputs, d.targets, load_transform(d.transform))
     read = block_part(blocks.refs, list(dict.fromkeys(wanted + [d.targets])))
@@ -90,6 +89,10 @@ def ray_blocks(dataset: Any, key: str, cfg: Config):
     example = _example(lambda ids: sample({k: v[ids] for k, v in first.items()}, _seeds(len(ids)), True),
                        blocks.samples[0], key)
     return blocks, spec_of(example), example
+
+
+def _block_columns(block) -> list[str]:
+    return list(block) if isinstance(block, dict) else ["(one unnamed column)"]
 
 
 def _block_rows(block) -> int:
