@@ -70,7 +70,8 @@ def check_objects(cfg: Config, dataset: Any, eval_dataset: Any) -> CheckedData:
 def check_rows(cfg: Config) -> CheckedData:
     """Parquet rows of data.inputs and data.targets columns (data.path's files, or the built-in digits),
     each file checked; a sample's shape from the first rows, through data.transform when set."""
-    train, target_range = check_row_files(cfg, data.data_files(cfg), "data.path" if cfg.data.path else "data.builtin")
+    key = "data.path" if cfg.data.path else f"data.builtin={cfg.data.builtin}, file"
+    train, target_range = check_row_files(cfg, data.data_files(cfg), key)
     d = cfg.data
     sample = column_sampler(d.inputs, d.targets, data.load_transform(d.transform))
     names = column_names(d.inputs, d.targets)
