@@ -32,7 +32,7 @@ def run_sweep(sweep: SweepConfig, resume: Optional[str] = None):
     tuner = restore(resume, where, _trainable()) if where is not None else _new_tuner(sweep)
     take_verdict()  # a verdict left by an earlier sweep in this process is not this one's
     with warnings.catch_warnings():
-        # Tune's advice to reuse processes under PBT, which reuse_actors above explains not taking
+        # Tune's advice to reuse processes under PBT, which _new_tuner's reuse_actors explains not taking
         warnings.filterwarnings("ignore", message="Consider boosting PBT performance", category=UserWarning)
         grid = tuner.fit()
     stalled = take_verdict()
@@ -42,6 +42,7 @@ def run_sweep(sweep: SweepConfig, resume: Optional[str] = None):
 
 
 def _new_tuner(sweep: SweepConfig) -> tune.Tuner:
+    """A tuner for a new sweep: its space, scheduler and stall watch; named by ``sweep.name`` or the time."""
     watch = StallWatch(sweep.resources_wait_s)
     return tune.Tuner(
         _trainable(),
