@@ -21,10 +21,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from raytrain import checkpoint
+from raytrain.config.faults import Fault
 from raytrain.control.membership import Member
 from raytrain.control.protocol import Outcome, StepFailed, WorkerGroup, WorkersLost, lost_members
 from raytrain.reports import BackgroundSave, DrainNotice, EvalReport, JoinReport, ShardReport, StepReport
-from raytrain.testing.faults import Fault
 
 # Logical CPU slots for the session's Ray: dp=4 and dp=2 x pp=2 need 4 workers of 1 slot each.
 # Each worker runs one torch thread, so 4 slots on 2 cores oversubscribe time, never correctness.

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from raytrain import checkpoint
+from raytrain.checkpoint import storage
 from raytrain.testing.peak import PeakAnon
 from raytrain.worker.stage_state import StageState
 
@@ -40,8 +41,8 @@ def use_memory_filesystem() -> None:
     import pyarrow.fs as pafs
 
     store = pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))
-    local = checkpoint.filesystem
-    checkpoint.filesystem = lambda uri: (store, uri[len("memory://"):]) if uri.startswith("memory://") else local(uri)
+    local = storage.filesystem
+    storage.filesystem = lambda uri: (store, uri[len("memory://"):]) if uri.startswith("memory://") else local(uri)
 
 
 def warm_up(out: str) -> None:

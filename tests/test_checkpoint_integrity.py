@@ -17,6 +17,7 @@ import torch
 
 from raytrain import checkpoint, train
 from raytrain.api import prepare
+from raytrain.checkpoint import verification
 
 
 class _RunsCode:
@@ -108,7 +109,7 @@ def test_the_stream_path_for_uris_verifies_too(tmp_path, monkeypatch):
     """Object-store URIs are not memory-mapped: they are hashed as a stream and loaded from a random-access
     file; forced here on a local directory."""
     d = _publish(str(tmp_path / "step_00000001"))
-    monkeypatch.setattr(checkpoint, "_local_path", lambda fs, path: None)
+    monkeypatch.setattr(verification, "_local_path", lambda fs, path: None)
     assert torch.equal(checkpoint.load_state_dict(d)["0.w"], _state()["model"]["0.w"])
     checkpoint.verify(d)
     _flip(os.path.join(d, "stage-0.pt"))

@@ -21,8 +21,8 @@ from raytrain.control.steps import eval_due, may_send_ahead
 from raytrain.driver.rendezvous import RendezvousStore
 from raytrain.pipeline import checker, schedule
 from raytrain.pipeline.actions import FORWARD, RECV_F, SEND_F, Action, Placement
-from raytrain.testing.faults import PhaseHook
 from raytrain.testing.reference import reference_eval_loss, train_reference
+from raytrain.worker.phases import PhaseHook
 from raytrain.worker.stage import Stage
 from tests.forked_stages import held_out_losses, run_stages
 from tests.helpers import (FakeWorkerGroup, fake_prepared, assert_replicas_identical, assert_same_params, chain, fake_config,

@@ -5,6 +5,7 @@ small functions and classes, modules that form a DAG, no private names imported 
 Floors, top to bottom: the entry points (``raytrain/*.py``: api, cli, ...), ``tune`` (sweeps, auto
 layout), ``driver`` (the user's process), ``control`` (the coordinator actor), ``worker`` (the worker
 actors), and the pure packages under them all, which no process package may be imported by from below.
+No production package imports the test library (``raytrain.testing``).
 """
 
 import ast
@@ -95,6 +96,14 @@ def test_imports_point_down_the_floors_and_pure_packages_import_no_process_packa
             if _floor(theirs) > _floor(mine) or (mine in PURE and theirs not in PURE):
                 up.append(f"{name} ({mine}) imports {target} ({theirs})")
     assert not up, up
+
+
+def test_no_production_package_imports_the_test_library():
+    """``raytrain.testing`` (the one-process reference, peak memory) serves tests and benchmarks: nothing a
+    run executes depends on it (the fault spec is ``raytrain.config.faults``, the hook ``raytrain.worker.phases``)."""
+    users = [f"{name} imports {target}" for name, tree in _modules().items() if _package(name) != "testing"
+             for target, _ in _imports(tree) if _package(target) == "testing"]
+    assert not users, users
 
 
 def test_the_control_plane_imports_no_torch_at_module_level():

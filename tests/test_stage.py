@@ -10,11 +10,12 @@ from raytrain.api import prepare
 from raytrain.config.mesh import Mesh
 from raytrain.data import even_shares
 from raytrain.driver.rendezvous import RendezvousStore
-from raytrain.testing import faults
-from raytrain.testing.faults import PhaseHook, phase_hook
 from raytrain.config.prepared import Slot, WorkerSpec
 from raytrain.data.samples import DataSource, SampleSpec
 from raytrain.data.shards import one_file
+from raytrain.reports.ack import ReplyAck
+from raytrain.worker import phases
+from raytrain.worker.phases import PhaseHook, phase_hook
 from raytrain.worker.stage import Stage
 
 
@@ -88,7 +89,7 @@ def test_the_stage_calls_its_hook_at_every_phase_point(make_config, tmp_path, ke
                               ("optimizer", 0, None), ("checkpoint", 1, shard)]
 
 
-# --- the fault library's hook -----------------------------------------------------------------------
+# --- the phase hook ---------------------------------------------------------------------------------
 
 
 class Killed(Exception):
@@ -100,7 +101,7 @@ def no_kill(monkeypatch):
     def kill_self():
         raise Killed
 
-    monkeypatch.setattr(faults, "kill_self", kill_self)
+    monkeypatch.setattr(phases, "kill_self", kill_self)
 
 
 def test_phase_hook_fires_only_for_its_slot_step_and_phase(no_kill):
@@ -131,7 +132,7 @@ def test_step_fault_waits_until_the_caller_has_read_the_previous_reply(no_kill):
 
 
 def test_an_unread_reply_is_not_acknowledged():
-    ack = faults.ReplyAck()
+    ack = ReplyAck()
     ack.attach({"step": 2})
     assert ack.wait(0.05) is False
 
@@ -139,7 +140,7 @@ def test_an_unread_reply_is_not_acknowledged():
 def test_ray_serialisation_runs_the_acknowledgement(ray_session):
     # Ray packs results with msgpack (strict types) and pickles what msgpack does not take: a dict
     # subclass must reach pickle, or the caller would never acknowledge.
-    ack = faults.ReplyAck()
+    ack = ReplyAck()
     ref = ray_session.put(ack.attach({"step": 0}))
     assert ray_session.get(ref) == {"step": 0}
     assert ack.wait(5.0)

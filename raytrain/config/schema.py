@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from raytrain.config.errors import require
+from raytrain.config.faults import Fault
 from raytrain.config.layout import Layout
 from raytrain.pipeline.schedule import SCHEDULES, V_SCHEDULES
 
@@ -425,11 +426,9 @@ class ElasticConfig:
     """Times the driver restarts a lost coordinator (it resumes from the last committed checkpoint)."""
     faults: list = field(default_factory=list)
     """A test knob, for chaos runs and tests: kill workers at 'replica:stage@step:phase' (see
-    raytrain.testing.faults). Leave it empty in production runs."""
+    raytrain.config.faults). Leave it empty in production runs."""
 
     def __post_init__(self):
-        from raytrain.testing.faults import Fault
-
         for text in self.faults:
             Fault.parse(str(text))
         for name in ("detect_timeout_s", "capacity_wait_s", "grow_poll_s", "drain_grace_s"):

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 from raytrain import checkpoint
 from raytrain.config import Config
+from raytrain.config.faults import FaultPlan
 from raytrain.config.mesh import place_of
 from raytrain.control import steps
 from raytrain.control.crew import Crew
@@ -26,7 +27,6 @@ from raytrain.control.policy import NO_DECISION, Action, Decision, ElasticPolicy
 from raytrain.control.protocol import WorkersLost
 from raytrain.control.runstate import (Checkpointing, Draining, Evaluating, Growing, Interrupted, Repairing,
                                        Running, State)
-from raytrain.testing.faults import FaultPlan
 
 CAPACITY_POLL_S = 1.0
 """How often a run below elastic.min_dp checks whether replacements have started."""

@@ -25,9 +25,9 @@ from raytrain.worker import activations
 from raytrain.worker.activations import Activation
 from raytrain.worker.metrics import HeldOutMetrics
 from raytrain.pipeline.actions import COMPUTE, Action, ActionKind
-from raytrain.testing.faults import PhaseHook
 from raytrain.worker.generation import Generation
 from raytrain.worker.gradsync import GradientBuckets
+from raytrain.worker.phases import PhaseHook
 
 
 Key = tuple[int, int]  # (chunk, micro-batch)

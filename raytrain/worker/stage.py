@@ -21,8 +21,8 @@ Tensors only move through torch.distributed: activations and their gradients poi
 between neighbouring stages, gradients all-reduced in the stage's dp group (reduce-scattered in
 its fsdp group first when sharded), state broadcast from a live peer to new members.
 
-At each phase point (raytrain.testing.faults.PHASES) the stage calls its ``hook``, which does nothing
-unless the fault library armed it for this worker.
+At each phase point (raytrain.config.faults.PHASES) the stage calls its ``hook`` (raytrain.worker.phases),
+which does nothing unless ``elastic.faults`` armed it for this worker.
 """
 
 from __future__ import annotations
@@ -49,13 +49,13 @@ from raytrain.models.user_code import register_api_model
 from raytrain.reports import BackgroundSave, EvalReport, JoinReport, ShardReport, StepReport
 from raytrain.reports.oom import reraise_out_of_memory
 from raytrain.optim.optimizer import apply_step, make_optimizer
-from raytrain.testing.faults import PhaseHook, phase_hook
 from raytrain.worker.saving import ShardSaves
 from raytrain.worker.activations import TensorShape
 from raytrain.worker.executor import PlanExecutor
 from raytrain.worker.generation import Generation, form_generation
 from raytrain.worker.gradsync import clip_global_norm
 from raytrain.worker.groups import Groups, destroy_groups
+from raytrain.worker.phases import PhaseHook, phase_hook
 from raytrain.worker.stage_eval import HeldOutLoss
 from raytrain.worker.stage_layers import Grads, stage_layers
 from raytrain.worker.stage_state import StageBuffers, StageState

@@ -17,10 +17,10 @@ import torch
 
 from raytrain import data
 from raytrain.config import Config
-from raytrain.testing.faults import PhaseHook
 from raytrain.worker.executor import PlanExecutor
 from raytrain.worker.generation import Generation, for_evaluation
 from raytrain.worker.metrics import HeldOutMetrics
+from raytrain.worker.phases import PhaseHook
 
 
 class HeldOutLoss:
