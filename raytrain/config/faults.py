@@ -14,6 +14,8 @@ once ``step`` steps are committed, eval.every), ``join`` (while re-forming group
 a failure during repair; ``step`` is the step the run resumes at). ``pause`` does not kill: the
 worker stops itself (SIGSTOP) at the start of the step, as a hung machine would, until something
 sends it SIGCONT; tests use it to hold a run at a known step while they act from outside.
+``freeze_data`` and ``freeze_allreduce`` stop it the same way while it reads the step's samples, or as
+its peers all-reduce (it never joins them): a worker hung in a data read, or in a collective.
 ``oom`` does not kill either: at the start of the step the worker's next allocation really fails
 (its address space is capped just above what it maps, RLIMIT_AS, for one torch allocation; nothing is
 touched), as a worker out of memory fails; the coordinator must take it out of the run.
@@ -30,8 +32,10 @@ from dataclasses import dataclass
 
 from raytrain.config.errors import config_error
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "eval", "join", "pause", "oom", "sigterm")
-STEP_PHASES = ("pause", "forward", "backward", "allreduce", "optimizer")
+FREEZES = {"pause": "forward", "freeze_data": "data", "freeze_allreduce": "allreduce"}
+"""A fault that stops the worker (SIGSTOP) -> the phase point where it stops."""
+PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "eval", "join", "oom", "sigterm", *FREEZES)
+STEP_PHASES = ("pause", "freeze_data", "forward", "backward", "allreduce", "freeze_allreduce", "optimizer")
 """The phases inside ``run_step``: a step the coordinator may have sent ahead of the previous reply."""
 
 

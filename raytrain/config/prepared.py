@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from raytrain.data.samples import DataSource
 
 
+HEARTBEAT_S = 1.0
+"""How often a worker proves it is alive to its coordinator (``WorkerSpec.heartbeat_to``)."""
+
+
 @dataclass(frozen=True)
 class Tie:
     """A parameter that several layers share (an input embedding tied to the output head)."""
@@ -82,6 +86,9 @@ class WorkerSpec:
     model.hf or the built-in GPT."""
     corpus: Optional[list] = None
     """[ObjectRef of the built-in corpus's bytes], for a worker whose machine lacks the driver's copy."""
+    heartbeat_to: Any = None
+    """The coordinator's actor handle: a worker calls its ``beat`` every second (raytrain.control.liveness);
+    None outside a Ray run (forked test harnesses)."""
 
     def chunks(self, slot: Slot) -> list[list[int]]:
         """The global layer ids of each model chunk the worker at ``slot`` holds."""
@@ -124,11 +131,12 @@ class PreparedRun:
         """The built-in corpus the driver built in its own cache (data.path unset), else None."""
         return self.source.train.paths[0] if self.cfg.data.path is None and _is_files(self.source.train) else None
 
-    def worker_spec(self, corpus: Optional[list] = None) -> WorkerSpec:
-        """What every worker of this run is started with; ``corpus``: [ObjectRef of the built-in corpus's bytes]."""
+    def worker_spec(self, corpus: Optional[list] = None, heartbeat_to: Any = None) -> WorkerSpec:
+        """What every worker of this run is started with; ``corpus``: [ObjectRef of the built-in corpus's bytes];
+        ``heartbeat_to``: the coordinator's handle."""
         return WorkerSpec(cfg=self.cfg, source=self.source, num_samples=self.num_samples,
                           stage_layers=self.stage_layers, ties=self.model.ties_across(self.stage_layers),
-                          model_code=self.model_code, corpus=corpus)
+                          model_code=self.model_code, corpus=corpus, heartbeat_to=heartbeat_to)
 
 
 def _is_files(samples: Any) -> bool:

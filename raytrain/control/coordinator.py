@@ -40,6 +40,7 @@ from raytrain.control.crew import Crew, Reservation
 from raytrain.control.drain import Drains
 from raytrain.control.evaluation import evaluating
 from raytrain.control.ledger import Ledger
+from raytrain.control.liveness import Heartbeats
 from raytrain.control.membership import Member
 from raytrain.control.policy import Action, Decision, ElasticPolicy
 from raytrain.control.protocol import StepFailed, WorkerGroup, WorkersLost
@@ -48,7 +49,7 @@ from raytrain.control.runstate import (Checkpointing, Draining, Evaluating, Fail
                                        Interrupted, Repairing, Running, Starting, State, Stopping)
 from raytrain.control.saving import Checkpoints
 from raytrain.control.steps import DrainBoundary, NonFiniteStep, StepCall, StepLost, may_send_ahead
-from raytrain.control.workergroup import RayWorkerGroup, replacement_prefix
+from raytrain.control.workergroup import Hung, RayWorkerGroup, replacement_prefix
 from raytrain.reports import RunSummary
 from raytrain.reports.oom import FIT_ADVICE
 
@@ -81,14 +82,14 @@ class Coordinator:
 
     def __init__(self, prepared: PreparedRun, reservation: Reservation, worker_cls=None,
                  group: Optional[WorkerGroup] = None):
-        config = prepared.cfg
+        config, e = prepared.cfg, prepared.cfg.elastic
         self.cfg = config
         self.num_samples = prepared.num_samples
         self.resume_from = prepared.resume
         assert group is not None or worker_cls is not None, "the Ray worker group needs the worker class"
+        self.heartbeats = Heartbeats()  # every worker's, through ``beat``
         group = group or RayWorkerGroup(worker_cls, _worker_options(config), _worker_spec(prepared),
-                                        replacement_prefix(config))
-        e = config.elastic
+                                        replacement_prefix(config), Hung(self.heartbeats, e.detect_timeout_s))
         self.policy = ElasticPolicy(min_dp=e.min_dp or config.parallel.dp, target_dp=e.max_dp or config.parallel.dp,
                                     max_failures=e.max_failures, capacity_wait_s=e.capacity_wait_s,
                                     skip_nonfinite=config.train.skip_nonfinite)
@@ -112,6 +113,11 @@ class Coordinator:
     def poll(self) -> list[dict]:
         """Metric rows produced since the last poll."""
         return self.ledger.take_rows()
+
+    @ray.method(enable_task_events=False)  # every worker calls it every second
+    def beat(self, pid: int) -> None:
+        """A worker's proof that it is alive (raytrain.control.liveness), from a thread of its own."""
+        self.heartbeats.beat(pid)
 
     @ray.method(enable_task_events=False)
     def request_stop(self, reason: str) -> None:
@@ -364,4 +370,4 @@ def _worker_spec(prepared: PreparedRun) -> WorkerSpec:
     if prepared.builtin_corpus is not None:
         with open(prepared.builtin_corpus, "rb") as f:
             corpus = [ray.put(f.read())]
-    return prepared.worker_spec(corpus)
+    return prepared.worker_spec(corpus, heartbeat_to=ray.get_runtime_context().current_actor)

@@ -33,6 +33,8 @@ class Member:
     """Its last background save once finished (raytrain.reports.BackgroundSave), as its step reports say."""
     oom: Optional[OutOfMemory] = None
     """Set when the worker was lost to memory (killed for it, or its allocation failed): an ``oom`` event."""
+    hung: Optional[float] = None
+    """Set when the worker was killed for its silence: the seconds since its last heartbeat."""
 
     @property
     def slot(self) -> tuple[int, int, int]:

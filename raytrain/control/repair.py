@@ -68,7 +68,7 @@ class Repairs:
         t0, detected_at = time.perf_counter(), time.time()
         failed_step, lost = ledger.step, list(state.lost)
         mesh = crew.team.mesh()
-        slots = [mesh.label(rank) for rank, m in crew.team.ranked() if m in lost]
+        places = {id(m): place_of(mesh.label(rank)) for rank, m in crew.team.ranked() if m in lost}
         settle = NO_DECISION
         if state.interrupted is Interrupted.STEP:
             settle = self.policy.settle_step(failed_step, [r.committed for r in state.reports])
@@ -82,12 +82,13 @@ class Repairs:
         seconds = time.perf_counter() - t0
         ledger.recovery_s.append(round(seconds, 3))
         ledger.emit({"event": "repair", "during": state.interrupted.value, "step": failed_step,
-                     "detected_at": detected_at, "lost": [place_of(label) for label in slots],
+                     "detected_at": detected_at, "lost": list(places.values()),
                      "rolled_forward": settle.action is Action.ROLL_FORWARD,
                      "retrying_step": failed_step if settle.action is Action.RETRY else None,
                      "new_layout": crew.label(), "generation": crew.generation, "repair_s": round(seconds, 3),
                      "pending_replacements": len(crew.team.pending),
                      "decisions": [d.record() for d in (settle, capacity) if d is not NO_DECISION],
+                     **_hung(lost, places, self.cfg.elastic.detect_timeout_s),
                      "reason": "lost worker(s); survivors kept, groups re-formed, batch re-divided"})
         if ledger.step == failed_step and state.interrupted is Interrupted.CHECKPOINT:
             return Checkpointing()  # save again, into a new directory
@@ -277,3 +278,10 @@ class Repairs:
                           "generation": self.crew.generation, "grow_s": round(time.perf_counter() - t0, 3),
                           **state.decision.record()})
         return Running()
+
+
+def _hung(lost: list[Member], places: dict[int, str], detect_timeout_s: float) -> dict:
+    """The repair event's word on the lost workers killed for their silence (``places``: a lost member's place
+    by its id): each one's place and seconds without a heartbeat, as the cause of the loss."""
+    silent = [{"worker": places.get(id(m), f"stage {m.stage}"), "silent_s": m.hung} for m in lost if m.hung is not None]
+    return {"hung": silent, "cause": f"no heartbeat for over elastic.detect_timeout_s={detect_timeout_s:g} s"} if silent else {}

@@ -11,7 +11,7 @@ import os
 import re
 import signal
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.config.prepared import Slot, WorkerSpec
+from raytrain.control.liveness import Heartbeats
 from raytrain.control.membership import Member
 from raytrain.control.protocol import (SETUP_TIMEOUT_S, Outcome, StepFailed, WorkerGroup, WorkersLost,
                                        lost_members)
@@ -30,11 +31,13 @@ from raytrain.reports.oom import (NodeMemory, OutOfMemory, WorkerOutOfMemory, er
 class RayWorkerGroup(WorkerGroup):
     """Worker actors of one class (raytrain.worker.actor.StageWorker), each on one placement-group bundle."""
 
-    def __init__(self, worker_cls, options: dict, spec: WorkerSpec, placement_prefix: str = "raytrain-replacement "):
+    def __init__(self, worker_cls, options: dict, spec: WorkerSpec, placement_prefix: str = "raytrain-replacement ",
+                 hung: Optional["Hung"] = None):
         """``spec``: what every worker is started with, beside its slot; ``placement_prefix``: what
-        spawn_elsewhere's placement groups' names start with (replacement_prefix)."""
+        spawn_elsewhere's placement groups' names start with (replacement_prefix); ``hung``: which workers
+        stopped beating (raytrain.control.liveness), killed while a call waits for them."""
         self.worker_cls = ray.remote(worker_cls) if not hasattr(worker_cls, "remote") else worker_cls
-        self.options, self.spec = options, spec
+        self.options, self.spec, self.hung = options, spec, hung
         self.placement_prefix = placement_prefix
         self._placement_numbers = itertools.count()  # never reused: Ray refuses a second live group of a name
         self.own_placements: list = []
@@ -97,7 +100,7 @@ class RayWorkerGroup(WorkerGroup):
         """Every member's outcome, waiting up to ``timeout`` in all; with ``settle_s``, only that long
         after the first member reported a failed step (``ok`` false): its collectives failed against
         a peer, and a peer still silent once the others' have timed out is hung, not slow."""
-        ready = _wait_settled(replies, timeout, settle_s)
+        ready = _wait_settled(replies, timeout, settle_s, lambda pending: self._kill_silent(members, replies, pending))
         outcomes = []
         for m, ref in zip(members, replies):
             if ref not in ready:
@@ -185,6 +188,16 @@ class RayWorkerGroup(WorkerGroup):
         for m in members:
             m.handle.leave.remote()
 
+    def _kill_silent(self, members: list[Member], replies: list, pending: list) -> None:
+        """Kill the members whose reply is pending and whose heartbeat stopped (``Hung``), once each: their
+        replies then fail as a dead worker's, and their peers' collectives fail at once."""
+        if self.hung is None:
+            return
+        waiting = [m for m, ref in zip(members, replies) if ref in pending and m.hung is None]
+        for m, silent_s in self.hung.found(waiting):
+            m.hung = round(silent_s, 1)
+            self.kill_hung(m)
+
     def kill(self, member: Member) -> None:
         """End the member's actor (at the end of a run, or when it is lost)."""
         ray.kill(member.handle, no_restart=True)
@@ -210,19 +223,32 @@ POLL_S = 0.5
 """How often a wait with ``settle_s`` looks at the replies that have come."""
 
 
-def _wait_settled(refs: list, timeout: float, settle_s: Optional[float]) -> list:
-    """The refs ready within ``timeout``, or within ``settle_s`` of the first failed reply."""
-    if settle_s is None:
-        return ray.wait(refs, num_returns=len(refs), timeout=timeout)[0]
+class Hung:
+    """Which workers stopped beating for longer than elastic.detect_timeout_s (raytrain.control.liveness)."""
+
+    def __init__(self, heartbeats: Heartbeats, detect_timeout_s: float):
+        self.heartbeats, self.detect_timeout_s = heartbeats, detect_timeout_s
+
+    def found(self, members: list[Member]) -> list[tuple[Member, float]]:
+        """Of ``members``, those silent too long, with their seconds of silence."""
+        silent = [(m, self.heartbeats.silent_s(m.pid)) for m in members]
+        return [(m, s) for m, s in silent if s > self.detect_timeout_s]
+
+
+def _wait_settled(refs: list, timeout: float, settle_s: Optional[float],
+                  on_pending: Callable[[list], None] = lambda pending: None) -> list:
+    """The refs ready within ``timeout``, or (with ``settle_s``) within ``settle_s`` of the first failed reply;
+    ``on_pending(pending refs)`` every POLL_S meanwhile (the silent are killed there)."""
     deadline, failed_at, looked_at = time.monotonic() + timeout, None, set()
     while True:
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=min(POLL_S, timeout))
         now = time.monotonic()
         if not pending or now >= deadline or (failed_at is not None and now - failed_at >= settle_s):
             return ready
+        on_pending(pending)
         new = [ref for ref in ready if ref not in looked_at]
         looked_at.update(new)
-        if failed_at is None and any(_failed(ref) for ref in new):
+        if settle_s is not None and failed_at is None and any(_failed(ref) for ref in new):
             failed_at = now
 
 

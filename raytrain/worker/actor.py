@@ -65,6 +65,10 @@ def leaves_when_out_of_memory(method):
 
 class StageWorker:
     def __init__(self, spec: WorkerSpec, slot: Slot):
+        from raytrain.worker.heartbeat import Heartbeat
+
+        # beating from the start: a worker that hangs while it starts is found as one that hangs in a step
+        self.heartbeat = Heartbeat(spec.heartbeat_to) if spec.heartbeat_to is not None else None
         import_torch_uncollected()
         from raytrain.worker.drain import DrainWatch
         from raytrain.worker.stage import Stage
@@ -131,6 +135,8 @@ class StageWorker:
         return self.stage.state_digest()
 
     def shutdown(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.stage.shutdown()
 
 

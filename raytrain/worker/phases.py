@@ -14,7 +14,7 @@ import os
 import signal
 from typing import Optional
 
-from raytrain.config.faults import STEP_PHASES, Fault
+from raytrain.config.faults import FREEZES, STEP_PHASES, Fault
 from raytrain.reports.ack import ReplyAck
 
 REPLY_READ_TIMEOUT_S = 60.0
@@ -49,9 +49,10 @@ class FaultHook(PhaseHook):
         self._acks: dict[int, ReplyAck] = {}  # step -> the ack of the reply to the step before it
 
     def __call__(self, phase: str, step: int, file: Optional[str] = None) -> None:
-        if phase == "forward" and (step, "pause") in self._due:
-            self._wait_for_reply(step)
-            os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until someone sends SIGCONT
+        for freeze, where in FREEZES.items():
+            if phase == where and (step, freeze) in self._due:
+                self._wait_for_reply(step)
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until someone sends SIGCONT
         if phase == "forward" and (step, "sigterm") in self._due:
             self._due.discard((step, "sigterm"))
             os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice: the worker drains (raytrain.worker.drain)

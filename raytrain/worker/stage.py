@@ -236,6 +236,7 @@ class Stage:
         begin, end = data.step_positions(step, cfg.train.global_batch, gen.batch_offset, gen.batch_offset + gen.share)
         ids = data.sample_ids(cfg.train.seed, self.num_samples, begin, end)
         x = y = None
+        self.hook("data", step)
         if self.dataset is not None:
             seeds = data.sample_seeds(cfg.train.seed, ids, data.position_epochs(self.num_samples, begin, end))
             x, y = (t.to(self.device, non_blocking=True) for t in self.dataset.batch(ids, seeds))

@@ -1,0 +1,33 @@
+"""Liveness apart from progress: every worker proves it is alive once a second (a thread of its own calls
+the coordinator's ``beat``), whatever its step is doing, so a worker that stops beating for
+elastic.detect_timeout_s is hung in any phase (SIGSTOPped, a paused VM, a process stuck in the kernel),
+and is killed and repaired; a slow worker keeps beating and is given resources.step_timeout_s.
+
+The coordinator's threads record the beats (``Heartbeats.beat``); its worker group reads them while it waits
+for replies (raytrain.control.workergroup).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+class Heartbeats:
+    """The last beat of each worker process, by pid (written by the coordinator's beat calls, read by the
+    thread that waits for replies)."""
+
+    def __init__(self):
+        self._last: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def beat(self, pid: int) -> None:
+        with self._lock:
+            self._last[pid] = time.monotonic()
+
+    def silent_s(self, pid: Optional[int]) -> float:
+        """Seconds since the worker's last beat; 0 for one that never beat (it is starting: the calls'
+        own timeouts bound it)."""
+        with self._lock:
+            last = self._last.get(pid) if pid is not None else None
+        return 0.0 if last is None else time.monotonic() - last
