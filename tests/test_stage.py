@@ -85,7 +85,7 @@ def test_the_stage_calls_its_hook_at_every_phase_point(make_config, tmp_path, ke
         rendezvous.close()
     assert armed == [(["0:0@7:forward"], 0, 0, 0)]
     shard = os.path.join(str(tmp_path), "stage-0.pt")
-    assert recorder.calls == [("join", 0, None), ("forward", 0, None), ("backward", 0, None), ("allreduce", 0, None),
+    assert recorder.calls == [("join", 0, None), ("data", 0, None), ("forward", 0, None), ("backward", 0, None), ("allreduce", 0, None),
                               ("optimizer", 0, None), ("checkpoint", 1, shard)]
 
 
