@@ -211,7 +211,9 @@ def _sweep_report(grid, sweep, reason, command: str, out: TextIO) -> int:
         print(json.dumps({**summary, "interrupted": True, "signal": reason, "resume": command, "best": None}),
               file=out, flush=True)
         return exit_code(reason) if reason else 1
-    best = rows[0] if rows else None
+    best = next((r for r in rows if r.status in ("finished", "stopped early")), None)  # rows come best first
+    if best is None:
+        print(f"[raytrain] no trial finished: all {len(rows)} failed (see the table); the best is none", file=sys.stderr)
     print(json.dumps({**summary, "interrupted": False, "best": None if best is None else {
         "layout": best.layout, "params": best.params, "samples_per_s": best.samples_per_s, "loss": best.loss}}),
         file=out, flush=True)

@@ -98,11 +98,19 @@ def _coerce_either(key: str, value: Any, options: list) -> Any:
     raise config_error(key, value, "expects " + " or ".join(names.get(o, str(o)) for o in options))
 
 
+SWEEP_SECTIONS = ("space", "sweep")
+"""Sections a sweep file has beside a train config's (raytrain.tune.sweep_config)."""
+
+
 def flatten_sections(raw: dict, where: str) -> dict[str, Any]:
     """``{"train": {"lr": 0.1}}`` -> ``{"train.lr": 0.1}``; ``where`` names the source in errors."""
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: the config must be a mapping of sections (model:, train:, ...)")
     flat = {}
+    sweep_only = [name for name in SWEEP_SECTIONS if name in raw]
+    if sweep_only:
+        raise ValueError(f"{where} is a sweep (it has a {sweep_only[0]}: section): run it with "
+                         "'python -m raytrain sweep --config ...', or drop space: and sweep: to train once")
     for section, body in raw.items():
         if not isinstance(body, dict):
             raise _unknown_key_error(str(section)) if section not in _section_types() else ValueError(

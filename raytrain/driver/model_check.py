@@ -29,7 +29,13 @@ def build_model_once(cfg: Config):
     from raytrain.models.layers import ModelSpec, build_model, cross_entropy_loss
 
     if cfg.model.factory is not None:
-        return build_model(cfg.model, cfg.train.seed)
+        try:
+            return build_model(cfg.model, cfg.train.seed)
+        except ValueError:
+            raise  # raytrain's own word on what the factory returned
+        except Exception as e:  # noqa: BLE001 -- the user's code: one line naming it, not its traceback
+            raise ValueError(f"model.factory={cfg.model.factory!r} raised {type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:300] if str(e) else '(no message)'}; fix the factory") from e
     layers = model_layers(cfg)
     return ModelSpec(layers, list(range(len(layers))), len(layers), cross_entropy_loss)
 

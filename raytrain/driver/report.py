@@ -52,6 +52,8 @@ class RunReporter:
         for row in rows:
             if "events" in row:
                 self.traces[row["step"]] = row.pop("events")
+            if "event" not in row and self.steps and row["step"] <= self.steps[-1]["step"]:
+                row["redone"] = True  # a restarted coordinator runs again the steps after its checkpoint
             self._metrics.write(json.dumps(row) + "\n")
             if "event" in row:
                 self.events.append(row)
