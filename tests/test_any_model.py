@@ -279,3 +279,31 @@ def test_a_torch_dataset_that_cannot_be_pickled_is_refused_before_ray_starts(mak
     with pytest.raises(ValueError, match=r"dataset \(Locked\) cannot be pickled for the workers: TypeError"):
         prepare(make_config("model.factory=experiments.examples.mlp:classifier", *STEPS), dataset=Locked())
     assert ray.is_initialized() == was_up
+
+
+def test_a_factory_that_raises_is_one_line_naming_it(make_config):
+    with pytest.raises(ValueError, match=r"^model.factory='tests.test_any_model:raises' raised RuntimeError: no GPU "
+                                         r"here; fix the factory$"):
+        prepare(make_config("model.factory=tests.test_any_model:raises", *STEPS))
+
+
+def raises(model):
+    raise RuntimeError("no GPU here\nand a second line nobody needs")
+
+
+def test_a_sweep_whose_every_trial_failed_names_no_best(monkeypatch, capsys):
+    import io
+    import json
+
+    from raytrain import cli
+    from raytrain import tune as rt_tune
+
+    failed = [rt_tune.TrialRow(trial_id=f"t{i}", layout="dp=1 pp=1 m=1", params={}, status="error", steps=3,
+                               loss=float("nan"), samples_per_s=0.0, first_step_s=1.0) for i in range(2)]
+    monkeypatch.setattr(rt_tune, "summarize", lambda grid, sweep: failed)
+    monkeypatch.setattr(rt_tune, "write_reports", lambda grid, rows, where: ("r.csv", "r.png"))
+    monkeypatch.setattr(rt_tune, "expected_trials", lambda sweep: 2)
+    out = io.StringIO()
+    grid = type("Grid", (), {"experiment_path": "exp"})()
+    assert cli._sweep_report(grid, None, None, "resume", out) == 1
+    assert json.loads(out.getvalue())["best"] is None and "no trial finished" in capsys.readouterr().err

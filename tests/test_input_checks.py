@@ -49,6 +49,11 @@ def test_a_bad_set_value_names_the_override(tmp_path):
     assert "YAML" in line
 
 
+def test_a_sweep_file_given_to_train_names_the_sweep_command():
+    _one_line_exit_2(_cli("--config", "experiments/configs/sweep_tiny.yaml"), "sweep_tiny.yaml is a sweep",
+                     "python -m raytrain sweep --config")
+
+
 def test_config_pointing_at_a_directory_is_named(tmp_path):
     _one_line_exit_2(_cli("--config", str(tmp_path)), str(tmp_path), "is a directory", "--config")
 

@@ -55,3 +55,15 @@ def test_the_progress_line_shows_the_latest_held_out_loss_and_its_step(tmp_path,
                      "step 3/3 | loss 2.5000 | eval_loss 2.2500 (step 2) | 100.0 samples/s | dp=1 pp=1 m=1"]
     assert os.path.getsize(tmp_path / "loss.png") > 0
     assert curves == [("training loss", [1, 2, 3], [2.5, 2.5, 2.5]), ("held-out loss (eval_loss)", [2], [2.25])]
+
+
+def test_steps_run_again_after_a_coordinator_restart_are_marked_redone(tmp_path):
+    import json
+
+    reporter = RunReporter(str(tmp_path), total_steps=3, layout=Layout(), stream=io.StringIO())
+    reporter.add([_step(1, dp=1), _step(2, dp=1)])
+    reporter.add([{"event": "coordinator_restarted", "resume_from": "ckpt", "restarts": 1}, _step(2, dp=1), _step(3, dp=1)])
+    reporter.finish()
+    rows = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
+    assert [(r["step"], r.get("redone", False)) for r in rows if "event" not in r] == [
+        (1, False), (2, False), (2, True), (3, False)]
