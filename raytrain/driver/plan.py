@@ -145,16 +145,19 @@ def remove_if_empty(run_dir: str) -> None:
 
 
 def check_inputs(cfg: Config) -> None:
-    """What the config names on this machine: data.path's entries name files, data.cache_dir takes files,
+    """What the config names on this machine: data.path's entries name regular files, data.eval_path's too and
+    none of data.path's (nothing opened: listings and stats), data.cache_dir takes files,
     model.factory, data.factory and data.transform import and name functions (what they return is checked
     when prepare calls them)."""
-    if cfg.data.path is not None:
-        shards.resolve(cfg.data.path, "data.path")  # every entry names a file: listings only, nothing read
+    # every entry names a file: listings only, nothing read
+    train = None if cfg.data.path is None else shards.resolve(cfg.data.path, "data.path")
     if cfg.model.hf is not None and not os.path.isdir(os.path.expanduser(cfg.model.hf)):
         raise ValueError(f"model.hf={cfg.model.hf!r}: no such directory; point it at a local Hugging Face model "
                          "directory (config.json, and *.safetensors for pretrained weights)")
     if cfg.data.eval_path is not None:
-        shards.resolve(cfg.data.eval_path, "data.eval_path")
+        held = shards.resolve(cfg.data.eval_path, "data.eval_path")
+        if train is not None:
+            shards.check_held_out_apart(train, held)
     data.check_cache_dir(cfg.data.cache_dir)
     check_loggers(cfg.run.loggers)
     for key in ("model.factory", "data.factory", "data.transform"):
