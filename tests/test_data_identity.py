@@ -1,7 +1,9 @@
-"""The run's files by identity: held-out files are never training files (by path or link), one file is never
-trained twice an epoch through a link, and only regular files are read. All before any actor starts."""
+"""The run's files by identity: held-out files are never training files (by path, link or content), one file
+is never trained twice an epoch through a link, only regular files are read (all before any actor starts),
+and the decode cache follows a file's content."""
 
 import os
+import shutil
 import threading
 import time
 
@@ -9,8 +11,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
+from raytrain import data
 from raytrain.config import load_config
+from raytrain.data import identity
 from raytrain.driver.plan import prepare
 
 SEQ_LEN = 8
@@ -72,6 +77,15 @@ def test_one_file_reached_by_a_link_is_refused_in_data_path_and_as_held_out(tmp_
     assert f"is data.path's {paths[1]!r} (the same file)" in message
 
 
+def test_a_held_out_copy_of_a_training_file_is_refused(tmp_path):
+    paths = corpus(tmp_path / "corpus")
+    shutil.copy(paths[0], tmp_path / "held.parquet")
+    message = refusal(config(tmp_path, f"data.eval_path={tmp_path / 'held.parquet'}"))
+    assert f"has the content of data.path's {paths[0]!r} (a copy" in message
+    write_windows(tmp_path / "held.parquet", 10, seed=7)  # other rows of the same size: held out as they should be
+    assert prepare(config(tmp_path, f"data.eval_path={tmp_path / 'held.parquet'}")).held_out == 10
+
+
 # --- only regular files --------------------------------------------------------------------------------
 
 
@@ -110,3 +124,36 @@ def test_a_fifo_is_refused_by_name_within_seconds(tmp_path, where):
     assert isinstance(error, ValueError), repr(error)
     assert f"{fifo!r} is a FIFO (named pipe), not a regular file" in str(error)
     assert ("data.eval_path" if where == "data.eval_path" else "data.path") in str(error)
+
+
+# --- the decode cache follows the content -----------------------------------------------------------------
+
+
+def test_a_same_size_rewrite_with_the_old_mtime_gets_a_new_decode_cache(tmp_path):
+    path, cache = write_windows(tmp_path / "w.parquet", 12, seed=1), str(tmp_path / "cache")
+    old = data.TokenDataset(path, "tokens", SEQ_LEN, cache_dir=cache).batch([0, 11])
+    before = os.stat(path)
+    write_windows(path, 12, seed=2)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)  # what the old key saw
+    cached = data.TokenDataset(path, "tokens", SEQ_LEN, cache_dir=cache).batch([0, 11])
+    direct = data.TokenDataset(path, "tokens", SEQ_LEN).batch([0, 11])  # decoded in this process, no cache
+    assert all(torch.equal(c, d) for c, d in zip(cached, direct))
+    assert not torch.equal(cached[0], old[0])
+    assert len([n for n in os.listdir(os.path.join(cache, "decoded")) if n.endswith(".npy")]) == 2
+
+
+def test_a_fingerprint_ignores_the_mtime_and_sees_a_rewrite_of_either_end_of_a_large_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(identity, "EDGE_BYTES", 64)  # a "large" file: its middle is not hashed
+    path = tmp_path / "rows.jsonl"
+    body = bytearray(b"x" * 1000)
+    path.write_bytes(body)
+    first = identity.fingerprint(str(path))
+    os.utime(path, (1, 1))
+    assert identity.fingerprint(str(path)) == first
+    for at, caught in ((10, True), (990, True), (500, False)):  # a change in the middle is what it misses
+        changed = bytearray(body)
+        changed[at] = ord("y")
+        path.write_bytes(changed)
+        assert (identity.fingerprint(str(path)) != first) is caught, at

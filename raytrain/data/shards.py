@@ -32,11 +32,14 @@ import os
 import posixpath
 import stat
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 from urllib.parse import unquote, urlparse
 
 import numpy as np
 import pyarrow.fs as pafs
+
+if TYPE_CHECKING:
+    from raytrain.data.identity import Fingerprint
 
 JSON_LINES_SUFFIXES = (".jsonl", ".json")
 HIDDEN_PREFIXES = (".", "_")
@@ -51,9 +54,13 @@ class Files:
 
     paths: tuple[str, ...]
     samples: tuple[int, ...]
+    fingerprints: tuple[Fingerprint, ...] = ()
+    """Each file's size and content fingerprint (raytrain.data.identity), as prepare found them. Empty where
+    nothing needs them (a tool's count)."""
 
     def __post_init__(self):
         assert len(self.paths) == len(self.samples) > 0, (self.paths, self.samples)
+        assert len(self.fingerprints) in (0, len(self.paths)), (self.paths, self.fingerprints)
 
     @property
     def offsets(self) -> np.ndarray:
@@ -133,7 +140,8 @@ def _one_file_twice(names: Sequence[str]) -> Optional[tuple[str, str]]:
 
 def check_held_out_apart(train: Sequence[str], held: Sequence[str]) -> None:
     """data.eval_path's files (``held``) are none of data.path's (``train``), by name or through a link: a
-    held-out row that is also trained on makes the held-out loss a training loss."""
+    held-out row that is also trained on makes the held-out loss a training loss. (A copy is caught by its
+    content: raytrain.data.identity.check_no_copies.)"""
     trained = {file_key(path): path for path in train}
     same = next(((trained[k], path) for path in held if (k := file_key(path)) in trained), None)
     if same is not None:
@@ -250,19 +258,6 @@ def _rebuild(entry: str, where: str, found: str) -> str:
     base, _, query = entry.partition("?")
     head = base[: len(base) - len(where)] if base.endswith(where) else base.split("://")[0] + "://"
     return head + found + (f"?{query}" if query else "")
-
-
-def identity(path: str) -> tuple[str, int, int]:
-    """(absolute path or URI, size in bytes, modification time in ns): what a cached decoding of the file
-    is keyed by, so that a rewritten file gets a new one."""
-    if not is_uri(path):
-        st = os.stat(path)
-        return os.path.abspath(path), st.st_size, st.st_mtime_ns
-    fs, where = filesystem(path)
-    info = fs.get_file_info(where)
-    if info.type != pafs.FileType.File:
-        raise FileNotFoundError(path)
-    return path, int(info.size), int(info.mtime_ns or 0)
 
 
 def local_path(path: str) -> Optional[str]:
