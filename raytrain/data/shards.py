@@ -55,8 +55,8 @@ class Files:
     paths: tuple[str, ...]
     samples: tuple[int, ...]
     fingerprints: tuple[Fingerprint, ...] = ()
-    """Each file's size and content fingerprint (raytrain.data.identity), as prepare found them. Empty where
-    nothing needs them (a tool's count)."""
+    """Each file's size and content fingerprint (raytrain.data.identity), as prepare found them: what a
+    checkpoint records of the run's data. Empty where nothing will record it (a tool's count)."""
 
     def __post_init__(self):
         assert len(self.paths) == len(self.samples) > 0, (self.paths, self.samples)
