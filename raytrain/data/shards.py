@@ -209,7 +209,8 @@ def _glob(pattern: str, key: str) -> list[str]:
     rest = parts[first:]
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
     prefix = base.rstrip("/") + "/"
-    matched = [i for i in infos if i.type != pafs.FileType.Directory and _matches(rest, i.path[len(prefix):].split("/"))]
+    matched = [i for i in infos
+               if i.type != pafs.FileType.Directory and _matches(rest, i.path[len(prefix):].split("/"))]
     return [_rebuild(pattern, where, m) for m in _regular_files(matched, key)]
 
 
