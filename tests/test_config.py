@@ -244,6 +244,8 @@ BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give 
     ("data.targets=label", "come together"),
     ("data.transform=not-a-module", "package.module:function"),
     ("data.factory=nope", "package.module:function"),
+    ("data.new_epoch_on_change=maybe", "true or false"),
+    ("data.order_origin=[1]", "leave it unset"),
     ("checkpoint.dir=''", "a directory or URI"),
     ("checkpoint.every=-1", ">= 0"),
     ("checkpoint.resume=''", "latest"),

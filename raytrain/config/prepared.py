@@ -115,6 +115,9 @@ class PreparedRun:
     """Held-out samples (data.eval_fraction's, data.eval_path's or eval_dataset's); never trained on."""
     model_code: Optional[bytes] = None
     """The Python API's model builder, pickled (``WorkerSpec.model_code``)."""
+    data_identity: Optional[dict] = None
+    """The training data as each checkpoint's manifest records it (raytrain.data.identity.record: files, sizes,
+    samples, content fingerprints; plain JSON, so the coordinator needs no data code); compared on a resume."""
 
     @property
     def run_dir(self) -> str:

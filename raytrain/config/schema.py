@@ -289,6 +289,15 @@ class DataConfig:
     """``pkg.module:fn`` returning the training data as a map-style ``torch.utils.data.Dataset`` (index ->
     (inputs, target)) or a Ray Dataset (``ray.data.Dataset``, read through data.inputs and data.targets), or
     a pair (train, held_out) of them; called on the driver with this data config. Instead of data.path."""
+    new_epoch_on_change: bool = False
+    """A resume whose training data changed since its checkpoint (a file added, removed, resized or rewritten:
+    each manifest records the files, their samples and content fingerprints): false refuses it, naming the
+    file; true trains on the new data from the resumed step as a new epoch (each of its samples once in it),
+    instead of going on with the checkpoint's epoch, whose sample numbers the change moved."""
+    order_origin: list = field(default_factory=lambda: [0, 0])
+    """Set by raytrain (prepare replaces a value given): [position, epoch], where the sample order restarted as
+    a new epoch (a resume that took changed data: data.new_epoch_on_change); [0, 0] when it never did.
+    Recorded in each manifest's config, so later resumes keep it (raytrain.data.order)."""
 
     def __post_init__(self):
         if self.builtin == "digits" and self.path is None and self.factory is None:
@@ -307,6 +316,10 @@ class DataConfig:
         require(self.eval_path is None or self.eval_fraction == 0, "data.eval_path", self.eval_path,
                 f"held-out rows come from data.eval_fraction={self.eval_fraction:g} or data.eval_path, "
                 "not both: unset one of them")
+        origin = self.order_origin
+        require(isinstance(origin, list) and len(origin) == 2 and all(_is_int(v) and v >= 0 for v in origin),
+                "data.order_origin", origin, "leave it unset: raytrain sets it ([position, epoch] where a resume "
+                "restarted the sample order)")
 
     def _check_samples(self):
         """data.builtin, data.inputs / data.targets, data.transform and data.factory, each with what it needs."""

@@ -102,7 +102,7 @@ class Coordinator:
                                lambda: self.stopping, self.drains, self.request_stop)
         self.state: State = Starting()
         self.in_flight: Optional[StepCall] = None  # the step sent to the workers and not yet collected
-        self.checkpoints = Checkpoints(group, self.ledger, config, prepared.stage_layers)
+        self.checkpoints = Checkpoints(group, self.ledger, config, prepared.stage_layers, prepared.data_identity)
         self.original_pids: list[int] = []
         self._stop_reason: Optional[str] = None
         self.crew.spawn_first(reservation.group, reservation.first_bundle)  # they start while the driver finishes

@@ -22,12 +22,13 @@ from raytrain.reports import ShardReport
 
 
 def save_checkpoint(group: WorkerGroup, savers: list[Member], step: int, cfg: Config, mesh: Mesh,
-                    stage_layers: list[list[list[int]]]) -> str:
+                    stage_layers: list[list[list[int]]], data: Optional[dict] = None) -> str:
     """Have ``savers`` (one member per slot, in slot order) write their shards into a new directory under
-    checkpoint.dir, publish its manifest and prune; returns the directory. WorkersLost if a saver died."""
+    checkpoint.dir, publish its manifest (recording ``data``: the run's training data) and prune; returns the
+    directory. WorkersLost if a saver died."""
     ckpt_dir = checkpoint.new_step_dir(cfg.checkpoint.dir, step, cfg.checkpoint.lineage)
     shards = group.save(savers, ckpt_dir)
-    checkpoint.publish(ckpt_dir, manifest(step, shards, cfg, mesh, stage_layers))
+    checkpoint.publish(ckpt_dir, manifest(step, shards, cfg, mesh, stage_layers, data))
     checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.lineage)
     return ckpt_dir
 
@@ -76,26 +77,28 @@ def finish_background_save(group: WorkerGroup, pending: PendingSave) -> list[Sha
 
 
 def publish_background_save(pending: PendingSave, shards: list[ShardReport], cfg: Config,
-                            stage_layers: list[list[list[int]]]) -> str:
-    """Publish a background save whose files are all durable (the manifest last), then prune."""
-    checkpoint.publish(pending.ckpt_dir, manifest(pending.step, shards, cfg, pending.mesh, stage_layers))
+                            stage_layers: list[list[list[int]]], data: Optional[dict] = None) -> str:
+    """Publish a background save whose files are all durable (the manifest last, recording ``data``), then prune."""
+    checkpoint.publish(pending.ckpt_dir, manifest(pending.step, shards, cfg, pending.mesh, stage_layers, data))
     checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.lineage)
     return pending.ckpt_dir
 
 
 class Checkpoints:
     """The run's saves, synchronous or in the background (at most one in flight), and their publication:
-    each published checkpoint becomes the ledger's ``last_checkpoint`` and a ``checkpoint`` event."""
+    each published checkpoint records ``data`` (the run's training data: raytrain.data.identity.record) and
+    becomes the ledger's ``last_checkpoint`` and a ``checkpoint`` event."""
 
-    def __init__(self, group: WorkerGroup, ledger: Ledger, cfg: Config, stage_layers: list[list[list[int]]]):
-        self.group, self.ledger, self.cfg, self.stage_layers = group, ledger, cfg, stage_layers
+    def __init__(self, group: WorkerGroup, ledger: Ledger, cfg: Config, stage_layers: list[list[list[int]]],
+                 data: Optional[dict] = None):
+        self.group, self.ledger, self.cfg, self.stage_layers, self.data = group, ledger, cfg, stage_layers, data
         self.pending: Optional[PendingSave] = None
 
     def save(self, savers: list[Member], step: int, mesh: Mesh) -> str:
         """Save and publish now (after the background save in flight); the directory. WorkersLost if a saver died."""
         self.wait()
         t0 = time.perf_counter()
-        ckpt_dir = save_checkpoint(self.group, savers, step, self.cfg, mesh, self.stage_layers)
+        ckpt_dir = save_checkpoint(self.group, savers, step, self.cfg, mesh, self.stage_layers, self.data)
         seconds = time.perf_counter() - t0
         self._published(ckpt_dir, step, seconds, stall_s=seconds, background=False)
         return ckpt_dir
@@ -116,7 +119,7 @@ class Checkpoints:
         except WorkersLost as also_lost:
             self.settle(tuple(also_lost.dead))
         saved, event = save_survivors(self.group, team, ledger.step, lost, ledger.last_checkpoint, self.cfg,
-                                      self.stage_layers)
+                                      self.stage_layers, self.data)
         if event is not None:
             ledger.emit(event)
         ledger.last_checkpoint = saved or ledger.last_checkpoint
@@ -128,7 +131,7 @@ class Checkpoints:
         shards = pending.written() if pending is not None else None
         if shards is not None:
             self.pending = None
-            publish_background_save(pending, shards, self.cfg, self.stage_layers)
+            publish_background_save(pending, shards, self.cfg, self.stage_layers, self.data)
             self._published(pending.ckpt_dir, pending.step, time.perf_counter() - pending.started,
                             stall_s=pending.stall_s, background=True)
 
@@ -163,20 +166,23 @@ class Checkpoints:
                           "stall_s": round(stall_s, 3), "async": background})
 
 
-def manifest(step: int, shards: list[ShardReport], cfg: Config, mesh: Mesh, stage_layers: list[list[list[int]]]) -> dict:
+def manifest(step: int, shards: list[ShardReport], cfg: Config, mesh: Mesh, stage_layers: list[list[list[int]]],
+             data: Optional[dict] = None) -> dict:
     """A checkpoint's manifest: its step, the run's lineage (checkpoint.lineage), the layout it was saved
-    from, its shards and the run's config (whose model and data sections say which experiment it is)."""
+    from, its shards, the run's config (whose model and data sections say which experiment it is) and its
+    training data (``data``: files, sizes, samples and content fingerprints, which a resume compares with its
+    own; left out when None)."""
     return {
         "step": step, "lineage": cfg.checkpoint.lineage, "samples_seen": step * cfg.train.global_batch,
         "finite": all(s.finite for s in shards),
         "layout": {"dp": mesh.dp, "fsdp": mesh.fsdp, "tp": mesh.tp, "pp": mesh.pp, "stage_layers": stage_layers},
-        "shards": [s.entry for s in shards], "config": cfg.to_dict(),
+        "shards": [s.entry for s in shards], "config": cfg.to_dict(), **({"data": data} if data is not None else {}),
     }
 
 
 def save_survivors(group: WorkerGroup, team: Membership, step: int, lost: tuple[Member, ...],
-                   last_checkpoint: Optional[str], cfg: Config,
-                   stage_layers: list[list[list[int]]]) -> tuple[Optional[str], Optional[dict]]:
+                   last_checkpoint: Optional[str], cfg: Config, stage_layers: list[list[list[int]]],
+                   data: Optional[dict] = None) -> tuple[Optional[str], Optional[dict]]:
     """Save committed ``step`` from live workers (not in ``lost``) that hold every slot's state at it,
     as a run that gives up does, so that its steps since ``last_checkpoint`` are not lost (saving
     needs no collective). Returns the published directory (None when not saved) and the event to record
@@ -191,7 +197,7 @@ def save_survivors(group: WorkerGroup, team: Membership, step: int, lost: tuple[
     try:
         if holders is None:
             raise WorkersLost([])
-        saved = save_checkpoint(group, holders, step, cfg, team.mesh().with_dp(1), stage_layers)
+        saved = save_checkpoint(group, holders, step, cfg, team.mesh().with_dp(1), stage_layers, data)
     except WorkersLost:
         return None, {"event": "not_saved", "step": step,
                       "reason": "no live worker holds some slot's state at this step (or one was lost saving)"}

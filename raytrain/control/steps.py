@@ -203,5 +203,6 @@ def _unreported_step_row(step: int, cfg: Config, num_samples: int, layout: str, 
     B = cfg.train.global_batch
     row = {"step": step + 1, **fields, "time": time.time(), "layout": layout, "dp": dp}
     if cfg.run.record_samples:
-        row["sample_ids"] = order.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
+        row["sample_ids"] = order.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B,
+                                             cfg.data.order_origin)
     return row

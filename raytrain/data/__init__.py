@@ -5,7 +5,8 @@ coordinator imports, without pyarrow), ``held_out`` (rows kept out of training f
 ``shards`` (data.path resolved to files), ``corpus`` (the built-in corpus and the run's files),
 ``token_checks`` (a token column checked before any actor starts), ``tokens`` (token datasets),
 ``text`` (text tokenised and packed), ``token_cache`` (decoded rows memory-mapped per machine),
-``datasets`` (``open_dataset``: a worker's view of the samples), ``atomic`` (files published whole).
+``datasets`` (``open_dataset``: a worker's view of the samples), ``atomic`` (files published whole),
+``identity`` (files by content: the fingerprint the caches are keyed by, the record a checkpoint keeps).
 
 This package re-exports their public names lazily (``raytrain.data.sample_ids``), so importing one module
 (``raytrain.data.order``) costs only that module.
@@ -17,7 +18,7 @@ import importlib
 
 _EXPORTS = {
     "order": ("epoch_order", "sample_ids", "replica_slices", "even_shares", "step_positions", "microbatch_bounds",
-              "sample_seeds", "position_epochs", "HELD_OUT_EPOCH"),
+              "sample_seeds", "position_epochs", "next_epoch", "HELD_OUT_EPOCH", "NO_RESTART"),
     "held_out": ("held_out_count", "training_rows", "held_out_source", "held_out_ids"),
     "shards": ("Files",),
     "samples": ("DataSource", "SampleSpec", "TensorSpec"),

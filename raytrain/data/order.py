@@ -4,6 +4,11 @@ Invariant (ARCHITECTURE.md: every sample exactly once per epoch): the order of s
 function of (seed, epoch); step s consumes global positions [s*B, (s+1)*B), and each data-parallel
 replica takes a contiguous slice of them. So every sample is seen exactly once per epoch whatever
 the layout, and a resumed run needs only the step number to continue where it stopped.
+
+A resume that accepted changed data (data.new_epoch_on_change) restarts the numbering instead of
+continuing the checkpoint's epoch over other samples: from its ``origin`` = (position, epoch) on, position
+p is offset (p - position) % N of epoch ``epoch + (p - position) // N``. The run never goes back before its
+origin (it resumed after it), and the origin's epoch is one no position before it used.
 """
 
 from __future__ import annotations
@@ -13,22 +18,38 @@ from typing import Sequence
 
 import numpy as np
 
+NO_RESTART = (0, 0)
+"""The origin of a run whose order was never restarted: position 0 is epoch 0's first."""
+
+
 @functools.lru_cache(maxsize=4)
 def epoch_order(seed: int, epoch: int, num_samples: int) -> np.ndarray:
     """The permutation of sample ids for one epoch: a pure function of (seed, epoch)."""
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
-def sample_ids(seed: int, num_samples: int, start: int, stop: int) -> list[int]:
-    """Sample ids at global positions [start, stop); positions run on across epochs."""
+def sample_ids(seed: int, num_samples: int, start: int, stop: int,
+               origin: Sequence[int] = NO_RESTART) -> list[int]:
+    """Sample ids at global positions [start, stop), none before ``origin``'s position; positions run on
+    across epochs, numbered from ``origin`` = (position, epoch)."""
+    first, first_epoch = origin
+    assert start >= first, (start, origin)
     ids = []
     pos = start
     while pos < stop:
-        epoch, offset = divmod(pos, num_samples)
+        epoch, offset = divmod(pos - first, num_samples)
         take = min(stop - pos, num_samples - offset)
-        ids.extend(epoch_order(seed, epoch, num_samples)[offset : offset + take].tolist())
+        ids.extend(epoch_order(seed, first_epoch + epoch, num_samples)[offset : offset + take].tolist())
         pos += take
     return ids
+
+
+def next_epoch(origin: Sequence[int], num_samples: int, position: int) -> int:
+    """The first epoch that no position before ``position`` began, in an order of ``num_samples`` samples
+    numbered from ``origin``: the epoch a restart at ``position`` takes, so that its permutation and its
+    samples' seeds are new."""
+    first, first_epoch = origin
+    return first_epoch + -(-(position - first) // num_samples)
 
 
 def replica_slices(global_batch: int, shares: Sequence[int]) -> list[tuple[int, int]]:
@@ -72,6 +93,7 @@ def sample_seeds(seed: int, ids: Sequence[int], epochs: Sequence[int]) -> np.nda
         return mixed ^ (mixed >> np.uint64(31))
 
 
-def position_epochs(num_samples: int, start: int, stop: int) -> np.ndarray:
-    """The epoch of each global position in [start, stop) (positions run on across epochs)."""
-    return np.arange(start, stop, dtype=np.int64) // num_samples
+def position_epochs(num_samples: int, start: int, stop: int, origin: Sequence[int] = NO_RESTART) -> np.ndarray:
+    """The epoch of each global position in [start, stop) (positions run on across epochs, from ``origin``)."""
+    first, first_epoch = origin
+    return first_epoch + (np.arange(start, stop, dtype=np.int64) - first) // num_samples

@@ -11,9 +11,12 @@ Forms (each local or a ``pyarrow.fs`` URI: s3://, gs://, hdfs://, file://):
   hidden names as a listing does (``_tmp/*`` still reads ``_tmp``);
 - a list of any of those.
 
-Paths keep the form of their entry (relative stays relative, to the working directory, as a Ray job's
-workers resolve it in theirs). The result is sorted by path and free of duplicates (a file named twice would be trained on twice an
-epoch: refused), so every form of the same files gives the same list. Files concatenate in that order:
+Only regular files are data: a FIFO, a socket or a device (named, or under a directory) is refused by name from
+its listing, before anything opens it (opening a FIFO waits for a writer, for ever). Paths keep the form of
+their entry (relative stays relative, to the working directory, as a Ray job's workers resolve it in theirs).
+The result is sorted by path and names each file once: a file named twice, or reached by two paths (a
+symbolic or hard link: ``file_key``), would be trained on twice an epoch, and is refused; so every form of
+the same files gives the same list. Files concatenate in that order:
 file k's samples are global ids [offset_k, offset_k + samples_k) (``Files``). A file is JSON lines when its
 name ends ``.jsonl`` or ``.json``; any other is read as Parquet.
 
@@ -26,11 +29,17 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import posixpath
+import stat
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+from urllib.parse import unquote, urlparse
 
 import numpy as np
 import pyarrow.fs as pafs
+
+if TYPE_CHECKING:
+    from raytrain.data.identity import Fingerprint
 
 JSON_LINES_SUFFIXES = (".jsonl", ".json")
 HIDDEN_PREFIXES = (".", "_")
@@ -45,9 +54,13 @@ class Files:
 
     paths: tuple[str, ...]
     samples: tuple[int, ...]
+    fingerprints: tuple[Fingerprint, ...] = ()
+    """Each file's size and content fingerprint (raytrain.data.identity), as prepare found them: what a
+    checkpoint records of the run's data. Empty where nothing will record it (a tool's count)."""
 
     def __post_init__(self):
         assert len(self.paths) == len(self.samples) > 0, (self.paths, self.samples)
+        assert len(self.fingerprints) in (0, len(self.paths)), (self.paths, self.fingerprints)
 
     @property
     def offsets(self) -> np.ndarray:
@@ -75,7 +88,8 @@ def one_file(path: str, samples: int) -> Files:
 
 def resolve(spec: Union[str, Sequence[str]], key: str = "data.path") -> list[str]:
     """The sorted, duplicate-free files ``spec`` names (a file, directory, glob, or a list of those); a
-    ValueError naming ``key`` and the fix when one names nothing, or a file is named twice."""
+    ValueError naming ``key`` and the fix when one names nothing or what is not a regular file, or when a
+    file is named twice or reached by two paths. Nothing is opened: listings and stats only."""
     entries = [spec] if isinstance(spec, str) else list(spec)
     found: list[str] = []
     for entry in entries:
@@ -94,7 +108,46 @@ def resolve(spec: Union[str, Sequence[str]], key: str = "data.path") -> list[str
     if twice:
         raise ValueError(f"{key}={spec!r} names {twice[0]!r} more than once, so its samples would be seen twice an "
                          f"epoch; list each file once")
-    return sorted(found)
+    found = sorted(found)
+    same = _one_file_twice(found)
+    if same is not None:
+        raise ValueError(f"{key}={spec!r} reaches one file by two paths, {same[0]!r} and {same[1]!r} (a symbolic or "
+                         "hard link), so its samples would be seen twice an epoch; keep one of them in " + key)
+    return found
+
+
+def file_key(path: str) -> tuple:
+    """What makes two names one file: a local file's (device, inode), whatever links led to it (a symbolic
+    link, a hard link, another spelling of its path); a store's URI by scheme, bucket and normalised path."""
+    local = local_path(path)
+    if local is not None:
+        st = os.stat(local)
+        return ("inode", st.st_dev, st.st_ino)
+    scheme, _, rest = path.split("?")[0].partition("://")
+    authority, _, where = rest.partition("/")
+    return ("uri", scheme.lower(), authority, posixpath.normpath("/" + where))
+
+
+def _one_file_twice(names: Sequence[str]) -> Optional[tuple[str, str]]:
+    """The first two of ``names`` (distinct) that reach one file; None when each reaches its own."""
+    seen: dict[tuple, str] = {}
+    for name in names:
+        first = seen.setdefault(file_key(name), name)
+        if first != name:
+            return first, name
+    return None
+
+
+def check_held_out_apart(train: Sequence[str], held: Sequence[str]) -> None:
+    """data.eval_path's files (``held``) are none of data.path's (``train``), by name or through a link: a
+    held-out row that is also trained on makes the held-out loss a training loss. (A copy is caught by its
+    content: raytrain.data.identity.check_no_copies.)"""
+    trained = {file_key(path): path for path in train}
+    same = next(((trained[k], path) for path in held if (k := file_key(path)) in trained), None)
+    if same is not None:
+        raise ValueError(f"data.eval_path file {same[1]!r} is data.path's {same[0]!r} (the same file), so the held-out "
+                         "loss would be measured on training rows; point data.eval_path at files outside data.path, "
+                         "or hold rows out with data.eval_fraction instead")
 
 
 def _expand(entry: str, key: str) -> list[str]:
@@ -106,15 +159,38 @@ def _expand(entry: str, key: str) -> list[str]:
         raise ValueError(f"{key}={entry!r}: no such file or directory; point it at a Parquet or JSON lines file, "
                          "a directory or a glob of them (or unset data.path to use the built-in corpus)")
     if info.type == pafs.FileType.Directory:
-        return [_rebuild(entry, where, f) for f in _listing(fs, where)]
-    return [_rebuild(entry, where, where)]
+        return [_rebuild(entry, where, f) for f in _listing(fs, where, key)]
+    return [_rebuild(entry, where, f) for f in _regular_files([info], key)]
 
 
-def _listing(fs: pafs.FileSystem, where: str) -> list[str]:
+def _listing(fs: pafs.FileSystem, where: str, key: str) -> list[str]:
     """Every file under the directory ``where`` (filesystem paths), hidden names and their contents skipped."""
     infos = fs.get_file_info(pafs.FileSelector(where, recursive=True))
     base = where.rstrip("/")
-    return [i.path for i in infos if i.type == pafs.FileType.File and not _hidden(i.path[len(base):])]
+    return _regular_files([i for i in infos if not _hidden(i.path[len(base):])], key)
+
+
+def _regular_files(infos: list[pafs.FileInfo], key: str) -> list[str]:
+    """The paths of the files among ``infos`` (directories left out); a ValueError naming the first entry that
+    is neither (a FIFO, a socket, a device: pyarrow's Unknown), found by its stat, never opened."""
+    special = next((i.path for i in infos if i.type == pafs.FileType.Unknown), None)
+    if special is not None:
+        raise ValueError(f"{key}: {special!r} is {_kind(special)}, not a regular file (reading it could block the run "
+                         f"for ever); point {key} at Parquet or JSON lines files only, or move it out of the directory")
+    return [i.path for i in infos if i.type == pafs.FileType.File]
+
+
+def _kind(path: str) -> str:
+    """What a local special file is, for a message."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "not a file"
+    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a file"
 
 
 def _hidden(relative: str) -> bool:
@@ -133,9 +209,9 @@ def _glob(pattern: str, key: str) -> list[str]:
     rest = parts[first:]
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
     prefix = base.rstrip("/") + "/"
-    matched = [i.path for i in infos if i.type == pafs.FileType.File
-               and _matches(rest, i.path[len(prefix):].split("/"))]
-    return [_rebuild(pattern, where, m) for m in matched]
+    matched = [i for i in infos
+               if i.type != pafs.FileType.Directory and _matches(rest, i.path[len(prefix):].split("/"))]
+    return [_rebuild(pattern, where, m) for m in _regular_files(matched, key)]
 
 
 def _matches(pattern: list[str], parts: list[str]) -> bool:
@@ -185,22 +261,28 @@ def _rebuild(entry: str, where: str, found: str) -> str:
     return head + found + (f"?{query}" if query else "")
 
 
-def identity(path: str) -> tuple[str, int, int]:
-    """(absolute path or URI, size in bytes, modification time in ns): what a cached decoding of the file
-    is keyed by, so that a rewritten file gets a new one."""
+def local_path(path: str) -> Optional[str]:
+    """The path on this machine's disk of a plain path or a file:// URI (absolute); None for a store's URI."""
     if not is_uri(path):
-        st = os.stat(path)
-        return os.path.abspath(path), st.st_size, st.st_mtime_ns
-    fs, where = filesystem(path)
-    info = fs.get_file_info(where)
-    if info.type != pafs.FileType.File:
-        raise FileNotFoundError(path)
-    return path, int(info.size), int(info.mtime_ns or 0)
+        return os.path.abspath(path)
+    if path.lower().startswith("file://"):
+        return unquote(urlparse(path).path)
+    return None
+
+
+def regular(path: str) -> str:
+    """``path`` when it is not a local special file (a FIFO, a socket, a device), checked by its stat: what
+    must hold before a local data file is opened, since opening a FIFO waits for a writer, for ever."""
+    local = local_path(path)
+    if local is not None and os.path.exists(local) and not stat.S_ISREG(os.stat(local).st_mode):
+        raise ValueError(f"{path!r} is {_kind(local)}, not a regular file (reading it could block for ever); "
+                         "point data.path and data.eval_path at Parquet or JSON lines files only")
+    return path
 
 
 def open_input(path: str):
     """A seekable binary file of ``path`` (local: memory-mapped), for pyarrow.parquet.ParquetFile."""
-    if not is_uri(path):
+    if not is_uri(regular(path)):
         return pafs.LocalFileSystem(use_mmap=True).open_input_file(os.path.abspath(path))
     fs, where = filesystem(path)
     return fs.open_input_file(where)
@@ -208,7 +290,7 @@ def open_input(path: str):
 
 def open_text(path: str):
     """``path`` as UTF-8 text lines."""
-    if not is_uri(path):
+    if not is_uri(regular(path)):
         return open(path, encoding="utf-8")
     import io
 

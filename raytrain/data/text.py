@@ -10,8 +10,8 @@ directly). The stream is cut into rows of ``width`` tokens, row i holding tokens
 [i * width, (i + 1) * width), and the trailing partial row is dropped. Text that spells a special
 token (``<|endoftext|>``) is encoded as that token, as the tokenizers library does.
 
-The cache key covers the source (path, size, modification time), the column, the width and the
-SHA-256 of tokenizer.json, so changing any of them builds a new cache. Only building it needs the
+The cache key covers the source (its path and content: raytrain.data.identity.fingerprint), the column,
+the width and the SHA-256 of tokenizer.json, so changing any of them builds a new cache. Only building it needs the
 tokenizers library (``pip install -e '.[hf]'``); a worker that finds it built only maps it.
 """
 

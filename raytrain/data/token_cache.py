@@ -8,8 +8,10 @@ workers read them, and opening it costs a fraction of a millisecond.
 
 The first worker on a machine builds it under a file lock while the others wait; it is written
 atomically (raytrain.data.atomic), so no reader ever sees a half file. The key covers the source file's
-path (or URI), size and modification time, so a rewritten dataset gets a new cache, and FORMAT, so rows cut
-another way (before FORMAT, long rows were cut to their first window) are never read back.
+path (or URI) and its content (raytrain.data.identity.fingerprint: its size and a hash of its ends and
+Parquet footer, never its modification time), so a rewritten dataset gets a new cache even when its size
+and mtime are the old ones, and FORMAT, so rows cut another way (before FORMAT, long rows were cut to their
+first window) are never read back.
 
 A row becomes its windows of ``width`` tokens (raytrain.data.TokenDataset), so the row count does not
 give the array's size: a fixed-width column's does (rows x windows a row), and it is decoded straight
@@ -30,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raytrain.data import shards
+from raytrain.data import identity, shards
 from raytrain.data.atomic import atomic_path
 
 
@@ -52,23 +54,28 @@ SCAN_FORMAT = "scan-v1"
 
 
 def cache_path(source: str, column: str, width: int, cache_dir: str, variant: str = FORMAT,
-               folder: str = "decoded", suffix: str = ".npy") -> str:
-    """Where the decoded rows of ``source``'s ``column`` (its windows of ``width`` tokens) live.
+               folder: str = "decoded", suffix: str = ".npy",
+               fingerprint: Optional[identity.Fingerprint] = None) -> str:
+    """Where the decoded rows of ``source``'s ``column`` (its windows of ``width`` tokens) live, for the
+    content ``source`` has now (its ``fingerprint``, read from the file when not given).
 
     ``variant`` names anything else the rows depend on (raytrain.data.text: the tokenizer's hash). ``source``
     is a local path or a pyarrow.fs URI (raytrain.data.shards)."""
-    source, size, mtime_ns = shards.identity(source)
-    key = f"{source}|{size}|{mtime_ns}|{column}|{width}" + (f"|{variant}" if variant else "")
+    fingerprint = fingerprint or identity.fingerprint(source)
+    where = shards.local_path(source) or source
+    key = f"{where}|{fingerprint}|{column}|{width}" + (f"|{variant}" if variant else "")
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(os.path.expanduser(cache_dir), folder, f"{shards.basename(source)}-{digest}{suffix}")
 
 
-def remembered(source: str, column: str, width: int, cache_dir: str, compute: Callable[[], dict]) -> dict:
-    """``compute()``'s facts (JSON) about this version of ``source``'s column, computed once per machine and
-    kept under ``checked/``: the driver's scan of a column whose window count no footer gives (rows of any
-    length), so that preparing the same files again (a resume, a restart, a sweep's trials) reads footers only.
-    A compute that raises (a bad file) leaves nothing behind."""
-    path = cache_path(source, column, width, cache_dir, variant=SCAN_FORMAT, folder="checked", suffix=".json")
+def remembered(source: str, column: str, width: int, cache_dir: str, compute: Callable[[], dict],
+               fingerprint: Optional[identity.Fingerprint] = None) -> dict:
+    """``compute()``'s facts (JSON) about this version of ``source``'s column (its content: ``fingerprint``),
+    computed once per machine and kept under ``checked/``: the driver's scan of a column whose window count no
+    footer gives (rows of any length), so that preparing the same files again (a resume, a restart, a sweep's
+    trials) reads footers and fingerprints only. A compute that raises (a bad file) leaves nothing behind."""
+    path = cache_path(source, column, width, cache_dir, variant=SCAN_FORMAT, folder="checked", suffix=".json",
+                      fingerprint=fingerprint)
     with contextlib.suppress(FileNotFoundError, ValueError):
         with open(path) as f:
             return json.load(f)

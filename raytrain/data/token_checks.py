@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raytrain.data import shards, token_cache
+from raytrain.data.identity import Fingerprint
 
 SCAN_BATCH_ROWS = 4096
 """Rows check_dataset decodes at a time: its memory stays bounded whatever the size of a row group
@@ -24,7 +25,8 @@ SCAN_BUFFER_BYTES = 1 << 20
 
 
 def check_dataset(path: str, column: str, seq_len: int, global_batch: int, vocab_size: int,
-                  key: str = "data.path", cache_dir: Optional[str] = None) -> int:
+                  key: str = "data.path", cache_dir: Optional[str] = None,
+                  fingerprint: Optional[Fingerprint] = None) -> int:
     """Validate a dataset before any actor starts; returns the number of samples: every row's windows of
     seq_len + 1 tokens (``windows``), which is what the run trains on. ``key`` is the config key that names
     the file (data.path, or data.eval_path for held-out rows), for the messages.
@@ -32,8 +34,8 @@ def check_dataset(path: str, column: str, seq_len: int, global_batch: int, vocab
     Schema and size come from the metadata; nulls, row lengths (so the window count) and token ids in
     [0, vocab_size) from one streaming pass over the column, skipped where a fixed row width and the
     Parquet statistics already answer (the built-in corpus needs no pass at all). With ``cache_dir`` the
-    pass's findings are remembered per file version (token_cache.remembered): checking it again reads its
-    footer only.
+    pass's findings are remembered per file version (token_cache.remembered, keyed by the file's
+    ``fingerprint``, read when not given): checking it again reads its footer only.
     """
     source = f"{key}={path!r}"
     try:
@@ -47,7 +49,7 @@ def check_dataset(path: str, column: str, seq_len: int, global_batch: int, vocab
     _check_token_type(source, column, kind, vocab_size)
     width = seq_len + 1
     memo = (lambda scan: scan()) if cache_dir is None else (
-        lambda scan: token_cache.remembered(path, column, width, cache_dir, scan))
+        lambda scan: token_cache.remembered(path, column, width, cache_dir, scan, fingerprint))
     n = _check_rows(meta, source, column, width, vocab_size, memo)
     if n < global_batch:
         raise ValueError(f"{source}: its {meta.metadata.num_rows} rows of {column!r} hold {n} samples (windows of "

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 from raytrain import data
 from raytrain.config import Config
-from raytrain.data import row_checks, shards
+from raytrain.data import identity, row_checks
 from raytrain.data import text as text_data
 from raytrain.data.columns import column_names
 from raytrain.data.rows import column_sampler
@@ -84,11 +84,14 @@ def check_rows(cfg: Config) -> CheckedData:
     spec = user_data.spec_of(example)
     held_files = data.eval_files(cfg)
     held = None if held_files is None else check_row_files(cfg, held_files, "data.eval_path")[0]
+    if held is not None:
+        identity.check_no_copies(train, held)
     return CheckedData(DataSource(train, spec, held), lambda: example, target_range)
 
 
 def check_row_files(cfg: Config, paths: list[str], key: str) -> tuple[Files, Optional[tuple[float, float]]]:
-    """Every file of rows checked (row_checks.check_row_file) and counted; the targets' range over them."""
+    """Every file of rows checked (row_checks.check_row_file), counted and fingerprinted; the targets' range
+    over them."""
     d, counts, low, high = cfg.data, [], None, None
     for path in paths:
         facts = row_checks.check_row_file(path, d.inputs, d.targets, key)
@@ -98,7 +101,7 @@ def check_row_files(cfg: Config, paths: list[str], key: str) -> tuple[Files, Opt
         if facts.target_range is not None:
             low = facts.target_range[0] if low is None else min(low, facts.target_range[0])
             high = facts.target_range[1] if high is None else max(high, facts.target_range[1])
-    return Files(tuple(paths), tuple(counts)), None if low is None else (low, high)
+    return Files(tuple(paths), tuple(counts), identity.fingerprints(paths)), None if low is None else (low, high)
 
 
 def check_metrics(cfg: Config, sample: SampleSpec) -> None:
@@ -151,10 +154,13 @@ def split_held_out(cfg: Config, source: DataSource) -> tuple[int, int]:
 
 def check_token_data(cfg: Config) -> DataSource:
     """Token data: data.path's files and data.eval_path's, resolved (raytrain.data.shards) and each checked
-    and counted (``check_files``)."""
-    held = data.eval_files(cfg)
-    return DataSource(check_files(cfg, data.data_files(cfg), "data.path"), SampleSpec.tokens(cfg.model.seq_len),
-                      None if held is None else check_files(cfg, held, "data.eval_path"))
+    and counted (``check_files``); no held-out file is a copy of a training one."""
+    held_paths = data.eval_files(cfg)
+    train = check_files(cfg, data.data_files(cfg), "data.path")
+    held = None if held_paths is None else check_files(cfg, held_paths, "data.eval_path")
+    if held is not None:
+        identity.check_no_copies(train, held)
+    return DataSource(train, SampleSpec.tokens(cfg.model.seq_len), held)
 
 
 def check_files(cfg: Config, paths: list[str], key: str) -> Files:
@@ -165,16 +171,17 @@ def check_files(cfg: Config, paths: list[str], key: str) -> Files:
     footers. Text (data.text_column) is tokenised here, file by file into this machine's cache: its packed
     rows cannot be counted without the tokens (the sample order is a permutation of all of them). A bad
     file (not Parquet, wrong or missing column, empty) is named, with the fix; the training files together
-    must fill a global batch."""
+    must fill a global batch. Each file is fingerprinted (raytrain.data.identity) for the checkpoints' record."""
     B = cfg.train.global_batch
+    prints = identity.fingerprints(paths)
     if len(paths) == 1:
-        return shards.one_file(paths[0], _check_data(cfg, paths[0], key, B if key == "data.path" else 0))
+        return Files((paths[0],), (_check_data(cfg, paths[0], key, B if key == "data.path" else 0, prints[0]),), prints)
     spec = cfg.data.path if key == "data.path" else cfg.data.eval_path
     where = f"one of the {len(paths)} files {key}={spec!r} names: fix it or remove it from there"
     samples = []
-    for path in paths:
+    for path, print_ in zip(paths, prints):
         try:
-            count = _check_data(cfg, path, key, 0)
+            count = _check_data(cfg, path, key, 0, print_)
         except ValueError as e:
             raise ValueError(f"{e} ({where})") from e
         if count == 0:
@@ -185,19 +192,20 @@ def check_files(cfg: Config, paths: list[str], key: str) -> Files:
         raise ValueError(f"{key}={spec!r}: its {len(paths)} files hold {total} samples (of model.seq_len + 1 = "
                          f"{cfg.model.seq_len + 1} tokens), fewer than train.global_batch={B}; add data, or lower "
                          "train.global_batch or model.seq_len")
-    return Files(tuple(paths), tuple(samples))
+    return Files(tuple(paths), tuple(samples), prints)
 
 
-def _check_data(cfg: Config, data_path: str, key: str, batch: int) -> int:
-    """The samples in a file of the run's data (``key`` names it), checked: the windows of model.seq_len + 1
-    tokens its token rows (data.column) are cut into, or text packed into such rows (data.text_column:
-    tokenised here, into this machine's cache, to count them); at least ``batch`` of them."""
+def _check_data(cfg: Config, data_path: str, key: str, batch: int, fingerprint: identity.Fingerprint) -> int:
+    """The samples in a file of the run's data (``key`` names it; ``fingerprint``: its content), checked: the
+    windows of model.seq_len + 1 tokens its token rows (data.column) are cut into, or text packed into such
+    rows (data.text_column: tokenised here, into this machine's cache, to count them); at least ``batch``."""
     m, d = cfg.model, cfg.data
     if d.text_column is not None:
         return text_data.check_text_dataset(data_path, d, m.seq_len, batch, m.vocab_size, key=key)
     if text_data.is_json_lines(data_path):
         raise ValueError(f"{key}={data_path!r} is JSON lines, read as text: set data.text_column to the key "
                          "holding the text and data.tokenizer to a directory holding tokenizer.json")
-    return data.check_dataset(data_path, d.column, m.seq_len, batch, m.vocab_size, key=key, cache_dir=d.cache_dir)
+    return data.check_dataset(data_path, d.column, m.seq_len, batch, m.vocab_size, key=key, cache_dir=d.cache_dir,
+                              fingerprint=fingerprint)
 
 

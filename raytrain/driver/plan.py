@@ -19,7 +19,7 @@ from raytrain.checkpoint.experiment import experiment_difference, model_differen
 from raytrain.config import Config
 from raytrain.config.layout import Layout
 from raytrain.config.prepared import ModelFacts, PreparedRun
-from raytrain.data import shards
+from raytrain.data import identity, shards
 from raytrain.driver.connect import run_root
 from raytrain.driver.data_check import check_data, check_metrics, split_held_out
 from raytrain.driver.loggers import check_loggers
@@ -61,9 +61,10 @@ def prepare(cfg: Config, choose_layout: Optional[ChooseLayout] = None, dataset: 
     check_ties(cfg, facts, layout)
     if cfg.model.factory is not None:
         check_model_takes_samples(cfg, layers, spec.loss_fn, checked.example(), layout, checked.target_range)
-    cfg, resume = _name_run(cfg, layout)
+    data_identity = identity.record(checked.source, num_samples)
+    cfg, resume = _name_run(cfg, layout, data_identity)
     return PreparedRun(cfg=cfg, layout=layout, source=checked.source, num_samples=num_samples, model=facts,
-                       resume=resume, held_out=held_out, model_code=model_code)
+                       resume=resume, held_out=held_out, model_code=model_code, data_identity=data_identity)
 
 
 def _with_api_model(cfg: Config, model: Optional[Callable]) -> tuple[Config, Optional[bytes]]:
@@ -86,14 +87,16 @@ def _with_api_model(cfg: Config, model: Optional[Callable]) -> tuple[Config, Opt
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, factory=API_MODEL)), code
 
 
-def _name_run(cfg: Config, layout: Layout) -> tuple[Config, Optional[str]]:
-    """``cfg`` with run.dir, run.name and checkpoint.dir filled in (a new run directory claimed), and the
-    checkpoint to resume from, checked."""
+def _name_run(cfg: Config, layout: Layout, data_identity: dict) -> tuple[Config, Optional[str]]:
+    """``cfg`` with run.dir, run.name and checkpoint.dir filled in (a new run directory claimed), the
+    checkpoint to resume from, checked, and data.order_origin (``resumed_order``: ``data_identity`` is the
+    run's data, raytrain.data.identity.record)."""
     root = run_root(cfg.run.dir)  # under ~/raytrain in a Ray job: the job's working dir is temporary
     run_name = cfg.run.name or _new_run_name(root, layout)
     ckpt_dir = cfg.checkpoint.dir or os.path.join(root, run_name, "checkpoints")
     try:
         resume = _resume_source(cfg, root, ckpt_dir)
+        origin = resumed_order(cfg, resume, data_identity)
         _check_checkpoint_dir(cfg, ckpt_dir, resume)
         lineage = (resume and checkpoint.continued_lineage(resume)) or checkpoint.new_lineage()
     except ValueError:
@@ -104,8 +107,33 @@ def _name_run(cfg: Config, layout: Layout) -> tuple[Config, Optional[str]]:
         cfg,
         run=dataclasses.replace(cfg.run, dir=root, name=run_name),
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=ckpt_dir, lineage=lineage),
+        data=dataclasses.replace(cfg.data, order_origin=origin),
     )
     return cfg, resume
+
+
+def resumed_order(cfg: Config, resume: Optional[str], data_identity: dict) -> list[int]:
+    """data.order_origin for this run: [0, 0] when it starts afresh. A resume keeps its checkpoint's origin
+    when the checkpoint's training data is ``data_identity``'s (raytrain.data.identity.change; a checkpoint
+    that records none is not compared); with other data it restarts the order at the resumed step as a new
+    epoch (data.new_epoch_on_change), or is refused, naming what changed and both fixes."""
+    if resume is None:
+        return list(data.NO_RESTART)
+    manifest = checkpoint.read_manifest(resume)
+    recorded = manifest.get("config")
+    recorded_data = recorded.get("data") if isinstance(recorded, dict) else None
+    origin = list((recorded_data or {}).get("order_origin", data.NO_RESTART))
+    what = identity.change(manifest.get("data"), data_identity)
+    if what is None:
+        return origin
+    step = manifest["step"]
+    if not cfg.data.new_epoch_on_change:
+        raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r} ({resume}): the training data changed since "
+                         f"that checkpoint: {what}; going on with its epoch would repeat some samples and skip others: "
+                         f"restore the data, or set data.new_epoch_on_change=true to train on the new data from step "
+                         f"{step} as a new epoch")
+    seen = manifest.get("samples_seen", step * cfg.train.global_batch)
+    return [step * cfg.train.global_batch, data.next_epoch(origin, manifest["data"]["num_samples"], seen)]
 
 
 def _check_checkpoint_dir(cfg: Config, ckpt_dir: str, resume: Optional[str]) -> None:
@@ -145,16 +173,19 @@ def remove_if_empty(run_dir: str) -> None:
 
 
 def check_inputs(cfg: Config) -> None:
-    """What the config names on this machine: data.path's entries name files, data.cache_dir takes files,
+    """What the config names on this machine: data.path's entries name regular files, data.eval_path's too and
+    none of data.path's (nothing opened: listings and stats), data.cache_dir takes files,
     model.factory, data.factory and data.transform import and name functions (what they return is checked
     when prepare calls them)."""
-    if cfg.data.path is not None:
-        shards.resolve(cfg.data.path, "data.path")  # every entry names a file: listings only, nothing read
+    # every entry names a file: listings only, nothing read
+    train = None if cfg.data.path is None else shards.resolve(cfg.data.path, "data.path")
     if cfg.model.hf is not None and not os.path.isdir(os.path.expanduser(cfg.model.hf)):
         raise ValueError(f"model.hf={cfg.model.hf!r}: no such directory; point it at a local Hugging Face model "
                          "directory (config.json, and *.safetensors for pretrained weights)")
     if cfg.data.eval_path is not None:
-        shards.resolve(cfg.data.eval_path, "data.eval_path")
+        held = shards.resolve(cfg.data.eval_path, "data.eval_path")
+        if train is not None:
+            shards.check_held_out_apart(train, held)
     data.check_cache_dir(cfg.data.cache_dir)
     check_loggers(cfg.run.loggers)
     for key in ("model.factory", "data.factory", "data.transform"):

@@ -48,8 +48,8 @@ def train_reference(
     B = cfg.train.global_batch
     losses = []
     for step in range(start, cfg.train.steps if steps is None else steps):
-        ids = data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B)
-        epochs = data.position_epochs(num_samples, step * B, (step + 1) * B)
+        ids = data.sample_ids(cfg.train.seed, num_samples, step * B, (step + 1) * B, cfg.data.order_origin)
+        epochs = data.position_epochs(num_samples, step * B, (step + 1) * B, cfg.data.order_origin)
         x, y = samples.batch(ids, data.sample_seeds(cfg.train.seed, ids, epochs))
         optimizer.zero_grad(set_to_none=True)
         loss = spec.loss_fn(model(x), y)

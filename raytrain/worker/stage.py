@@ -234,11 +234,12 @@ class Stage:
         gen, cfg = self.gen, self.cfg
         t_start = time.perf_counter()
         begin, end = data.step_positions(step, cfg.train.global_batch, gen.batch_offset, gen.batch_offset + gen.share)
-        ids = data.sample_ids(cfg.train.seed, self.num_samples, begin, end)
+        origin = cfg.data.order_origin
+        ids = data.sample_ids(cfg.train.seed, self.num_samples, begin, end, origin)
         x = y = None
         self.hook("data", step)
         if self.dataset is not None:
-            seeds = data.sample_seeds(cfg.train.seed, ids, data.position_epochs(self.num_samples, begin, end))
+            seeds = data.sample_seeds(cfg.train.seed, ids, data.position_epochs(self.num_samples, begin, end, origin))
             x, y = (t.to(self.device, non_blocking=True) for t in self.dataset.batch(ids, seeds))
         report.data_s = time.perf_counter() - t_start
         self.grads.zero()
