@@ -203,6 +203,13 @@ def test_a_resume_into_another_model_shape_is_refused_naming_the_key(make_config
     assert prepare(make_config(f"checkpoint.resume={d}", "train.lr=1e-3", "parallel.dp=2")).resume == d
 
 
+def test_a_resume_with_another_global_batch_is_refused_since_it_would_skip_or_repeat_samples(make_config, tmp_path):
+    d = _publish(str(tmp_path / "ckpts"), 3, "theirs", make_config())  # train.global_batch=8
+    with pytest.raises(ValueError, match=r"was trained with train.global_batch=8, this run asks for 16: .* would "
+                                         r"skip or repeat samples of the epoch; set train.global_batch=8"):
+        prepare(make_config(f"checkpoint.resume={d}", "train.global_batch=16"))
+
+
 def test_which_model_and_data_a_recorded_config_names():
     cfg = load_config(None, ["model.d_model=32", "model.n_head=2"])
     same = cfg.to_dict()

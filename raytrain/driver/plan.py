@@ -253,7 +253,18 @@ def _resume_source(cfg: Config, root: str, ckpt_dir: str) -> Optional[str]:
         raise ValueError(f"{key} ({resume}) holds another model: {other_model}; a checkpoint resumes only into "
                          f"the model it was saved from: set {other_model.key}={other_model.there!r}, or drop "
                          "checkpoint.resume to start afresh")
+    _check_same_batch(cfg, key, resume, manifest.get("config"))
     return resume
+
+
+def _check_same_batch(cfg: Config, key: str, resume: str, recorded: Any) -> None:
+    """A resume keeps train.global_batch: step s consumes sample positions [sB, (s+1)B), so another B would
+    skip or repeat samples of the epoch (an old checkpoint without a recorded config is not checked)."""
+    saved = recorded.get("train", {}).get("global_batch") if isinstance(recorded, dict) else None
+    if isinstance(saved, int) and saved != cfg.train.global_batch:
+        raise ValueError(f"{key} ({resume}) was trained with train.global_batch={saved}, this run asks for "
+                         f"{cfg.train.global_batch}: step s reads samples [s x B, (s+1) x B) of the order, so another "
+                         f"batch would skip or repeat samples of the epoch; set train.global_batch={saved}")
 
 
 def _latest_of_this_experiment(cfg: Config, root: str, ckpt_dir: str) -> str:
