@@ -47,10 +47,13 @@ def _manifest(d: str) -> dict:
 
 
 def _rewrite_manifest(d: str, **changes) -> None:
-    """What someone who can write the directory does: change the manifest to agree with new files."""
+    """What someone who can write the directory does: change the manifest to agree with new files, and its
+    own checksum with it (checksums catch damage, not tampering)."""
+    from raytrain.checkpoint.format import SELF_CHECKSUM, manifest_digest
+
     manifest = {**_manifest(d), **changes}
     with open(os.path.join(d, checkpoint.MANIFEST), "w") as f:
-        json.dump(manifest, f)
+        json.dump({**manifest, SELF_CHECKSUM: manifest_digest(manifest)}, f)
 
 
 def _entry(d: str, name: str) -> dict:
@@ -81,7 +84,7 @@ def _resume(make_config, d: str):
 def test_save_shard_streams_the_file_and_records_its_size_and_sha256(tmp_path):
     d = _publish(str(tmp_path / "step_00000001"))
     manifest = _manifest(d)
-    assert manifest["format"] == checkpoint.FORMAT_VERSION == 4
+    assert manifest["format"] == checkpoint.FORMAT_VERSION == 5
     assert manifest["shards"] == [_entry(d, "stage-0.pt")]
     assert torch.equal(checkpoint.load_state_dict(d)["0.w"], _state()["model"]["0.w"])
 
@@ -236,10 +239,42 @@ def test_a_run_records_checksums_and_resumes_from_them(ray_session, make_config,
     ckpt_dir = str(tmp_path / "ckpts")
     first = train(make_config("parallel.pp=2", "train.steps=3", f"checkpoint.dir={ckpt_dir}"))
     manifest = _manifest(first.checkpoint)
-    assert manifest["format"] == 4 and len(manifest["shards"]) == 2
+    assert manifest["format"] == 5 and len(manifest["shards"]) == 2
     for entry in manifest["shards"]:
         assert {k: entry[k] for k in ("file", "bytes", "sha256")} == _entry(first.checkpoint, entry["file"])
     resumed = train(make_config("parallel.pp=2", "train.steps=5", f"checkpoint.dir={ckpt_dir}",
                                 "checkpoint.resume=latest"))
     assert [r["step"] for r in resumed.metrics] == [4, 5]
     assert all("sha256" in e for e in _manifest(resumed.checkpoint)["shards"])
+
+
+# --- a manifest that disagrees with itself or its directory -----------------------------------------------
+
+
+def _edit(d: str, **changes) -> None:
+    """A hand edit that leaves the manifest's own checksum as it was."""
+    manifest = {**_manifest(d), **changes}
+    with open(os.path.join(d, checkpoint.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+
+
+def test_a_manifest_edited_by_hand_no_longer_matches_its_own_checksum(tmp_path):
+    d = _publish(str(tmp_path / "step_00000001"))
+    _edit(d, step=7)
+    with pytest.raises(checkpoint.CheckpointError, match=r"manifest.json does not match its own manifest_sha256"):
+        checkpoint.verify(d)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"step": 2}, "its step 2 is not its directory's 1"),
+    ({"samples_seen": 9, "config": {"train": {"global_batch": 8}}}, r"samples_seen=9 is not step 1 x train.global_batch=8"),
+    ({"layout": {"pp": 2, "fsdp": 1, "tp": 1, "stage_layers": [[[0]]]}}, "its layout has pp=2 but 1 stages of layers"),
+    ({"layout": {"pp": 2, "fsdp": 1, "tp": 1, "stage_layers": [[[0]], [[0]]]}}, "its stages' layers are not each of the model's layers once"),
+    ({"layout": {"pp": 1, "fsdp": 1, "tp": 1, "stage_layers": [[[0]]]}, "config": {"parallel": {"pp": 2}}},
+     r"its layout has pp=1, its config parallel.pp=2"),
+], ids=["step", "samples", "stages", "layers", "config"])
+def test_a_manifest_whose_fields_contradict_each_other_is_refused_by_name(tmp_path, changes, words):
+    d = _publish(str(tmp_path / "step_00000001"))
+    _rewrite_manifest(d, **changes)  # its own checksum recomputed: only the consistency check can refuse it
+    with pytest.raises(checkpoint.CheckpointError, match=rf"manifest.json contradicts itself: {words}"):
+        checkpoint.verify(d)

@@ -8,6 +8,7 @@ manifest before anything trusts what it lists.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any, Optional
@@ -16,12 +17,16 @@ import raytrain.checkpoint.storage as storage
 from raytrain.checkpoint.errors import CheckpointError
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 4
-"""4: shards may hold boxes of tensors (``slices``: a tensor-parallel worker's column and row slices);
+FORMAT_VERSION = 5
+"""5: the manifest records the sha256 of its own content (``manifest_sha256``), checked on every read;
+4 (still read): shards may hold boxes of tensors (``slices``: a tensor-parallel worker's column and row slices);
 3 (still read): each shard's ``sha256`` is recorded; 2 (still read): shards may hold row slices (``rows``); 1 (still
 read): whole tensors only. Formats 1 and 2 record sizes alone, and only sizes are checked for them."""
-READABLE_FORMATS = (1, 2, 3, 4)
+READABLE_FORMATS = (1, 2, 3, 4, 5)
 CHECKSUM = "sha256"
+SELF_CHECKSUM = "manifest_sha256"
+"""The manifest's own checksum: sha256 of its other fields as canonical JSON (``manifest_digest``). Like the
+files' checksums it catches damage and hand edits that forget it, not tampering (a forger recomputes it)."""
 """The manifest's checksum per file: hashlib's sha256 (SHA-NI: 0.92 GB/s here, blake2b 0.47 GB/s)."""
 LINEAGE_FILE = "lineage.txt"
 """Written first into each save's directory: the lineage of the run saving, so that pruning can tell its
@@ -57,7 +62,16 @@ def read_manifest(ckpt_dir: str) -> dict[str, Any]:
     lacking = [key for key, kind in (("step", int), ("shards", list)) if not isinstance(manifest.get(key), kind)]
     if lacking:
         raise CheckpointError(f"{where} lacks its {' and '.join(lacking)}: the checkpoint is damaged")
+    if manifest["format"] >= 5 and manifest.get(SELF_CHECKSUM) != manifest_digest(manifest):
+        raise CheckpointError(f"{where} does not match its own {SELF_CHECKSUM}: it was edited or damaged after it was "
+                              "published; resume from another checkpoint")
     return manifest
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of ``manifest``'s fields but SELF_CHECKSUM, as canonical JSON (sorted keys, no spaces)."""
+    body = {k: v for k, v in manifest.items() if k != SELF_CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def shard_entries(ckpt_dir: str, manifest: dict[str, Any]) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ import pyarrow.fs as pafs
 import raytrain.checkpoint.storage as storage
 from raytrain.checkpoint.assemble import Assembler, new_tensors
 from raytrain.checkpoint.errors import CheckpointError
-from raytrain.checkpoint.format import CHECKSUM, read_manifest, shard_entries
+from raytrain.checkpoint.format import CHECKSUM, MANIFEST, STEP_DIR, read_manifest, shard_entries
 
 _CHUNK = 8 << 20
 """Bytes read at a time when hashing a file: memory stays bounded whatever the shard's size."""
@@ -55,6 +55,7 @@ def verify(ckpt_dir: str) -> dict[str, Any]:
     lists (size and sha256, streamed), each a weights-only torch file (its pickle read, its tensors put on
     "meta"), and their pieces tiling every tensor. Returns the manifest; a CheckpointError names the file."""
     manifest = read_manifest(ckpt_dir)
+    check_consistent(ckpt_dir, manifest)
     pieces = Assembler(None, new_tensors("meta"))
     for entry in shard_entries(ckpt_dir, manifest):
         uri = storage.join_uri(ckpt_dir, entry["file"])
@@ -140,3 +141,50 @@ def _check_layout(uri: str, shard: Any) -> None:
         isinstance(st, dict) and all(isinstance(t, torch.Tensor) for t in st.values()) for st in optim.values())
     if not ok:
         raise CheckpointError(f"{uri} is not a raytrain checkpoint shard (it holds no model tensors by name)")
+
+
+_SHARD_FILE = re.compile(r"^stage-(\d+)(?:-shard-(\d+))?\.pt$")
+
+
+def check_consistent(ckpt_dir: str, manifest: dict[str, Any]) -> None:
+    """The manifest's fields must agree with each other and with its directory: its step with the
+    directory's name, the samples it says were seen with step x train.global_batch, its layout's stage
+    layers with one cover of the model's layers, and its files with its stages and parts. Fields it lacks
+    (older formats) are not checked. A CheckpointError names the manifest and the contradiction."""
+    where = storage.join_uri(ckpt_dir, MANIFEST)
+    problems = _step_problems(ckpt_dir, manifest) + _layout_problems(manifest)
+    if problems:
+        raise CheckpointError(f"{where} contradicts itself: {problems[0]}; it was edited or damaged: resume from "
+                              "another checkpoint")
+
+
+def _step_problems(ckpt_dir: str, manifest: dict[str, Any]) -> list[str]:
+    found, step = [], manifest["step"]
+    named = STEP_DIR.match(ckpt_dir.rstrip("/").rsplit("/", 1)[-1])
+    if named and int(named.group(1)) != step:
+        found.append(f"its step {step} is not its directory's {int(named.group(1))}")
+    batch = (manifest.get("config") or {}).get("train", {}).get("global_batch")
+    seen = manifest.get("samples_seen")
+    if isinstance(batch, int) and isinstance(seen, int) and seen != step * batch:
+        found.append(f"samples_seen={seen} is not step {step} x train.global_batch={batch}")
+    return found
+
+
+def _layout_problems(manifest: dict[str, Any]) -> list[str]:
+    layout = manifest.get("layout")
+    if not isinstance(layout, dict) or not isinstance(layout.get("stage_layers"), list):
+        return []
+    stages, pp = layout["stage_layers"], layout.get("pp")
+    found = [] if len(stages) == pp else [f"its layout has pp={pp} but {len(stages)} stages of layers"]
+    layers = sorted(i for worker in stages for chunk in worker for i in chunk)
+    if layers != list(range(len(layers))):
+        found.append("its stages' layers are not each of the model's layers once")
+    parallel = (manifest.get("config") or {}).get("parallel", {})
+    found += [f"its layout has {k}={layout.get(k)}, its config parallel.{k}={parallel.get(k)}"
+              for k in ("pp", "fsdp", "tp") if k in parallel and parallel.get(k) != layout.get(k)]
+    parts = (layout.get("fsdp") or 1) * (layout.get("tp") or 1)
+    for entry in manifest["shards"]:
+        named = _SHARD_FILE.match(entry["file"])
+        if named is None or int(named.group(1)) >= len(stages) or int(named.group(2) or 0) >= parts:
+            found.append(f"it lists {entry['file']!r}, which no stage and part of its layout writes")
+    return found

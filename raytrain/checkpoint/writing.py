@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 import raytrain.checkpoint.storage as storage
 from raytrain.checkpoint.errors import CheckpointError
-from raytrain.checkpoint.format import CHECKSUM, FORMAT_VERSION, LINEAGE_FILE, MANIFEST, STEP_DIR, shard_name
+from raytrain.checkpoint.format import (CHECKSUM, FORMAT_VERSION, LINEAGE_FILE, MANIFEST, SELF_CHECKSUM, STEP_DIR,
+                                       manifest_digest, shard_name)
 from raytrain.checkpoint.listing import list_published
 
 
@@ -80,8 +81,9 @@ def publish(ckpt_dir: str, manifest: dict[str, Any]) -> None:
     base = ckpt_dir.rstrip("/").rsplit("/", 1)[0]
     seq = max((c.seq for c in list_published(base)), default=0) + 1
     tmp = storage.join_uri(path, MANIFEST + ".tmp")
+    body = {"format": FORMAT_VERSION, "seq": seq, **manifest}
     with fs.open_output_stream(tmp) as f:
-        f.write(json.dumps({"format": FORMAT_VERSION, "seq": seq, **manifest}, indent=1).encode())
+        f.write(json.dumps({**body, SELF_CHECKSUM: manifest_digest(body)}, indent=1).encode())
     fs.move(tmp, storage.join_uri(path, MANIFEST))
 
 
