@@ -289,3 +289,8 @@ def test_a_worker_killed_during_an_evaluation_is_replaced_and_the_evaluation_run
     assert list(evaluated(result.metrics).values()) == pytest.approx(reference_eval_losses(cfg), rel=1e-5)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
     assert_replicas_identical(result, replicas=2)
+
+
+def test_rows_held_out_for_no_evaluation_are_named_in_a_warning(make_config):
+    with pytest.warns(UserWarning, match=r"data.eval_fraction=0.1 holds out \d+ rows that eval.every=0 never evaluates"):
+        prepare(make_config("data.eval_fraction=0.1"))

@@ -290,3 +290,20 @@ def test_a_broken_sweep_file_is_one_line_naming_it(tmp_path, text, needle):
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "sweep.yaml" in lines[0] and needle in lines[0] and "Traceback" not in out.stderr, lines
+
+
+def test_a_damaged_page_inside_a_directory_is_named_by_its_file(make_config, tmp_path):
+    """The footer reads, a data page does not: one line naming the file, before any actor."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    for name in ("a.parquet", "b.parquet"):  # rows of different lengths: the check reads every page
+        rows = [rng.integers(0, 256, size=int(n)).tolist() for n in rng.integers(40, 80, size=200)]
+        pq.write_table(pa.table({"tokens": pa.array(rows, type=pa.list_(pa.int64()))}), corpus / name,
+                       compression="none", write_statistics=False)
+    damaged = corpus / "b.parquet"
+    raw = bytearray(damaged.read_bytes())
+    raw[8:len(raw) // 2] = b"\xff" * (len(raw) // 2 - 8)  # the pages, not the footer at the end
+    damaged.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"b.parquet' cannot be read past its footer .*: the file is damaged"):
+        prepare(make_config(f"data.path={corpus}"))

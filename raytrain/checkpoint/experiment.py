@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     from raytrain.config import Config
 
-MODEL_KEYS = ("factory", "n_layer", "d_model", "n_head", "vocab_size")
+MODEL_KEYS = ("factory", "options", "n_layer", "d_model", "n_head", "vocab_size")
 """The ``model.*`` keys that decide the parameters of every kind of model (a Hugging Face model's are read from
 its config.json; model.hf, where that directory lies, may move). Also model.seq_len for the built-in GPT and a
 factory (the GPT's position table), model.hf_cut for a Hugging Face model, and whether model.hf is set."""
-DATA_KEYS = ("path", "column", "text_column", "tokenizer", "eval_fraction", "eval_path")
+DATA_KEYS = ("path", "builtin", "factory", "column", "text_column", "tokenizer", "inputs", "targets", "transform",
+             "eval_fraction", "eval_path")
 """The ``data.*`` keys that decide which samples a run trains on (with the built-in corpus, max_bytes too)."""
 
 

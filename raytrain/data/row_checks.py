@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 
 from raytrain.data import shards
 from raytrain.data.columns import BadColumn, column_array, column_names
+from raytrain.data.token_checks import first_line
 
 SCAN_BATCH_ROWS = 4096
 """Rows a check decodes at a time: its memory stays bounded whatever the size of a row group."""
@@ -41,6 +42,15 @@ def check_row_file(path: str, inputs: Union[str, list], targets: str, key: str) 
             which = "data.targets" if column == targets else "data.inputs"
             raise ValueError(f"{which} names column {column!r}, which {source} lacks (columns: {names}); "
                              f"set {which} to one of them")
+    try:
+        return _scan(meta, source, inputs, targets)
+    except (OSError, pa.ArrowException) as e:  # a damaged page: the footer read, its data does not
+        raise ValueError(f"{source} cannot be read past its footer ({type(e).__name__}: {first_line(e)}): the file "
+                         "is damaged; rewrite it, or remove it from the data") from e
+
+
+def _scan(meta: pq.ParquetFile, source: str, inputs: Union[str, list], targets: str) -> RowFacts:
+    """One pass over the file's columns, a batch at a time: each checked, the targets' range kept."""
     low = high = None
     first = 0
     for batch in meta.iter_batches(batch_size=SCAN_BATCH_ROWS, columns=column_names(inputs, targets),

@@ -121,7 +121,13 @@ def parquet_part(paths: Sequence[str], names: list[str]) -> Callable[[int], Colu
         from raytrain.data.columns import table_columns
         from raytrain.data.shards import open_input
 
-        table = pq.ParquetFile(open_input(paths[k])).read(columns=names, use_threads=False)
+        import pyarrow as pa
+
+        try:
+            table = pq.ParquetFile(open_input(paths[k])).read(columns=names, use_threads=False)
+        except (OSError, pa.ArrowException) as e:
+            raise ValueError(f"data file {paths[k]!r} cannot be read ({type(e).__name__}: {str(e)[:200]}): it is "
+                             "damaged or was rewritten during the run; restore it") from e
         return table_columns(table, names)
 
     return read

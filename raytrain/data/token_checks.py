@@ -50,7 +50,11 @@ def check_dataset(path: str, column: str, seq_len: int, global_batch: int, vocab
     width = seq_len + 1
     memo = (lambda scan: scan()) if cache_dir is None else (
         lambda scan: token_cache.remembered(path, column, width, cache_dir, scan, fingerprint))
-    n = _check_rows(meta, source, column, width, vocab_size, memo)
+    try:
+        n = _check_rows(meta, source, column, width, vocab_size, memo)
+    except (OSError, pa.ArrowException) as e:  # a damaged page: the footer read, its data does not
+        raise ValueError(f"{source} cannot be read past its footer ({type(e).__name__}: {first_line(e)}): the file "
+                         "is damaged; rewrite it, or remove it from the data") from e
     if n < global_batch:
         raise ValueError(f"{source}: its {meta.metadata.num_rows} rows of {column!r} hold {n} samples (windows of "
                          f"model.seq_len + 1 = {width} tokens), fewer than train.global_batch={global_batch}; add "
@@ -199,3 +203,7 @@ def _check_id_range(source: str, column: str, lo: int, hi: int, vocab_size: int)
 
 def is_bytes(kind: pa.DataType) -> bool:
     return pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_fixed_size_binary(kind)
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:300]

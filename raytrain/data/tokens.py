@@ -92,7 +92,11 @@ class ShardedDataset:
         """File k's rows, opened on first use."""
         if k not in self.opened:
             path, planned = self.files.paths[k], self.files.samples[k]
-            rows = self._open_file(path).rows
+            try:
+                rows = self._open_file(path).rows
+            except (OSError, pa.ArrowException) as e:
+                raise ValueError(f"data file {path!r} cannot be read ({type(e).__name__}: {str(e)[:200]}): it is "
+                                 "damaged or was rewritten during the run; restore it") from e
             if len(rows) != planned:
                 raise ValueError(f"{path!r} holds {len(rows)} samples, not the {planned} it held when the run was "
                                  "prepared: a data file changed during the run; restore it, or start a new run")

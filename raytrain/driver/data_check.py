@@ -4,6 +4,7 @@ dataset objects (raytrain.driver.user_data), and the rows held out of training."
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -144,6 +145,10 @@ def split_held_out(cfg: Config, source: DataSource) -> tuple[int, int]:
         if rows - held < B:
             raise ValueError(f"{where}, leaving {rows - held} to train on, fewer than train.global_batch={B}; "
                              "lower data.eval_fraction, or use data.eval_path")
+    if held and not cfg.eval.every and d.eval_fraction > 0:
+        warnings.warn(f"data.eval_fraction={d.eval_fraction:g} holds out {held} rows that eval.every=0 never "
+                      "evaluates: set eval.every to measure the held-out loss, or data.eval_fraction=0 to train on them",
+                      stacklevel=2)
     need = cfg.eval.batches * B
     if cfg.eval.every and held < need:
         raise ValueError(f"{where}, fewer than the eval.batches={cfg.eval.batches} x train.global_batch={B} = "
