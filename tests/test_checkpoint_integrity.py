@@ -278,3 +278,53 @@ def test_a_manifest_whose_fields_contradict_each_other_is_refused_by_name(tmp_pa
     _rewrite_manifest(d, **changes)  # its own checksum recomputed: only the consistency check can refuse it
     with pytest.raises(checkpoint.CheckpointError, match=rf"manifest.json contradicts itself: {words}"):
         checkpoint.verify(d)
+
+
+# --- a save that cannot be written -------------------------------------------------------------------
+
+
+def test_a_full_disk_is_named_with_the_file_and_enospc_not_torchs_internal_assertion(tmp_path, monkeypatch):
+    import errno
+
+    from raytrain.checkpoint import storage
+
+    class FullDisk:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real = storage.filesystem
+
+    def full(uri):
+        fs, path = real(uri)
+        wrapped = type("Fs", (), {"create_dir": lambda self, *a, **k: fs.create_dir(*a, **k),
+                                  "open_output_stream": lambda self, p: FullDisk()})()
+        return wrapped, path
+
+    monkeypatch.setattr(storage, "filesystem", full)
+    d = str(tmp_path / "step_00000001")
+    with pytest.raises(checkpoint.CheckpointWriteError) as err:
+        checkpoint.save_shard(d, 0, _state())
+    assert str(err.value) == (f"cannot write checkpoint file {d}/stage-0.pt: no space left on device (ENOSPC): free "
+                              "space there, or point checkpoint.dir at another filesystem")
+
+
+def test_a_save_that_fails_names_the_last_good_checkpoint(tmp_path):
+    from raytrain.control.ledger import Ledger
+    from raytrain.control.protocol import StepFailed
+    from raytrain.control.saving import Checkpoints
+    from tests.helpers import fake_config
+
+    class FailingSaves:
+        def save(self, members, ckpt_dir):
+            raise StepFailed("a worker of stage 0 failed in save: CheckpointWriteError: cannot write ... (ENOSPC)")
+
+    cfg = fake_config(tmp_path)
+    saves = Checkpoints(FailingSaves(), Ledger(last_checkpoint="/ckpt/step_00000004"), cfg, [[[0]]])
+    with pytest.raises(StepFailed, match=r"\(ENOSPC\); the last good checkpoint is /ckpt/step_00000004: resume from it"):
+        saves.save([], 6, cfg.layout().mesh)

@@ -41,7 +41,7 @@ checkpoints without it. This package re-exports their public names (``checkpoint
 """
 
 from raytrain.checkpoint.assemble import Assembler, Boxes, Destination, Wanted, new_tensors, slice_boxes, slices_entry
-from raytrain.checkpoint.errors import CheckpointError
+from raytrain.checkpoint.errors import CheckpointError, CheckpointWriteError
 from raytrain.checkpoint.format import (CHECKSUM, FORMAT_VERSION, LINEAGE_FILE, MANIFEST, READABLE_FORMATS,
                                         read_manifest, shard_entries, shard_name, step_dir)
 from raytrain.checkpoint.listing import (Published, continued_lineage, latest, latest_of, list_checkpoints,
@@ -54,6 +54,7 @@ from raytrain.checkpoint.writing import new_lineage, new_step_dir, prune, publis
 __all__ = [
     "Assembler", "Boxes", "Destination", "Wanted", "new_tensors", "slice_boxes", "slices_entry",
     "CheckpointError",
+    "CheckpointWriteError",
     "CHECKSUM", "FORMAT_VERSION", "LINEAGE_FILE", "MANIFEST", "READABLE_FORMATS", "read_manifest", "shard_entries",
     "shard_name", "step_dir",
     "Published", "continued_lineage", "latest", "latest_of", "list_checkpoints", "list_published", "resolve",

@@ -8,6 +8,7 @@ before anything else; each worker streams its shard (``save_shard``), and the ch
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -15,7 +16,7 @@ import uuid
 from typing import Any, Optional
 
 import raytrain.checkpoint.storage as storage
-from raytrain.checkpoint.errors import CheckpointError
+from raytrain.checkpoint.errors import CheckpointError, CheckpointWriteError
 from raytrain.checkpoint.format import (CHECKSUM, FORMAT_VERSION, LINEAGE_FILE, MANIFEST, SELF_CHECKSUM, STEP_DIR,
                                        manifest_digest, shard_name)
 from raytrain.checkpoint.listing import list_published
@@ -46,11 +47,17 @@ class _HashingWriter:
 
     def __init__(self, out):
         self.out, self.hash, self.size = out, hashlib.sha256(), 0
+        self.error: Optional[OSError] = None
+        """The output stream's first error (torch.save reports it as its own, without the errno)."""
 
     def write(self, data) -> int:
         n = memoryview(data).nbytes
         self.hash.update(data)
-        self.out.write(data)
+        try:
+            self.out.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
         self.size += n
         return n
 
@@ -64,12 +71,27 @@ def save_shard(ckpt_dir: str, stage: int, shard: dict[str, Any], part: Optional[
     import torch
 
     name = shard_name(stage, part)
-    fs, path = storage.filesystem(storage.join_uri(ckpt_dir, name))
-    fs.create_dir(os.path.dirname(path), recursive=True)
-    with fs.open_output_stream(path) as f:
-        out = _HashingWriter(f)
-        torch.save(shard, out)
+    uri = storage.join_uri(ckpt_dir, name)
+    fs, path = storage.filesystem(uri)
+    out = None
+    try:
+        fs.create_dir(os.path.dirname(path), recursive=True)
+        with fs.open_output_stream(path) as f:
+            out = _HashingWriter(f)
+            torch.save(shard, out)
+    except (OSError, RuntimeError) as e:
+        cause = out.error if out is not None and out.error is not None else e
+        raise CheckpointWriteError(f"cannot write checkpoint file {uri}: {_reason(cause)}") from cause
     return {"file": name, "bytes": out.size, CHECKSUM: out.hash.hexdigest()}
+
+
+def _reason(error: BaseException) -> str:
+    """Why a write failed, in a person's words: the errno's name and text where the system gave one."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return "no space left on device (ENOSPC): free space there, or point checkpoint.dir at another filesystem"
+    if isinstance(error, OSError) and error.errno is not None:
+        return f"{errno.errorcode.get(error.errno, error.errno)}: {error.strerror}"
+    return str(error).splitlines()[0][:300] if str(error) else type(error).__name__
 
 
 def publish(ckpt_dir: str, manifest: dict[str, Any]) -> None:

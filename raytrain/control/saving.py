@@ -54,7 +54,7 @@ class PendingSave:
         if any(d is None or d.ckpt_dir != self.ckpt_dir for d in done):
             return None
         failed = [d.error for d in done if d.error]
-        if failed:
+        if failed:  # the run's Checkpoints add where to resume from
             raise StepFailed(f"writing the checkpoint {self.ckpt_dir} in the background failed: {failed[0]}")
         return [d.shard for d in done]
 
@@ -67,13 +67,11 @@ def start_background_save(group: WorkerGroup, savers: list[Member], step: int, c
     return PendingSave(ckpt_dir, step, list(savers), mesh, t0, max(stalls))
 
 
-def finish_background_save(group: WorkerGroup, pending: PendingSave) -> list[ShardReport]:
-    """Wait for every saver's background write; their shards. WorkersLost if a saver died."""
+def finish_background_save(group: WorkerGroup, pending: PendingSave) -> None:
+    """Wait for every saver's background write (``pending.written()`` then has their shards, or raises
+    for one that failed). WorkersLost if a saver died."""
     for member, result in zip(pending.savers, group.finish_save(pending.savers)):
         member.saved = result
-    shards = pending.written()
-    assert shards is not None, "every saver has finished its write"
-    return shards
 
 
 def publish_background_save(pending: PendingSave, shards: list[ShardReport], cfg: Config,
@@ -95,13 +93,30 @@ class Checkpoints:
         self.pending: Optional[PendingSave] = None
 
     def save(self, savers: list[Member], step: int, mesh: Mesh) -> str:
-        """Save and publish now (after the background save in flight); the directory. WorkersLost if a saver died."""
+        """Save and publish now (after the background save in flight); the directory. WorkersLost if a saver died;
+        StepFailed naming the last good checkpoint if a file could not be written (a full disk)."""
         self.wait()
         t0 = time.perf_counter()
-        ckpt_dir = save_checkpoint(self.group, savers, step, self.cfg, mesh, self.stage_layers, self.data)
+        try:
+            ckpt_dir = save_checkpoint(self.group, savers, step, self.cfg, mesh, self.stage_layers, self.data)
+        except StepFailed as failed:
+            raise StepFailed(f"{failed}; {self.last_good()}") from None
         seconds = time.perf_counter() - t0
         self._published(ckpt_dir, step, seconds, stall_s=seconds, background=False)
         return ckpt_dir
+
+    def _written(self, pending: PendingSave) -> Optional[list[ShardReport]]:
+        """``pending.written()``, its StepFailed naming where to resume from."""
+        try:
+            return pending.written()
+        except StepFailed as failed:
+            raise StepFailed(f"{failed}; {self.last_good()}") from None
+
+    def last_good(self) -> str:
+        """Where a run whose save failed can resume from, in words."""
+        last = self.ledger.last_checkpoint
+        return (f"the last good checkpoint is {last}: resume from it (checkpoint.resume=latest)" if last
+                else "no checkpoint was published yet")
 
     def start(self, savers: list[Member], step: int, mesh: Mesh) -> None:
         """Start a background save (after the one in flight). WorkersLost if a saver died."""
@@ -128,7 +143,7 @@ class Checkpoints:
     def publish_if_written(self) -> None:
         """Publish the background save once every saver's step report says its file is durable."""
         pending = self.pending
-        shards = pending.written() if pending is not None else None
+        shards = self._written(pending) if pending is not None else None
         if shards is not None:
             self.pending = None
             publish_background_save(pending, shards, self.cfg, self.stage_layers, self.data)
@@ -140,7 +155,7 @@ class Checkpoints:
         pending = self.pending
         if pending is not None:
             t0 = time.perf_counter()
-            if pending.written() is None:
+            if self._written(pending) is None:
                 finish_background_save(self.group, pending)
             pending.stall_s += time.perf_counter() - t0  # training waited for it
             self.publish_if_written()
@@ -152,7 +167,7 @@ class Checkpoints:
         pending = self.pending
         if pending is None or not any(m in lost for m in pending.savers):
             return
-        if pending.written() is not None:
+        if self._written(pending) is not None:
             self.publish_if_written()
             return
         self.pending = None
