@@ -3,6 +3,7 @@ and the refusal of a layout that cannot fit (raytrain.driver.memory): its figure
 degree of parallel.fsdp or parallel.pp that would fit."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -171,3 +172,45 @@ def test_the_builtin_gpts_arithmetic_counts_the_built_model(n_layer, d_model, vo
     counted, rows = builtin_gpt_layers(n_layer, d_model, vocab, seq_len)
     assert counted == [sum(p.numel() for p in layer.parameters()) for layer in layers]
     assert rows == shardable_rows(layers)
+
+
+# --- on GPUs: a device's memory, and what the GPU path adds --------------------------------------------
+
+
+def _gpu_nodes(*cards: str):
+    return [{"Alive": True, "Resources": {"CPU": 8.0, "GPU": 1.0, **({f"accelerator_type:{c}": 1.0} if c else {})}}
+            for c in cards]
+
+
+def test_a_layout_too_big_for_the_clusters_gpus_is_refused_with_what_fits(tmp_path, monkeypatch):
+    monkeypatch.setattr(driver_memory.ray, "nodes", lambda: _gpu_nodes("L4", "H100"))
+    cfg = _big(tmp_path, "model.n_layer=48", "model.d_model=4096", "model.n_head=32", "resources.use_gpu=true",
+               "resources.bf16=true")
+    assert driver_memory.worker_memory_bytes(cfg) == 80 * 2**30  # the larger card
+    with pytest.raises(ValueError) as refused:
+        check_run_memory(cfg, cfg.layout(), model_facts(cfg, None))
+    message = str(refused.value)
+    assert "more than the 80.00 GiB a worker has (one GPU of the largest kind the cluster has)" in message
+    assert "CUDA, NCCL, bf16 copies and allocator slack" in message and "would fit" in message
+    fits = re.search(r"parallel.fsdp=(\d+)", message)
+    sharded = dataclasses.replace(cfg.layout(), mesh=dataclasses.replace(cfg.layout().mesh, fsdp=int(fits[1])))
+    check_run_memory(cfg, sharded, model_facts(cfg, None))  # what it suggests fits
+
+
+def test_a_card_the_table_does_not_know_is_asked_and_a_cluster_without_gpus_is_not_checked(monkeypatch):
+    monkeypatch.setattr(driver_memory.ray, "nodes", lambda: _gpu_nodes("X9000"))
+    monkeypatch.setattr(driver_memory, "_probe_device_memory", lambda: 24 * 2**30)
+    assert driver_memory.device_memory_bytes() == 24 * 2**30
+    monkeypatch.setattr(driver_memory.ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 8.0}}])
+    assert driver_memory.device_memory_bytes() is None
+
+
+def test_the_gpu_path_adds_the_cuda_context_nccl_bf16_copies_and_allocator_slack():
+    from raytrain.models.memory import (ALLOCATOR_SLACK, CUDA_RUNTIME_BYTES, NCCL_BYTES, DeviceCosts)
+
+    args = dict(pp=1, fsdp=1, micro_batch=4, microbatches=1, schedule="1f1b", widths=None)
+    cpu = estimate([1000] * 4, **args)
+    alone = estimate([1000] * 4, **args, device=DeviceCosts(bf16=False, peers=False))
+    assert alone.device == pytest.approx(CUDA_RUNTIME_BYTES + ALLOCATOR_SLACK * cpu.total)
+    bf16 = estimate([1000] * 4, **args, device=DeviceCosts(bf16=True, peers=True))
+    assert bf16.device - alone.device == pytest.approx(NCCL_BYTES + 2 * 4000 * (1 + ALLOCATOR_SLACK))

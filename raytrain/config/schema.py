@@ -485,7 +485,8 @@ class ResourcesConfig:
     (one worker per node, so a node's loss costs one worker)."""
     check_memory: bool = True
     """Refuse, before any actor starts, a layout whose estimated memory per worker (raytrain.models.memory)
-    exceeds what a worker has on the cluster's largest node; false tries it anyway."""
+    exceeds what a worker has on the cluster's largest node (with resources.use_gpu, one GPU's memory); false
+    tries it anyway."""
 
     def __post_init__(self):
         require(self.placement_strategy in PLACEMENT_STRATEGIES, "resources.placement_strategy",

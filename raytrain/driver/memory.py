@@ -4,7 +4,9 @@ memory per CPU slot times resources.cpus_per_worker, on the node that has most).
 be killed by the memory monitor minutes later, or while saving, fails now with the figures and a
 degree of parallel.fsdp or parallel.pp that fits.
 
-On GPU, device memory is not among the resources Ray reports, so no check is made there (yet).
+On GPU the limit is a device's memory: read from the card Ray names on each node (its ``accelerator_type``
+resource, against a table of known cards), else asked of a device by a probe task; the estimate then adds
+what the GPU path costs beyond the tensors (raytrain.models.memory.DeviceCosts).
 """
 
 from __future__ import annotations
@@ -17,21 +19,65 @@ import ray
 from raytrain.config import Config
 from raytrain.config.layout import Layout
 from raytrain.config.prepared import ModelFacts
-from raytrain.models.memory import Widths, WorkerMemory, estimate, gib
+from raytrain.models.memory import DeviceCosts, Widths, WorkerMemory, estimate, gib
 from raytrain.pipeline.schedule import V_SCHEDULES
 
 LARGEST_SUGGESTED_DEGREE = 64
 """How far the suggestion of an fsdp or pp degree that fits looks."""
 
 
+KNOWN_DEVICE_GIB = {"H200": 141, "H100": 80, "GH200": 96, "A100": 40, "A100-80G": 80, "A10G": 24, "L4": 24,
+                    "L40S": 48, "T4": 16, "V100": 16, "P100": 16, "P4": 8, "K80": 12, "MI300x": 192, "MI250x": 128,
+                    "MI250": 128, "MI210": 64, "MI100": 32}
+"""Device memory (GiB) by Ray's accelerator_type name. Where one name covers several sizes (A100 40/80 GB,
+V100 16/32 GB) the smaller is taken: a refusal must never turn away a layout that fits by the card's name."""
+
+
 def worker_memory_bytes(cfg: Config) -> Optional[float]:
-    """Memory one worker may use on the cluster's most generous node: its memory per CPU slot times
-    resources.cpus_per_worker; None on GPUs (Ray does not report device memory) or when Ray reports none."""
+    """Memory one worker may use on the cluster's most generous node: on CPU its memory per CPU slot times
+    resources.cpus_per_worker; on GPU one device's memory (``device_memory_bytes``); None when unknown."""
     if cfg.resources.use_gpu:
-        return None
+        return device_memory_bytes()
     shares = [node["Resources"].get("memory", 0) * cfg.resources.cpus_per_worker / node["Resources"]["CPU"]
               for node in ray.nodes() if node["Alive"] and node["Resources"].get("CPU")]
     return max(shares, default=0) or None
+
+
+def device_memory_bytes() -> Optional[float]:
+    """The largest device memory of the cluster's GPU nodes: by the card each names (``accelerator_type:X``),
+    else asked of a device by a probe task; None when the cluster has no GPU or none answers in time."""
+    sizes = []
+    for node in ray.nodes():
+        resources = node["Resources"] if node["Alive"] else {}
+        if resources.get("GPU"):
+            cards = [k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")]
+            known = [KNOWN_DEVICE_GIB[c] * 2**30 for c in cards if c in KNOWN_DEVICE_GIB]
+            sizes.append(max(known) if known else None)
+    if not sizes:
+        return None
+    if None in sizes:  # a card the table does not know: ask one
+        sizes = [s for s in sizes if s is not None] + [_probe_device_memory()]
+    return max((s for s in sizes if s), default=None)
+
+
+def _probe_device_memory() -> Optional[float]:
+    """One GPU's memory, asked of it by a task holding it (bounded: None when no GPU is free in time)."""
+    probe = ray.remote(num_gpus=1, num_cpus=0)(_total_device_memory).remote()
+    try:
+        return ray.get(probe, timeout=DEVICE_PROBE_TIMEOUT_S)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
+        ray.cancel(probe, force=True)
+        return None
+
+
+DEVICE_PROBE_TIMEOUT_S = 60.0
+"""How long the memory check waits for a GPU to ask its memory of, before it goes unchecked."""
+
+
+def _total_device_memory() -> float:
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory)
 
 
 def layout_memory(cfg: Config, layout: Layout, layer_params: list[int]) -> WorkerMemory:
@@ -49,7 +95,8 @@ def layout_memory(cfg: Config, layout: Layout, layer_params: list[int]) -> Worke
                     recompute=cfg.train.activation_checkpointing, cuts=layout.cuts,
                     async_save=cfg.checkpoint.async_save, tp=layout.tp, virtual_stages=layout.virtual_stages,
                     head_split=by_vocabulary, table_split=m.vocab_size * m.d_model if by_vocabulary else 0,
-                    split=cfg.parallel.split_backward or layout.schedule in V_SCHEDULES)
+                    split=cfg.parallel.split_backward or layout.schedule in V_SCHEDULES,
+                    device=DeviceCosts(cfg.resources.bf16, layout.mesh.world_size > 1) if cfg.resources.use_gpu else None)
 
 
 def check_run_memory(cfg: Config, layout: Layout, model: ModelFacts) -> None:
@@ -69,9 +116,10 @@ def check_memory(cfg: Config, layout: Layout, layer_params: list[int], max_fsdp:
     need = layout_memory(cfg, layout, layer_params)
     if need.total <= limit:
         return
+    has = ("one GPU of the largest kind the cluster has" if cfg.resources.use_gpu else
+           f"resources.cpus_per_worker={cfg.resources.cpus_per_worker} CPU slot(s) of the largest node")
     raise ValueError(f"layout {layout.label}: each worker needs an estimated {need.describe()}, more than the "
-                     f"{gib(limit)} GiB a worker has (resources.cpus_per_worker={cfg.resources.cpus_per_worker} "
-                     f"CPU slot(s) of the largest node); {_what_fits(cfg, layout, layer_params, limit, max_fsdp)}, "
+                     f"{gib(limit)} GiB a worker has ({has}); {_what_fits(cfg, layout, layer_params, limit, max_fsdp)}, "
                      "or set resources.check_memory=false to try anyway")
 
 
@@ -92,5 +140,5 @@ def _what_fits(cfg: Config, layout: Layout, layer_params: list[int], limit: floa
                 break
     if not fits:
         return ("no parallel.fsdp or parallel.pp up to the model's limits fits: use nodes with more memory per "
-                "CPU slot, a larger resources.cpus_per_worker, or a smaller model")
+                "CPU slot (GPUs with more memory), a larger resources.cpus_per_worker, or a smaller model")
     return " or ".join(fits) + " would fit" + (" (with parallel.schedule=1f1b, virtual_stages=1)" if chunked else "")

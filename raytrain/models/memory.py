@@ -18,7 +18,10 @@ Arithmetic on parameter counts and widths, no torch. The estimate of the fullest
   with activation checkpointing each layer's input plus one layer rebuilt in backward; the last
   stage adds its logits and their gradient. Not estimated for a model.factory model, whose layers raytrain does not know;
 - **snapshot**: with checkpoint.async_save, the host copy of its parameters and moments that a background
-  save writes while training goes on (12 bytes per parameter it owns).
+  save writes while training goes on (12 bytes per parameter it owns);
+- **device** (GPU runs only, ``device_costs``): the CUDA context and libraries' workspaces, NCCL's buffers
+  when there are peers, with resources.bf16 a bf16 copy of every parameter its forward casts (2 bytes per
+  parameter of its stage), and the caching allocator's slack over all of it.
 
 It is an estimate, not a bound: the allocator's slack, torch's own workspace and the libraries
 (about 400 MB per worker process on CPU) come on top.
@@ -43,6 +46,14 @@ ACCUMULATED_GRAD_BYTES_PER_PARAM = 4
 """fp32 unsharded gradient FSDP2 holds between micro-batches (gradient sync only after the last)."""
 ACTIVATION_VALUES_PER_TOKEN_WIDTH = 34
 """Values a transformer layer saves for backward per token and unit of width (Korthikanti et al.)."""
+CUDA_RUNTIME_BYTES = 0.75 * 2**30
+"""A GPU worker's CUDA context, cuBLAS and cuDNN workspaces, before any tensor."""
+NCCL_BYTES = 0.5 * 2**30
+"""NCCL's communicator buffers of a worker that has peers (a few channels of NCCL_BUFFSIZE per peer and group)."""
+BF16_COPY_BYTES_PER_PARAM = 2
+"""The bf16 copy of a parameter that autocast makes for a forward (and keeps for its backward)."""
+ALLOCATOR_SLACK = 0.10
+"""The share the CUDA caching allocator holds beyond what tensors use (fragmentation, rounding)."""
 
 
 @dataclass(frozen=True)
@@ -63,16 +74,34 @@ class WorkerMemory:
     unsharded: float
     activations: float
     snapshot: float = 0.0
+    device: float = 0.0
+    """What a GPU adds (``device_costs``); 0 on CPU."""
 
     @property
     def total(self) -> float:
-        return self.state + self.unsharded + self.activations + self.snapshot
+        return self.state + self.unsharded + self.activations + self.snapshot + self.device
 
     def describe(self) -> str:
         """``5.21 GiB (state 4.80, gathered layer 0.25, activations 0.16)``"""
         parts = f"state {gib(self.state)}, gathered layer {gib(self.unsharded)}, activations {gib(self.activations)}"
         parts += f", checkpoint snapshot {gib(self.snapshot)}" if self.snapshot else ""
+        parts += f", CUDA, NCCL, bf16 copies and allocator slack {gib(self.device)}" if self.device else ""
         return f"{gib(self.total)} GiB ({parts})"
+
+
+@dataclass(frozen=True)
+class DeviceCosts:
+    """A GPU run's worker: whether its forward casts to bf16 and whether it has peers (NCCL)."""
+
+    bf16: bool
+    peers: bool
+
+    def extra(self, stage_params: float, tensors: float) -> float:
+        """Bytes beyond ``tensors`` (the state, gathered layers, activations) a worker holding ``stage_params``
+        parameters of its stage needs on the device."""
+        casts = BF16_COPY_BYTES_PER_PARAM * stage_params if self.bf16 else 0.0
+        fixed = CUDA_RUNTIME_BYTES + (NCCL_BYTES if self.peers else 0.0)
+        return fixed + casts + ALLOCATOR_SLACK * (tensors + casts)
 
 
 def builtin_gpt_layers(n_layer: int, d_model: int, vocab_size: int, seq_len: int) -> tuple[list[int], int]:
@@ -104,14 +133,15 @@ def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, m
              widths: Optional[Widths], recompute: bool = False,
              cuts: Optional[tuple[int, ...]] = None, async_save: bool = False, tp: int = 1,
              virtual_stages: int = 1, head_split: bool = False, table_split: int = 0,
-             split: bool = False) -> WorkerMemory:
+             split: bool = False, device: Optional[DeviceCosts] = None) -> WorkerMemory:
     """The fullest worker's needs when the model's layers (their parameter counts, in order) are cut
     into ``pp`` x ``virtual_stages`` chunks, each worker holding ``virtual_stages`` of them, and each
     sharded ``fsdp`` ways; ``micro_batch`` rows per micro-batch. With ``tp`` > 1 each layer between the
     first and the last (the blocks) holds a ``1 / tp`` part; the embedding and the head stay whole on
     every tp rank, but for ``table_split`` of the embedding's parameters (its token table) and, with
     ``head_split``, the head (with its logits), split by vocabulary. ``split``: the
-    plan splits backwards into input and weight halves (sharded layers then stay gathered)."""
+    plan splits backwards into input and weight halves (sharded layers then stay gathered). ``device``: a
+    GPU run's costs beyond the tensors (None on CPU)."""
     chunks = stage_bounds(layer_params, pp * virtual_stages, cuts)
     last_layer = len(layer_params) - 1
     whole = (0,) if head_split else (0, last_layer)
@@ -131,8 +161,9 @@ def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, m
         last = any(end == len(layer_params) for _, end in held)  # it computes the logits
         layers = max(end - first for first, end in held)
         activations = _activations(widths, micro_batch, layers, recompute, last, live, logits_part) if widths else 0.0
-        snapshot = SNAPSHOT_BYTES_PER_PARAM * sum(params) / fsdp if async_save else 0.0
-        candidate = WorkerMemory(state, unsharded, activations, snapshot)
+        snapshot = SNAPSHOT_BYTES_PER_PARAM * sum(params) / fsdp if async_save and device is None else 0.0  # host, on GPU
+        extra = device.extra(sum(params), state + unsharded + activations) if device else 0.0
+        candidate = WorkerMemory(state, unsharded, activations, snapshot, extra)
         worst = candidate if candidate.total > worst.total else worst
     return worst
 
