@@ -115,9 +115,10 @@ class Coordinator:
         return self.ledger.take_rows()
 
     @ray.method(enable_task_events=False)  # every worker calls it every second
-    def beat(self, pid: int) -> None:
-        """A worker's proof that it is alive (raytrain.control.liveness), from a thread of its own."""
-        self.heartbeats.beat(pid)
+    def beat(self, pid: int) -> Optional[int]:
+        """A worker's proof that it is alive (raytrain.control.liveness), from a thread of its own; the answer
+        is the newest generation whose groups its survivors must abort (None: none)."""
+        return self.heartbeats.beat(pid)
 
     @ray.method(enable_task_events=False)
     def request_stop(self, reason: str) -> None:
@@ -353,10 +354,19 @@ keep the freed memory, so the worker's resident set would grow back to a replica
 they are mapped and returned on free instead, on huge pages where the kernel allows (fewer faults)."""
 
 
+NCCL_SURVIVES_ERRORS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
+"""A GPU worker's NCCL watchdog: on a failed or timed-out collective it aborts the communicators (2) instead
+of ending the process (torch's default, 3), and no monitoring thread ends a process whose watchdog seems
+stuck: a survivor of a lost peer lives on to re-form (raytrain.worker.groups.abort_groups)."""
+
+
 def _worker_options(cfg: Config) -> dict:
     options = {"num_cpus": cfg.resources.cpus_per_worker, "num_gpus": 1 if cfg.resources.use_gpu else 0}
+    env = dict(NCCL_SURVIVES_ERRORS) if cfg.resources.use_gpu else {}
     if cfg.parallel.fsdp > 1 and not cfg.resources.use_gpu:
-        options["runtime_env"] = {"env_vars": {"GLIBC_TUNABLES": SHARDED_CPU_MALLOC}}
+        env["GLIBC_TUNABLES"] = SHARDED_CPU_MALLOC
+    if env:
+        options["runtime_env"] = {"env_vars": env}
     return options
 
 

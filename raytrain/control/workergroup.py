@@ -38,6 +38,7 @@ class RayWorkerGroup(WorkerGroup):
         stopped beating (raytrain.control.liveness), killed while a call waits for them."""
         self.worker_cls = ray.remote(worker_cls) if not hasattr(worker_cls, "remote") else worker_cls
         self.options, self.spec, self.hung = options, spec, hung
+        self.generation: Optional[int] = None  # the generation last joined
         self.placement_prefix = placement_prefix
         self._placement_numbers = itertools.count()  # never reused: Ray refuses a second live group of a name
         self.own_placements: list = []
@@ -100,7 +101,8 @@ class RayWorkerGroup(WorkerGroup):
         """Every member's outcome, waiting up to ``timeout`` in all; with ``settle_s``, only that long
         after the first member reported a failed step (``ok`` false): its collectives failed against
         a peer, and a peer still silent once the others' have timed out is hung, not slow."""
-        ready = _wait_settled(replies, timeout, settle_s, lambda pending: self._kill_silent(members, replies, pending))
+        ready = _wait_settled(replies, timeout, settle_s, lambda ready, pending: self._watch(members, replies, ready,
+                                                                                                pending))
         outcomes = []
         for m, ref in zip(members, replies):
             if ref not in ready:
@@ -127,6 +129,7 @@ class RayWorkerGroup(WorkerGroup):
     def join(self, ranked: list[tuple[int, Member]], mesh: Mesh, shares: list[int], store: StoreAddress,
              generation: int, faults: list[str]) -> list[JoinReport]:
         members = [m for _, m in ranked]
+        self.generation = generation  # a member lost from now on aborts this one
         replies = [m.handle.join.remote(rank, mesh, shares, store, generation, faults) for rank, m in ranked]
         return self._answers("join", members, replies, SETUP_TIMEOUT_S)
 
@@ -188,15 +191,19 @@ class RayWorkerGroup(WorkerGroup):
         for m in members:
             m.handle.leave.remote()
 
-    def _kill_silent(self, members: list[Member], replies: list, pending: list) -> None:
-        """Kill the members whose reply is pending and whose heartbeat stopped (``Hung``), once each: their
-        replies then fail as a dead worker's, and their peers' collectives fail at once."""
+    def _watch(self, members: list[Member], replies: list, ready: list, pending: list) -> None:
+        """While a call waits: kill the members whose reply is pending and whose heartbeat stopped (``Hung``),
+        once each, and once a member is lost (killed so, or its actor dead) have the generation's survivors
+        abort their process groups, so that a collective blocked on it returns (raytrain.control.liveness)."""
         if self.hung is None:
             return
         waiting = [m for m, ref in zip(members, replies) if ref in pending and m.hung is None]
-        for m, silent_s in self.hung.found(waiting):
+        killed = self.hung.found(waiting)
+        for m, silent_s in killed:
             m.hung = round(silent_s, 1)
             self.kill_hung(m)
+        if self.generation is not None and (killed or any(_died(ref) for ref in ready)):
+            self.hung.heartbeats.abort(self.generation)
 
     def kill(self, member: Member) -> None:
         """End the member's actor (at the end of a run, or when it is lost)."""
@@ -236,20 +243,31 @@ class Hung:
 
 
 def _wait_settled(refs: list, timeout: float, settle_s: Optional[float],
-                  on_pending: Callable[[list], None] = lambda pending: None) -> list:
+                  on_poll: Callable[[list, list], None] = lambda ready, pending: None) -> list:
     """The refs ready within ``timeout``, or (with ``settle_s``) within ``settle_s`` of the first failed reply;
-    ``on_pending(pending refs)`` every POLL_S meanwhile (the silent are killed there)."""
+    ``on_poll(ready refs, pending refs)`` every POLL_S meanwhile (the silent are killed there)."""
     deadline, failed_at, looked_at = time.monotonic() + timeout, None, set()
     while True:
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=min(POLL_S, timeout))
         now = time.monotonic()
         if not pending or now >= deadline or (failed_at is not None and now - failed_at >= settle_s):
             return ready
-        on_pending(pending)
+        on_poll(ready, pending)
         new = [ref for ref in ready if ref not in looked_at]
         looked_at.update(new)
         if settle_s is not None and failed_at is None and any(_failed(ref) for ref in new):
             failed_at = now
+
+
+def _died(ref) -> bool:
+    """Whether a ready reply is its actor's death (not a reply of its own)."""
+    try:
+        ray.get(ref, timeout=0)
+    except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError):
+        return True
+    except ray.exceptions.RayError:
+        return False
+    return False
 
 
 def _failed(ref) -> bool:

@@ -78,6 +78,8 @@ class StepReport:
     drain_skipped: bool = False
     """Not run: the step before it was the boundary where a worker leaves, so the step sent ahead waits
     for the re-formed run (every worker of the generation skips it alike)."""
+    aborted: bool = False
+    """The coordinator had this worker abort its process groups during the step (a peer was lost)."""
 
 
 @dataclass

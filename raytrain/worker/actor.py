@@ -68,7 +68,8 @@ class StageWorker:
         from raytrain.worker.heartbeat import Heartbeat
 
         # beating from the start: a worker that hangs while it starts is found as one that hangs in a step
-        self.heartbeat = Heartbeat(spec.heartbeat_to) if spec.heartbeat_to is not None else None
+        self.heartbeat = None if spec.heartbeat_to is None else Heartbeat(
+            spec.heartbeat_to, on_abort=lambda generation: self.stage.abort(generation) if hasattr(self, "stage") else None)
         import_torch_uncollected()
         from raytrain.worker.drain import DrainWatch
         from raytrain.worker.stage import Stage

@@ -89,3 +89,17 @@ def destroy_groups() -> None:
         dist.destroy_process_group()
     else:
         reset_process_group_counter()  # its last init failed (a peer died during a repair)
+
+
+def abort_groups(groups: Groups) -> None:
+    """Abort every process group of a generation (``ProcessGroup.abort``), from any thread: a collective
+    blocked in one returns with an error (NCCL aborts its communicators; gloo's abort, in torch 2.13, does not
+    interrupt a collective already blocked, which its peer's death or the group timeout then ends)."""
+    every = [groups.dp_group, groups.pp_group, groups.fsdp_group, groups.tp_group, *groups.tie_groups.values()]
+    if dist.is_initialized():
+        every.append(dist.group.WORLD)
+    for group in {id(g): g for g in every if g is not None}.values():
+        try:
+            group.abort()
+        except RuntimeError:  # already aborted or torn down: nothing is blocked in it any more
+            pass

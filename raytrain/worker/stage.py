@@ -54,7 +54,7 @@ from raytrain.worker.activations import TensorShape
 from raytrain.worker.executor import PlanExecutor
 from raytrain.worker.generation import Generation, form_generation
 from raytrain.worker.gradsync import clip_global_norm
-from raytrain.worker.groups import Groups, destroy_groups
+from raytrain.worker.groups import Groups, abort_groups, destroy_groups
 from raytrain.worker.phases import PhaseHook, phase_hook
 from raytrain.worker.stage_eval import HeldOutLoss
 from raytrain.worker.stage_layers import Grads, stage_layers
@@ -108,6 +108,7 @@ class Stage:
         self.hook = PhaseHook()  # called at every phase point; the last join's faults arm it
         self.saves = ShardSaves(self.state, stage, self.layers.part)
         self.joins = 0  # join attempts so far, successful or not
+        self.aborted: set[int] = set()  # generations whose groups this worker aborted
 
     # --- membership ------------------------------------------------------------------------------
 
@@ -153,6 +154,15 @@ class Stage:
         if self.joins:
             gc.collect()  # a full collection: worth it only once a join may have left groups behind
 
+    def abort(self, generation: int) -> None:
+        """A member of ``generation`` was lost (the coordinator says so through the heartbeat's thread): abort
+        this worker's process groups of it, so that a collective blocked on the lost peer returns. Groups of
+        a later generation are left alone."""
+        gen = self.gen
+        if gen is not None and gen.number <= generation and gen.number not in self.aborted:
+            self.aborted.add(gen.number)
+            abort_groups(gen.groups)
+
     def commit_prepared(self, step: int) -> int:
         """Roll forward: apply the prepared update of ``step`` (every worker voted for it)."""
         if self.prepared == step and self.committed == step:
@@ -193,6 +203,7 @@ class Stage:
             return StepReport(rank=self.rank, step=step, ok=False, committed=self.committed, drain_skipped=True,
                               error="skipped: a worker leaves the run before this step")
         report = StepReport(rank=self.rank, step=step, ok=False, committed=self.committed)
+        step_gen = self.gen  # leave() drops it on a failure: the report still says whether it was aborted
         try:
             self.state.buffers.before_step(step)  # a step tried again starts from the statistics it started from
             self._prepare(step, trace, report)
@@ -219,6 +230,7 @@ class Stage:
             # instead of waiting out elastic.detect_timeout_s. State stays; groups re-form on join.
             self.leave()
         report.committed, report.prepared = self.committed, self.prepared
+        report.aborted = step_gen is not None and step_gen.number in self.aborted
         return report
 
     def skip_step(self, step: int) -> int:

@@ -1,0 +1,72 @@
+"""Liveness and the abort path: a worker beats from a thread of its own; the coordinator answers each beat
+with the newest generation a member of which was lost, and a worker aborts its process groups of that
+generation (never of a later one). The frozen workers found by their silence are in tests/test_elastic.py."""
+
+import threading
+import time
+
+import pytest
+import ray
+
+from raytrain.control.liveness import Heartbeats
+from raytrain.worker.heartbeat import Heartbeat
+
+
+def test_a_beat_is_answered_with_the_newest_generation_to_abort_and_silence_is_counted():
+    beats = Heartbeats()
+    assert beats.silent_s(41) == 0.0  # never beat: starting, not silent
+    assert beats.beat(41) is None
+    time.sleep(0.05)
+    assert 0.04 < beats.silent_s(41) < 1
+    beats.abort(3)
+    beats.abort(2)  # an older loss reported late: the newest stays
+    assert beats.beat(41) == 3 and beats.silent_s(41) < 0.04
+
+
+def test_a_stage_aborts_the_groups_of_the_generation_named_and_of_no_later_one(make_config, monkeypatch):
+    from raytrain.config.mesh import Mesh
+    from raytrain.config.prepared import Slot
+    from raytrain.driver.plan import prepare
+    from raytrain.driver.rendezvous import RendezvousStore
+    from raytrain.worker import stage as stage_module
+
+    aborted = []
+    monkeypatch.setattr(stage_module, "abort_groups", lambda groups: aborted.append(groups))
+    stage = stage_module.Stage(prepare(make_config("train.steps=1")).worker_spec(), Slot(0))
+    rendezvous = RendezvousStore()
+    try:
+        stage.join(0, Mesh(), [8], rendezvous.address("127.0.0.1", "abort"), generation=4, faults=[])
+        stage.abort(3)  # an earlier generation's loss: this one's groups are not its
+        assert aborted == []
+        stage.abort(4)
+        stage.abort(5)  # once per generation
+        assert aborted == [stage.gen.groups]
+        assert stage.run_step(0).aborted  # the step says its groups were aborted
+    finally:
+        stage.shutdown()
+        rendezvous.close()
+
+
+@pytest.mark.ray
+def test_the_heartbeat_thread_hands_the_answer_to_abort(ray_session):
+    @ray.remote(num_cpus=0)
+    class Coordinator:
+        def beat(self, pid):
+            return 7
+
+    got, done = [], threading.Event()
+    beat = Heartbeat(Coordinator.remote(), on_abort=lambda generation: got.append(generation) or done.set())
+    try:
+        assert done.wait(10), "no abort within 10 s of the coordinator's answer"
+    finally:
+        beat.stop()
+    assert got[0] == 7
+
+
+def test_gpu_workers_keep_their_process_when_nccl_fails_and_cpu_workers_get_no_nccl_settings(make_config):
+    from raytrain.control.coordinator import NCCL_SURVIVES_ERRORS, _worker_options
+
+    gpu = _worker_options(make_config("resources.use_gpu=true"))
+    assert gpu["runtime_env"]["env_vars"] == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
+    assert gpu["num_gpus"] == 1 and NCCL_SURVIVES_ERRORS["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert "runtime_env" not in _worker_options(make_config())
