@@ -137,7 +137,7 @@ def test_the_held_out_rows_are_the_last_and_the_sample_order_never_reaches_them(
 def fake_run(tmp_path, *overrides, dp=2):
     cfg = fake_config(tmp_path, f"parallel.dp={dp}", "data.eval_fraction=0.1", *overrides)
     group = FakeWorkerGroup(1, initial=dp)
-    coordinator = Coordinator(fake_prepared(cfg), Reservation(None), group=group)
+    coordinator = Coordinator(fake_prepared(cfg), Reservation(None), worker_group=group)
     summary = coordinator.run(store=None)
     return coordinator, group, summary, coordinator.poll()
 
@@ -156,7 +156,7 @@ def test_a_worker_lost_during_an_evaluation_is_repaired_and_the_evaluation_run_a
     assert [(r["during"], r["step"]) for r in repair] == [("eval", 4)] and summary.failures == 1
     assert evaluated(rows) == {s: fake_eval_loss(chain(range(s))) for s in (2, 4, 6)}
     assert group.spawned == 3 and summary.committed_steps == list(range(6))
-    assert {m.handle.committed for m in coordinator.team.members()} == {6}
+    assert {m.handle.committed for m in coordinator.membership.members()} == {6}
 
 
 def test_a_rolled_forward_step_gets_its_evaluation(tmp_path):

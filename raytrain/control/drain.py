@@ -66,7 +66,7 @@ class Drains:
     def holds(self) -> bool:
         """Whether a worker told to leave in the next step trains on while its replacement starts
         (elastic.replace_at_notice): not with a standby replica waiting, nor while the run stops."""
-        return self.replace_at_notice and self.crew.team.formable() == 0 and not self.stopping()
+        return self.replace_at_notice and self.crew.membership.formable() == 0 and not self.stopping()
 
     def noticed(self, reports: list[StepReport], held: bool) -> None:
         """Note the members whose reply to a step (sent with ``held``) carries a notice for the first
@@ -75,13 +75,13 @@ class Drains:
         self._voted = self._voted or any(r.drain_after for r in reports)
         if not any(r.draining is not None for r in reports):
             return
-        team = self.crew.team
-        by_rank, mesh = dict(team.ranked()), team.mesh()
+        membership = self.crew.membership
+        by_rank, mesh = dict(membership.ranked()), membership.mesh()
         new = [(r, by_rank[r.rank]) for r in reports
                if r.draining is not None and r.rank in by_rank and id(by_rank[r.rank]) not in self._noted]
         for r, m in new:
             self._noted[id(m)] = (m, r.draining)
-        if not held or self.stopping() or len(self._noted) >= len(team.members()):
+        if not held or self.stopping() or len(self._noted) >= len(membership.members()):
             return  # the run stops, or every worker goes (it saves and stops): none is replaced
         for r, m in new:
             if r.draining.deadline is None:
@@ -105,7 +105,7 @@ class Drains:
             if self.crew.replacement_up(replacement) is False:
                 self.crew.cancel_replacement(self._replacements.pop(key))
         unreplaced = any(key not in self._replacements for key in self._noted)
-        if self._voted or unreplaced or len(self._noted) >= len(self.crew.team.members()):
+        if self._voted or unreplaced or len(self._noted) >= len(self.crew.membership.members()):
             return True
         if all(self.crew.replacement_up(r) for r in self._replacements.values()):
             return True
@@ -115,14 +115,14 @@ class Drains:
     def _forget_those_out_of_the_run(self) -> None:
         """A noted member no longer in the generation (its replica broke under another loss: it waits as a
         spare) is let go now, before a re-form could take it back; its replacement stays as a spare."""
-        members, team = {id(m) for m in self.crew.team.members()}, self.crew.team
+        members, membership = {id(m) for m in self.crew.membership.members()}, self.crew.membership
         for key, (m, _) in list(self._noted.items()):
             if key not in members:
                 del self._noted[key]
                 self._replacements.pop(key, None)
-                if any(s is m for s in team.spares):
-                    self.crew.group.kill(m)
-                    team.drop_dead([m])
+                if any(s is m for s in membership.spares):
+                    self.crew.worker_group.kill(m)
+                    membership.drop_dead([m])
         self._voted = self._voted and bool(self._noted)
 
     def needing_replacement(self, leaving: list[Member]) -> list[Member]:
@@ -142,7 +142,7 @@ class Drains:
 
     def state(self) -> Draining:
         """The noted members still in the run (one lost since was repaired as a loss) and their notices."""
-        live = {id(m) for m in self.crew.team.members()}
+        live = {id(m) for m in self.crew.membership.members()}
         members, notices = zip(*(entry for key, entry in self._noted.items() if key in live))
         return Draining(tuple(members), tuple(notices))
 
@@ -165,24 +165,24 @@ class Drains:
         return event
 
 
-def next_move(state: Draining, team: Membership, checkpointed: bool) -> DrainMove:
+def next_move(state: Draining, membership: Membership, checkpointed: bool) -> DrainMove:
     """What the boundary does with the leaving (``checkpointed``: the current step has a checkpoint)."""
     leaving = {id(m) for m in state.leaving}
-    staying = [m for m in team.members() if id(m) not in leaving]
+    staying = [m for m in membership.members() if id(m) not in leaving]
     if not staying:
         return DrainMove.STOP
-    if {m.slot for m in staying} != set(team.slots) and not checkpointed:
+    if {m.slot for m in staying} != set(membership.slots) and not checkpointed:
         return DrainMove.SAVE_FIRST
     return DrainMove.REFORM
 
 
-def drain_event(state: Draining, team: Membership, step: int, reason: str) -> dict:
+def drain_event(state: Draining, membership: Membership, step: int, reason: str) -> dict:
     """The ``drain`` event: who leaves, why, how long the notice gave them, at which step."""
-    mesh, leaving = team.mesh(), {id(m) for m in state.leaving}
+    mesh, leaving = membership.mesh(), {id(m) for m in state.leaving}
     first = min(n.noticed_at for n in state.notices)
     deadlines = [n.deadline for n in state.notices if n.deadline is not None]
     return {"event": "drain", "step": step, "reason": reason,
-            "workers": [place_of(mesh.label(rank)) for rank, m in team.ranked() if id(m) in leaving],
+            "workers": [place_of(mesh.label(rank)) for rank, m in membership.ranked() if id(m) in leaving],
             "why": sorted({n.why for n in state.notices}), "noticed_at": first,
             "notice_to_boundary_s": round(time.time() - first, 3),
             "deadline_s": round(min(deadlines) - first, 3) if deadlines else None}

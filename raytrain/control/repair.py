@@ -67,8 +67,8 @@ class Repairs:
         crew, ledger = self.crew, self.ledger
         t0, detected_at = time.perf_counter(), time.time()
         failed_step, lost = ledger.step, list(state.lost)
-        mesh = crew.team.mesh()
-        places = {id(m): place_of(mesh.label(rank)) for rank, m in crew.team.ranked() if m in lost}
+        mesh = crew.membership.mesh()
+        places = {id(m): place_of(mesh.label(rank)) for rank, m in crew.membership.ranked() if m in lost}
         settle = NO_DECISION
         if state.interrupted is Interrupted.STEP:
             settle = self.policy.settle_step(failed_step, [r.committed for r in state.reports])
@@ -86,7 +86,7 @@ class Repairs:
                      "rolled_forward": settle.action is Action.ROLL_FORWARD,
                      "retrying_step": failed_step if settle.action is Action.RETRY else None,
                      "new_layout": crew.label(), "generation": crew.generation, "repair_s": round(seconds, 3),
-                     "pending_replacements": len(crew.team.pending),
+                     "pending_replacements": len(crew.membership.pending),
                      "decisions": [d.record() for d in (settle, capacity) if d is not NO_DECISION],
                      **_hung(lost, places, self.cfg.elastic.detect_timeout_s),
                      "reason": "lost worker(s); survivors kept, groups re-formed, batch re-divided"})
@@ -103,8 +103,8 @@ class Repairs:
         """An ``oom`` event for each member of ``lost`` that was lost to memory (once each): which worker
         (its replica, shard and stage), what the run was doing, who ended it and its node's memory.
         Its repair follows as for any lost worker (a replica remains) or a reload (none does)."""
-        mesh = self.crew.team.mesh()
-        ranks = {id(m): rank for rank, m in self.crew.team.ranked()}
+        mesh = self.crew.membership.mesh()
+        ranks = {id(m): rank for rank, m in self.crew.membership.ranked()}
         for m in lost:
             if m.oom is None or id(m) in self.oom_events:
                 continue
@@ -147,7 +147,7 @@ class Repairs:
         died = self.crew.roll_forward(step, reports, lost)
         self.ledger.time.rolled_forward(step)
         # Held like any committed step's row: its held-out loss and checkpoint path may follow.
-        row = steps.rolled_forward_row(step, reports, self.cfg, self.crew.team.mesh(), self.num_samples,
+        row = steps.rolled_forward_row(step, reports, self.cfg, self.crew.membership.mesh(), self.num_samples,
                                        self.crew.label())
         self.ledger.commit(step, row)
         return died
@@ -185,10 +185,10 @@ class Repairs:
         crew, t0 = self.crew, time.monotonic()
         crew.admit_started(0, self.policy.target_dp)
         while True:
-            decision = self.policy.capacity(crew.team.dp, time.monotonic() - t0)
-            if decision.action is Action.WAIT and self.stopping() and crew.team.dp > 0:
+            decision = self.policy.capacity(crew.membership.dp, time.monotonic() - t0)
+            if decision.action is Action.WAIT and self.stopping() and crew.membership.dp > 0:
                 # A stop was asked for: save from the replicas there are now rather than wait for more.
-                return Decision(Action.CONTINUE, f"stopping: {crew.team.dp} live replica(s) save the checkpoint "
+                return Decision(Action.CONTINUE, f"stopping: {crew.membership.dp} live replica(s) save the checkpoint "
                                 "without waiting for replacements", "elastic.min_dp")
             if decision.action is Action.CONTINUE:
                 return decision
@@ -200,7 +200,7 @@ class Repairs:
         """If some slot has no member at the ledger's step, every member reloads the last checkpoint
         (a sharded run at dp=1 has no live copy of a lost shard)."""
         crew, ledger = self.crew, self.ledger
-        decision = self.policy.stale_stages(crew.team.stale_stages(ledger.step), ledger.last_checkpoint)
+        decision = self.policy.stale_stages(crew.membership.stale_stages(ledger.step), ledger.last_checkpoint)
         if decision.action is Action.NONE:
             return
         if decision.action is Action.GIVE_UP:
@@ -224,9 +224,9 @@ class Repairs:
         started at the notice is up; one that is not is cancelled: raytrain.control.drain), and the run
         re-forms as after a loss (shrinking if elastic.min_dp allows, taking a standby, else waiting for
         replacements); the ``drain`` event goes out with the first step without them."""
-        move = next_move(state, self.crew.team, self.ledger.checkpointed(self.ledger.step))
+        move = next_move(state, self.crew.membership, self.ledger.checkpointed(self.ledger.step))
         if move is DrainMove.STOP:
-            self.ledger.emit(drain_event(state, self.crew.team, self.ledger.step, "every worker was told to "
+            self.ledger.emit(drain_event(state, self.crew.membership, self.ledger.step, "every worker was told to "
                                          "leave: checkpoint and stop (exit 143); resume from the checkpoint"))
             self.drains.gone(None)
             self.request_stop("SIGTERM")
@@ -235,10 +235,10 @@ class Repairs:
             return Checkpointing()  # then back here, through RUNNING
         t0 = time.perf_counter()
         why = ", ".join(sorted({n.why for n in state.notices}))
-        event = drain_event(state, self.crew.team, self.ledger.step,
+        event = drain_event(state, self.crew.membership, self.ledger.step,
                             f"told to leave ({why}); left at a step boundary, no step redone")
         for m in state.leaving:
-            self.crew.group.kill(m)
+            self.crew.worker_group.kill(m)
         respawn = self.drains.needing_replacement(list(state.leaving))
         capacity = self._reform(list(state.leaving), respawn)
         event.update(new_layout=self.crew.label(), generation=self.crew.generation,
@@ -261,11 +261,11 @@ class Repairs:
             if granted:
                 self.ledger.emit({"event": "capacity", "new_workers": granted,
                                   "reason": "the cluster granted another replica's resources (up to elastic.max_dp)"})
-        if crew.team.dp >= self.policy.target_dp or not (crew.team.pending or crew.team.spares):
+        if crew.membership.dp >= self.policy.target_dp or not (crew.membership.pending or crew.membership.spares):
             return NO_DECISION
-        before = crew.team.dp
+        before = crew.membership.dp
         crew.admit_started(0, self.policy.target_dp)
-        return self.policy.grow(before, crew.team.dp - before)
+        return self.policy.grow(before, crew.membership.dp - before)
 
     def growing(self, state: Growing) -> State:
         """Re-form with the replicas ``growth`` formed; they take their state from live peers."""

@@ -21,12 +21,12 @@ from raytrain.control.protocol import StepFailed, WorkerGroup, WorkersLost
 from raytrain.reports import ShardReport
 
 
-def save_checkpoint(group: WorkerGroup, savers: list[Member], step: int, cfg: Config, mesh: Mesh,
+def save_checkpoint(worker_group: WorkerGroup, savers: list[Member], step: int, cfg: Config, mesh: Mesh,
                     stage_layers: list[list[list[int]]]) -> str:
     """Have ``savers`` (one member per slot, in slot order) write their shards into a new directory under
     checkpoint.dir, publish its manifest and prune; returns the directory. WorkersLost if a saver died."""
     ckpt_dir = checkpoint.new_step_dir(cfg.checkpoint.dir, step, cfg.checkpoint.lineage)
-    shards = group.save(savers, ckpt_dir)
+    shards = worker_group.save(savers, ckpt_dir)
     checkpoint.publish(ckpt_dir, manifest(step, shards, cfg, mesh, stage_layers))
     checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.lineage)
     return ckpt_dir
@@ -58,17 +58,17 @@ class PendingSave:
         return [d.shard for d in done]
 
 
-def start_background_save(group: WorkerGroup, savers: list[Member], step: int, cfg: Config, mesh: Mesh) -> PendingSave:
+def start_background_save(worker_group: WorkerGroup, savers: list[Member], step: int, cfg: Config, mesh: Mesh) -> PendingSave:
     """Have ``savers`` (one member per slot) snapshot their shards and write them into a new directory in the
     background; returns once every snapshot is taken. WorkersLost if a saver died."""
     ckpt_dir, t0 = checkpoint.new_step_dir(cfg.checkpoint.dir, step, cfg.checkpoint.lineage), time.perf_counter()
-    stalls = group.start_save(savers, ckpt_dir)
+    stalls = worker_group.start_save(savers, ckpt_dir)
     return PendingSave(ckpt_dir, step, list(savers), mesh, t0, max(stalls))
 
 
-def finish_background_save(group: WorkerGroup, pending: PendingSave) -> list[ShardReport]:
+def finish_background_save(worker_group: WorkerGroup, pending: PendingSave) -> list[ShardReport]:
     """Wait for every saver's background write; their shards. WorkersLost if a saver died."""
-    for member, result in zip(pending.savers, group.finish_save(pending.savers)):
+    for member, result in zip(pending.savers, worker_group.finish_save(pending.savers)):
         member.saved = result
     shards = pending.written()
     assert shards is not None, "every saver has finished its write"
@@ -87,15 +87,15 @@ class Checkpoints:
     """The run's saves, synchronous or in the background (at most one in flight), and their publication:
     each published checkpoint becomes the ledger's ``last_checkpoint`` and a ``checkpoint`` event."""
 
-    def __init__(self, group: WorkerGroup, ledger: Ledger, cfg: Config, stage_layers: list[list[list[int]]]):
-        self.group, self.ledger, self.cfg, self.stage_layers = group, ledger, cfg, stage_layers
+    def __init__(self, worker_group: WorkerGroup, ledger: Ledger, cfg: Config, stage_layers: list[list[list[int]]]):
+        self.worker_group, self.ledger, self.cfg, self.stage_layers = worker_group, ledger, cfg, stage_layers
         self.pending: Optional[PendingSave] = None
 
     def save(self, savers: list[Member], step: int, mesh: Mesh) -> str:
         """Save and publish now (after the background save in flight); the directory. WorkersLost if a saver died."""
         self.wait()
         t0 = time.perf_counter()
-        ckpt_dir = save_checkpoint(self.group, savers, step, self.cfg, mesh, self.stage_layers)
+        ckpt_dir = save_checkpoint(self.worker_group, savers, step, self.cfg, mesh, self.stage_layers)
         seconds = time.perf_counter() - t0
         self._published(ckpt_dir, step, seconds, stall_s=seconds, background=False)
         return ckpt_dir
@@ -103,9 +103,9 @@ class Checkpoints:
     def start(self, savers: list[Member], step: int, mesh: Mesh) -> None:
         """Start a background save (after the one in flight). WorkersLost if a saver died."""
         self.wait()
-        self.pending = start_background_save(self.group, savers, step, self.cfg, mesh)
+        self.pending = start_background_save(self.worker_group, savers, step, self.cfg, mesh)
 
-    def save_before_giving_up(self, team: Membership, lost: tuple[Member, ...]) -> Optional[str]:
+    def save_before_giving_up(self, membership: Membership, lost: tuple[Member, ...]) -> Optional[str]:
         """For a run that gives up: keep the held step row, finish (or settle) the background save, and
         save what the survivors (not ``lost``) committed when no checkpoint has it; the directory saved,
         else None. The ledger's ``last_checkpoint`` is the latest either way."""
@@ -115,7 +115,7 @@ class Checkpoints:
             self.wait()
         except WorkersLost as also_lost:
             self.settle(tuple(also_lost.dead))
-        saved, event = save_survivors(self.group, team, ledger.step, lost, ledger.last_checkpoint, self.cfg,
+        saved, event = save_survivors(self.worker_group, membership, ledger.step, lost, ledger.last_checkpoint, self.cfg,
                                       self.stage_layers)
         if event is not None:
             ledger.emit(event)
@@ -138,7 +138,7 @@ class Checkpoints:
         if pending is not None:
             t0 = time.perf_counter()
             if pending.written() is None:
-                finish_background_save(self.group, pending)
+                finish_background_save(self.worker_group, pending)
             pending.stall_s += time.perf_counter() - t0  # training waited for it
             self.publish_if_written()
 
@@ -174,7 +174,7 @@ def manifest(step: int, shards: list[ShardReport], cfg: Config, mesh: Mesh, stag
     }
 
 
-def save_survivors(group: WorkerGroup, team: Membership, step: int, lost: tuple[Member, ...],
+def save_survivors(worker_group: WorkerGroup, membership: Membership, step: int, lost: tuple[Member, ...],
                    last_checkpoint: Optional[str], cfg: Config,
                    stage_layers: list[list[list[int]]]) -> tuple[Optional[str], Optional[dict]]:
     """Save committed ``step`` from live workers (not in ``lost``) that hold every slot's state at it,
@@ -187,11 +187,11 @@ def save_survivors(group: WorkerGroup, team: Membership, step: int, lost: tuple[
         saved_step = -1  # unreadable now: save anew
     if step <= saved_step:
         return None, None
-    holders = team.holders(step, excluding=list(lost))
+    holders = membership.holders(step, excluding=list(lost))
     try:
         if holders is None:
             raise WorkersLost([])
-        saved = save_checkpoint(group, holders, step, cfg, team.mesh().with_dp(1), stage_layers)
+        saved = save_checkpoint(worker_group, holders, step, cfg, membership.mesh().with_dp(1), stage_layers)
     except WorkersLost:
         return None, {"event": "not_saved", "step": step,
                       "reason": "no live worker holds some slot's state at this step (or one was lost saving)"}
