@@ -211,7 +211,7 @@ class Coordinator:
         if self.in_flight is None:
             if self.stopping:
                 return Stopping()
-            if self.drains.due(self.step_s):
+            if self.drains.leaving_at_next_boundary(self.step_s):
                 return self.drains.state()
             growth = self.repairs.growth()
             if growth.action is Action.GROW:
@@ -239,10 +239,10 @@ class Coordinator:
         self.step_s = time.perf_counter() - call.started
         row = steps.aggregate_step(ledger.step, reports, self.step_s, self.cfg, self.membership.mesh(), self.layout())
         ledger.commit(ledger.step, row)
-        drained = self.drains.committed()
+        drained = self.drains.event_after_commit()
         if drained is not None:
-            ledger.emit(drained)
-        self.drains.noticed(reports, call.hold)
+            ledger.emit(drained.record())
+        self.drains.note_notices(reports, call.hold)
         self.checkpoints.publish_if_written()
         if ahead is not None:
             ahead.started = time.perf_counter()
@@ -251,12 +251,13 @@ class Coordinator:
 
     def _send(self, step: int, started: Optional[float]) -> StepCall:
         trace = step - self.ledger.first_step < self.cfg.run.trace_steps  # a resumed run traces its own first steps
-        return steps.send(self.crew.worker_group, self.membership.members(), step, trace, started, self.drains.holds())
+        return steps.send(self.crew.worker_group, self.membership.members(), step, trace, started,
+                          self.drains.holds_notices())
 
     def _may_send_ahead(self, step: int) -> bool:
         return may_send_ahead(step, self.cfg.train.steps, self.cfg.checkpoint.every,
                               self.crew.changing(self.policy.target_dp) or self.stopping
-                              or self.drains.due(self.step_s),
+                              or self.drains.leaving_at_next_boundary(self.step_s),
                               self.cfg.eval.every)
 
     def _wait_out(self, call: Optional[StepCall]) -> list[Member]:

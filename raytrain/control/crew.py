@@ -10,6 +10,7 @@ It knows nothing of steps, policies or metrics: the states decide, the crew carr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Optional
 
 from raytrain.config.layout import Layout
@@ -21,6 +22,17 @@ from raytrain.reports import StepReport
 
 GRANT_AT_START_S = 1.0
 """How long the start waits for replicas beyond parallel.dp before starting without them."""
+
+
+class ReplacementState(str, Enum):
+    """Where a replacement started at a notice (``Crew.start_replacement``) is."""
+
+    STARTING = "starting"
+    """Its actor is not up yet."""
+    UP = "up"
+    """Its actor is up (or it was admitted among the spares): it can take its slot at the boundary."""
+    FAILED = "failed"
+    """It died while starting (or was restarted since, as another member): it will not take its slot."""
 
 
 @dataclass(frozen=True)
@@ -123,16 +135,15 @@ class Crew:
         self.worker_group.cancel_elsewhere(replacement)
         self.membership.drop_dead([replacement, *same_place])
 
-    def replacement_up(self, member: Member) -> Optional[bool]:
-        """Of a worker started by ``start_replacement``: True once up (its actor alive, or admitted), False
-        if it died while starting (or was restarted since, as another member), None while it starts. It
-        does not wait."""
+    def replacement_state(self, member: Member) -> ReplacementState:
+        """Where a worker started by ``start_replacement`` is: starting, up or failed. It does not wait."""
         if member in self.membership.pending:
             if not self.worker_group.started([member], 0):
-                return None
+                return ReplacementState.STARTING
             member.pid = self.worker_group.pid(member, SETUP_TIMEOUT_S)  # it has started: no wait
-            return member.pid is not None
-        return any(m is member for m in self.membership.everyone())
+            return ReplacementState.UP if member.pid is not None else ReplacementState.FAILED
+        alive = any(m is member for m in self.membership.everyone())
+        return ReplacementState.UP if alive else ReplacementState.FAILED
 
     def admit_started(self, wait_s: float, target_dp: int) -> None:
         """Move started replacements to the spares (restarting any that died while starting), and
@@ -155,7 +166,8 @@ class Crew:
         """Whether a replica may join at the next step boundary: the run is below ``target_dp`` and a
         placement is not yet granted, a worker is starting or a spare waits (at the target, they are
         standby)."""
-        return self.membership.dp < target_dp and bool(self.unused_placements or self.membership.pending or self.membership.spares)
+        membership = self.membership
+        return membership.dp < target_dp and bool(self.unused_placements or membership.pending or membership.spares)
 
     # --- state ------------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ coordinator, which saves what the survivors hold and ends the run.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Optional
 
@@ -20,7 +21,7 @@ from raytrain.config.faults import FaultPlan
 from raytrain.config.mesh import place_of
 from raytrain.control import steps
 from raytrain.control.crew import Crew
-from raytrain.control.drain import DrainMove, Drains, drain_event, next_move
+from raytrain.control.drain import DrainMove, Drains, Reformed, drain_event, next_move
 from raytrain.control.ledger import Ledger
 from raytrain.control.membership import Member
 from raytrain.control.policy import NO_DECISION, Action, Decision, ElasticPolicy
@@ -227,8 +228,8 @@ class Repairs:
         move = next_move(state, self.crew.membership, self.ledger.checkpointed(self.ledger.step))
         if move is DrainMove.STOP:
             self.ledger.emit(drain_event(state, self.crew.membership, self.ledger.step, "every worker was told to "
-                                         "leave: checkpoint and stop (exit 143); resume from the checkpoint"))
-            self.drains.gone(None)
+                                         "leave: checkpoint and stop (exit 143); resume from the checkpoint").record())
+            self.drains.drained(None)
             self.request_stop("SIGTERM")
             return Running()  # which stops at once: STOPPING saves, then FINISHED
         if move is DrainMove.SAVE_FIRST:
@@ -241,11 +242,11 @@ class Repairs:
             self.crew.worker_group.kill(m)
         respawn = self.drains.needing_replacement(list(state.leaving))
         capacity = self._reform(list(state.leaving), respawn)
-        event.update(new_layout=self.crew.label(), generation=self.crew.generation,
-                     replaced_at_notice=len(state.leaving) - len(respawn),  # by replacements up at the boundary
-                     reform_s=round(time.perf_counter() - t0, 3),
-                     decisions=[capacity.record()] if capacity is not NO_DECISION else [])
-        self.drains.gone(event)
+        reformed = Reformed(new_layout=self.crew.label(), generation=self.crew.generation,
+                            replaced_at_notice=len(state.leaving) - len(respawn),
+                            reform_s=round(time.perf_counter() - t0, 3),
+                            decisions=(capacity,) if capacity is not NO_DECISION else ())
+        self.drains.drained(dataclasses.replace(event, reformed=reformed))
         self.ledger.flush_row(None)
         return Running()
 

@@ -58,7 +58,8 @@ class PendingSave:
         return [d.shard for d in done]
 
 
-def start_background_save(worker_group: WorkerGroup, savers: list[Member], step: int, cfg: Config, mesh: Mesh) -> PendingSave:
+def start_background_save(worker_group: WorkerGroup, savers: list[Member], step: int, cfg: Config,
+                          mesh: Mesh) -> PendingSave:
     """Have ``savers`` (one member per slot) snapshot their shards and write them into a new directory in the
     background; returns once every snapshot is taken. WorkersLost if a saver died."""
     ckpt_dir, t0 = checkpoint.new_step_dir(cfg.checkpoint.dir, step, cfg.checkpoint.lineage), time.perf_counter()
