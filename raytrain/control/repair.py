@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from raytrain import checkpoint
@@ -28,9 +29,40 @@ from raytrain.control.policy import NO_DECISION, Action, Decision, ElasticPolicy
 from raytrain.control.protocol import WorkersLost
 from raytrain.control.runstate import (Checkpointing, Draining, Evaluating, Growing, Interrupted, Repairing,
                                        Running, State)
+from raytrain.reports.oom import OutOfMemory
 
 CAPACITY_POLL_S = 1.0
 """How often a run below elastic.min_dp checks whether replacements have started."""
+
+
+@dataclass(frozen=True)
+class OomEvent:
+    """The ``oom`` event of a worker lost to memory: which worker (its place, replica, shard and stage; no
+    replica when it was not in the generation), what the run was doing (``during``: an Interrupted value
+    or ``join``) at the ledger's ``step``, and how it ran out (who ended it, its node's memory)."""
+
+    step: int
+    during: str
+    worker: str
+    replica: Optional[int]
+    shard: int
+    stage: int
+    pid: Optional[int]
+    oom: OutOfMemory
+
+    def record(self) -> dict:
+        """The event's row in metrics.jsonl."""
+        return {"event": "oom", "step": self.step, "during": self.during, "worker": self.worker,
+                "replica": self.replica, "shard": self.shard, "stage": self.stage, "pid": self.pid,
+                **self.oom.record(),
+                "reason": "out of memory: the worker leaves the run like a lost worker (repaired, or reloaded)"}
+
+    def text(self) -> str:
+        """Which worker ran out of memory, how, and what the run was doing (a step, a save, an evaluation)."""
+        step = self.step
+        running = {"step": f"a step (step {step + 1})", "checkpoint": f"a save (the checkpoint of step {step})",
+                   "eval": f"an evaluation (after step {step})"}.get(self.during, f"re-forming the groups (step {step + 1})")
+        return f"{self.worker} {self.oom.text()} during {running}"
 
 
 class GiveUp(Exception):
@@ -56,7 +88,7 @@ class Repairs:
         self.drains = drains
         self.request_stop = request_stop
         self._next_grow_poll = 0.0
-        self.oom_events: dict[int, dict] = {}
+        self.oom_events: dict[int, OomEvent] = {}
         """The ``oom`` event of each worker lost to memory, by id of its member."""
         self._last_oom_step: Optional[int] = None
         """The ledger's step when a worker was last lost to memory (a second loss there gives up)."""
@@ -110,25 +142,18 @@ class Repairs:
             if m.oom is None or id(m) in self.oom_events:
                 continue
             rank = ranks.get(id(m))
-            replica = mesh.coords(rank)[0] if rank is not None else None
-            event = {"event": "oom", "step": self.ledger.step, "during": during,
-                     "worker": place_of(mesh.label(rank)) if rank is not None else f"shard {m.shard} stage {m.stage}",
-                     "replica": replica, "shard": m.shard, "stage": m.stage, "pid": m.pid, **m.oom.record(),
-                     "reason": "out of memory: the worker leaves the run like a lost worker (repaired, or reloaded)"}
+            event = OomEvent(step=self.ledger.step, during=during,
+                             worker=place_of(mesh.label(rank)) if rank is not None else f"shard {m.shard} stage {m.stage}",
+                             replica=mesh.coords(rank)[0] if rank is not None else None, shard=m.shard, stage=m.stage,
+                             pid=m.pid, oom=m.oom)
             self.oom_events[id(m)] = event
-            self.ledger.emit(event)
+            self.ledger.emit(event.record())
 
     def out_of_memory(self, lost: tuple[Member, ...]) -> Optional[str]:
         """For a run that gives up after losing ``lost``: which worker ran out of memory, how, and what the
         run was doing (a step, a save, an evaluation), or None when no worker of them was lost to memory."""
-        found = next(((m, self.oom_events[id(m)]) for m in lost if id(m) in self.oom_events), None)
-        if found is None:
-            return None
-        m, event = found
-        step = event["step"]
-        running = {"step": f"a step (step {step + 1})", "checkpoint": f"a save (the checkpoint of step {step})",
-                   "eval": f"an evaluation (after step {step})"}.get(event["during"], f"re-forming the groups (step {step + 1})")
-        return f"{event['worker']} {m.oom.text()} during {running}"
+        found = next((self.oom_events[id(m)] for m in lost if id(m) in self.oom_events), None)
+        return found.text() if found is not None else None
 
     def _give_up_on_repeated_oom(self, lost: list[Member]) -> None:
         if not any(m.oom is not None for m in lost):

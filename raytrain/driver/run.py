@@ -150,7 +150,6 @@ def _result(plan: PreparedRun, summary: RunSummary, restarts: int, reporter: Run
     batch = plan.cfg.train.global_batch
     samples_per_s = len(timed) * batch / sum(r["step_s"] for r in timed) if timed else 0.0
     measured = [r for r in steps if "eval_loss" in r]
-    goodput = [e for e in reporter.events if e["event"] == "goodput"]
     return Result(
         steps=summary.steps, final_loss=steps[-1]["loss"] if steps else float("nan"),
         samples_per_s=samples_per_s, checkpoint=summary.checkpoint, run_dir=plan.run_dir,
@@ -160,7 +159,7 @@ def _result(plan: PreparedRun, summary: RunSummary, restarts: int, reporter: Run
         skipped_steps=[s + 1 for s in summary.skipped_steps], state_digests=summary.digests,
         eval_loss=measured[-1]["eval_loss"] if measured else None,
         eval_metrics={k: v for k, v in evaluated(measured[-1]).items() if k != "eval_loss"} if measured else {},
-        goodput={k: v for k, v in goodput[-1].items() if k != "event"} if goodput else None,
+        goodput=reporter.goodput.record() if reporter.goodput is not None else None,
     )
 
 
@@ -191,7 +190,7 @@ def _run_coordinators(plan: PreparedRun, placement, reporter: RunReporter, on_ro
                 summary = _drive(coordinator, store, reporter, on_rows, stop)
                 if summary.time_book:
                     goodput = Goodput.of(summary.time_book, time.perf_counter() - launched, created - first_created)
-                    reporter.add([{"event": "goodput", **goodput.record()}])
+                    reporter.add_goodput(goodput)
                 return summary, restarts
             except ray.exceptions.RayError as e:
                 if stop.reason is not None and (_coordinator_lost(e) or (embedded() and not cluster_reachable())):
