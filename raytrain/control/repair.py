@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from raytrain import checkpoint
 from raytrain.config import Config
-from raytrain.config.faults import FaultPlan
+from raytrain.config.faults import remaining_faults
 from raytrain.config.mesh import place_of
 from raytrain.control import steps
 from raytrain.control.crew import Crew
@@ -110,7 +110,7 @@ class Repairs:
         self._report_oom(lost, state.interrupted.value)
         self._give_up_on_repeated_oom(lost)
         self._count_failure(lost)  # after the step is settled: a run that gives up saves its survivors' state
-        crew.faults = FaultPlan.remaining(crew.faults, failed_step)  # fired, or moot: slots are renumbered now
+        crew.faults = remaining_faults(crew.faults, failed_step)  # fired, or moot: slots are renumbered now
         capacity = self._reform(lost, self.drains.needing_replacement(lost))
         seconds = time.perf_counter() - t0
         ledger.recovery_s.append(round(seconds, 3))
@@ -195,7 +195,7 @@ class Repairs:
                 lost += more.dead  # not to be saved from if the run gives up
                 self._report_oom(more.dead, "join")
                 self._count_failure(lost)
-                crew.faults = FaultPlan.remaining(crew.faults, ledger.step, keep_join=False)
+                crew.faults = remaining_faults(crew.faults, ledger.step, keep_join=False)
                 ledger.emit({"event": "repair_failed", "step": ledger.step, "lost": len(more.dead),
                              "reason": "lost worker(s) while re-forming groups; repairing again"})
                 dead, respawn = more.dead, self.drains.needing_replacement(more.dead)
