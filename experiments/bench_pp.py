@@ -276,7 +276,7 @@ def theory_bubble(kind: str, m: int) -> float:
     if kind in V_SCHEDULES:
         if kind == "dualpipev" and m < 2 * PP:
             return float("nan")  # neither side runs it (DualPipeV fills a V of 2 PP micro-batches)
-        finish, busy, _ = checker.simulate(schedule.build_plan(kind, PP, m, True, 2), 1.0, 2.0, 1.0,
+        finish, busy, _ = checker.simulate(schedule.build_schedule(kind, PP, m, True, 2), 1.0, 2.0, 1.0,
                                            placement=Placement.of_schedule(kind, PP, 2))
         return 1.0 - sum(busy) / (finish * PP)
     return checker.bubble_formula(PP, m, 2 if kind == "interleaved_1f1b" else 1)

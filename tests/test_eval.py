@@ -41,29 +41,29 @@ def evaluated(rows: list[dict]) -> dict[int, float]:
     return {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
 
 
-# --- plans and rules (no processes) -------------------------------------------------------------
+# --- schedules and rules (no processes) -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("pp, m", [(1, 1), (2, 2), (4, 3)])
-def test_the_evaluation_plan_is_forwards_only_and_cannot_deadlock(pp, m):
-    plan = schedule.forward_only(pp, m)
-    checker.simulate(plan)  # raises PlanError on a deadlock or an unmatched message
-    assert {a.kind for acts in plan for a in acts} <= {FORWARD, SEND_F, RECV_F}
-    assert [[a.mb for a in acts if a.kind is FORWARD] for acts in plan] == [list(range(m))] * pp
+def test_the_evaluation_schedule_is_forwards_only_and_cannot_deadlock(pp, m):
+    forward = schedule.forward_only(pp, m)
+    checker.simulate(forward)  # raises ScheduleError on a deadlock or an unmatched message
+    assert {a.kind for acts in forward for a in acts} <= {FORWARD, SEND_F, RECV_F}
+    assert [[a.mb for a in acts if a.kind is FORWARD] for acts in forward] == [list(range(m))] * pp
 
 
 @pytest.mark.parametrize("placement", [Placement(2, 2), Placement(3, 3), Placement(2, 2, v_shape=True),
                                        Placement(4, 2, v_shape=True)], ids=repr)
-def test_the_evaluation_plan_of_chunked_workers_runs_every_chunk_once_per_micro_batch(placement):
-    plan = schedule.forward_only(placement.workers, 3, placement)
-    checker.simulate(plan, placement=placement)
-    for worker, acts in enumerate(plan):
+def test_the_evaluation_schedule_of_chunked_workers_runs_every_chunk_once_per_micro_batch(placement):
+    forward = schedule.forward_only(placement.workers, 3, placement)
+    checker.simulate(forward, placement=placement)
+    for worker, acts in enumerate(forward):
         forwards = [(a.chunk, a.mb) for a in acts if a.kind is FORWARD]
         assert sorted(forwards) == [(c, mb) for c in range(placement.chunks) for mb in range(3)]
         local = [a for a in acts if a.kind in (SEND_F, RECV_F) and placement.is_local(worker, a.chunk, a.kind.peer)]
         assert not local  # a hand-off between chunks of one worker is no message
     # chunk by chunk, so the micro-batches pipeline: faster than each micro-batch through every stage in turn
-    finish, _, _ = checker.simulate(plan, placement=placement)
+    finish, _, _ = checker.simulate(forward, placement=placement)
     def in_stage_order(worker):
         return sorted(range(placement.chunks), key=lambda c: placement.stage(worker, c))
 
@@ -205,7 +205,7 @@ def test_an_evaluation_changes_no_training_state(make_config):
 
 # --- real runs on Ray actors --------------------------------------------------------------------
 
-# An evaluation runs the forward-only plan whatever parallel.schedule trains (worker/generation.py):
+# An evaluation runs the forward-only schedule whatever parallel.schedule trains (worker/generation.py):
 # gpipe here; the default 1f1b trains dp2xpp2-m2 here and the pp=2 runs of the eval_path and kill tests.
 LAYOUTS = {
     "dp1": [],
