@@ -55,9 +55,9 @@ def bench_config(steps, extra=()):
 
 
 def stage_cut(cfg) -> list[range]:
-    from raytrain.driver.model_check import plan_layout
+    from raytrain.driver.model_check import model_layout
 
-    return plan_layout(cfg).stage_ranges
+    return model_layout(cfg).stage_ranges
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -91,9 +91,9 @@ def run_executor_without_ray(steps, warmup, m, schedule, workdir):
     import executor_without_ray
 
     cfg = bench_config(steps, [f"parallel.microbatches={m}", f"parallel.schedule={schedule}"])
-    from raytrain.driver.model_check import plan_layout
+    from raytrain.driver.model_check import model_layout
 
-    ends = executor_without_ray.launch(cfg, plan_layout(cfg).worker_layers, workdir, f"no-ray-{schedule}-{m}")
+    ends = executor_without_ray.launch(cfg, model_layout(cfg).worker_layers, workdir, f"no-ray-{schedule}-{m}")
     return {"samples_per_s": steady_rate(ends, warmup)}
 
 

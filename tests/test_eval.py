@@ -123,11 +123,11 @@ def test_holding_out_too_many_rows_leaves_too_few_to_train_on(make_config, tmp_p
 
 def test_the_held_out_rows_are_the_last_and_the_sample_order_never_reaches_them(make_config, tmp_path):
     path = _tokens(tmp_path / "hundred.parquet", rows=100)
-    plan = prepare(make_config(f"data.path={path}", "data.eval_fraction=0.25", "eval.every=2", "eval.batches=3"))
-    assert (plan.num_samples, plan.held_out) == (75, 25)
-    consumed = data.sample_ids(plan.cfg.train.seed, plan.num_samples, 0, 3 * 100)
+    prepared = prepare(make_config(f"data.path={path}", "data.eval_fraction=0.25", "eval.every=2", "eval.batches=3"))
+    assert (prepared.num_samples, prepared.held_out) == (75, 25)
+    consumed = data.sample_ids(prepared.cfg.train.seed, prepared.num_samples, 0, 3 * 100)
     assert set(consumed) == set(range(75))
-    assert data.held_out_source(plan.cfg, plan.source, plan.num_samples) == (plan.source.train, 75)
+    assert data.held_out_source(prepared.cfg, prepared.source, prepared.num_samples) == (prepared.source.train, 75)
     assert data.held_out_ids(75, 1, 8, 4, 8) == [87, 88, 89, 90]  # batch 1, the second replica's half
 
 
@@ -180,9 +180,9 @@ class Recorder(PhaseHook):
 
 def test_an_evaluation_changes_no_training_state(make_config):
     threads = torch.get_num_threads()
-    plan = prepare(make_config(*EVAL))
+    prepared = prepare(make_config(*EVAL))
     recorder = Recorder()
-    stage = Stage(plan.worker_spec(), Slot(0), make_hook=lambda specs, replica, stage_index, shard: recorder)
+    stage = Stage(prepared.worker_spec(), Slot(0), make_hook=lambda specs, replica, stage_index, shard: recorder)
     rendezvous = RendezvousStore()
     try:
         stage.join(0, Mesh(), [8], rendezvous.address("127.0.0.1", "eval-state"), generation=0, faults=[])
@@ -194,9 +194,9 @@ def test_an_evaluation_changes_no_training_state(make_config):
         assert all(torch.equal(a, b) for a, b in zip(stage.grads.buffers, grads))
         assert stage.executor.module.training and stage.committed == 1 and stage.prepared is None
         assert recorder.calls == [("eval", 1)]  # no phase of a training step: no step fault fires
-        model, _ = train_reference(plan.cfg, 1)
+        model, _ = train_reference(prepared.cfg, 1)
         assert result.ok and result.rows == 16
-        assert result.loss_sum / result.rows == pytest.approx(reference_eval_loss(plan.cfg, model), rel=1e-5)
+        assert result.loss_sum / result.rows == pytest.approx(reference_eval_loss(prepared.cfg, model), rel=1e-5)
     finally:
         stage.shutdown()
         rendezvous.close()
@@ -267,8 +267,8 @@ def test_eval_path_holds_the_rows_of_a_separate_file(ray_session, make_config, t
     held = _tokens(tmp_path / "held.parquet", rows=20)
     cfg = make_config("train.steps=2", "eval.every=2", "eval.batches=2", f"data.eval_path={held}",
                       "parallel.pp=2", "parallel.microbatches=2")
-    plan = prepare(cfg)
-    assert plan.held_out == 20 and plan.num_samples == 200000 // 17  # every row of the corpus is trained on
+    prepared = prepare(cfg)
+    assert prepared.held_out == 20 and prepared.num_samples == 200000 // 17  # every row of the corpus is trained on
     result = train(cfg)
     assert result.eval_loss == pytest.approx(reference_eval_losses(cfg, (2,))[0], rel=1e-5)
     assert math.isfinite(result.eval_loss)

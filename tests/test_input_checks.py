@@ -15,7 +15,7 @@ import pytest
 
 from raytrain import data, train
 from raytrain.config import load_config
-from raytrain.driver.plan import prepare
+from raytrain.driver.prepare import prepare
 
 
 def _cli(*args: str, env=None, cwd=None) -> subprocess.CompletedProcess:
@@ -243,10 +243,10 @@ def test_prepare_counts_windows_for_training_and_held_out_rows(tmp_path, data_ca
     base = ["model.seq_len=16", "train.global_batch=4", f"data.cache_dir={data_cache}", f"run.dir={tmp_path / 'r'}",
             f"data.path={train_path}"]
     assert prepare(load_config(None, base)).num_samples == 40
-    plan = prepare(load_config(None, base + ["data.eval_fraction=0.25"]))
-    assert (plan.num_samples, plan.held_out) == (30, 10)
-    plan = prepare(load_config(None, base + [f"data.eval_path={eval_path}"]))
-    assert (plan.num_samples, plan.held_out) == (40, 4)
+    prepared = prepare(load_config(None, base + ["data.eval_fraction=0.25"]))
+    assert (prepared.num_samples, prepared.held_out) == (30, 10)
+    prepared = prepare(load_config(None, base + [f"data.eval_path={eval_path}"]))
+    assert (prepared.num_samples, prepared.held_out) == (40, 4)
 
 
 def test_long_rows_train_every_window_exactly_once_per_epoch(ray_session, make_config, tmp_path):
