@@ -174,7 +174,7 @@ def build(model_cfg):
 
 def test_cli_imports_a_factory_that_imports_torch_at_its_top(tmp_path):
     # The driver imports torch.distributed in a background thread; importing the user's module at the
-    # same time used to crash every time with 'cannot initialize type "RpcBackendOptions"'.
+    # same time must not race it (the race crashes with 'cannot initialize type "RpcBackendOptions"').
     (tmp_path / "torch_at_top.py").write_text(FACTORY_IMPORTING_TORCH)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     tiny = str(Path(__file__).parents[1] / "experiments/configs/tiny.yaml")

@@ -1,6 +1,7 @@
-"""Input that used to fail late, with a traceback, or silently (issue 25): each now ends in one line
-naming the file or key and the fix, with exit 2, before any actor starts; and token rows longer than
-model.seq_len + 1 train as all their windows instead of being cut."""
+"""Bad input (a config file that is not YAML or cannot be read, a bad --set value, an unwritable cache
+directory, a factory that returns the wrong type, a broken sweep file) ends in one line naming the file or
+key and the fix, with exit 2, before any actor starts, never in a traceback or silently; and token rows
+longer than model.seq_len + 1 train as all their windows, none cut."""
 
 import io
 import os
@@ -164,7 +165,7 @@ def test_cli_names_a_factory_of_the_wrong_type(factory_dir, tmp_path, data_cache
     _one_line_exit_2(proc, "model.factory='ic_bad_factories:number'", "returned int", "nn.Sequential")
 
 
-# --- token rows longer than model.seq_len + 1: every window, none cut (issue 25, item 5) ---------------
+# --- token rows longer than model.seq_len + 1: every window, none cut -----------------------------------
 
 
 def _rows_of(lengths, start=0) -> list[list[int]]:

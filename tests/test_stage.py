@@ -174,7 +174,7 @@ def test_a_background_write_begins_when_released_and_reports_its_result_or_its_e
 
 def test_a_worker_imports_torch_with_the_collector_paused_and_freezes_what_it_imported():
     """In a fresh interpreter, as a worker process starts: afterwards the collector runs again, and the
-    imported objects (hundreds of thousands) are frozen, so a full collection no longer walks them."""
+    imported objects (hundreds of thousands) are frozen, so a full collection does not walk them."""
     import subprocess
     import sys
 

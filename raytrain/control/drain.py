@@ -119,7 +119,7 @@ class Drains:
         return any(notice.deadline - now < margin for _, notice in self._noted.values())
 
     def _forget_those_out_of_the_run(self) -> None:
-        """A noted member no longer in the generation (its replica broke under another loss: it waits as a
+        """A noted member out of the generation (its replica broke under another loss: it waits as a
         spare) is let go now, before a re-form could take it back; its replacement stays as a spare."""
         members, membership = {id(m) for m in self.crew.membership.members()}, self.crew.membership
         for key, (m, _) in list(self._noted.items()):
