@@ -62,7 +62,7 @@ def evaluate(worker_group: WorkerGroup, members: list[Member], columns: int, tim
 
 
 def evaluating(crew: Crew, ledger: Ledger, cfg: Config) -> State:
-    """EVALUATING: every member evaluates; the held step row gets the loss; then a checkpoint, if one is
+    """EVALUATING: every member evaluates; the waiting step row gets the loss; then a checkpoint, if one is
     due (a worker lost meanwhile: REPAIRING, which comes back here)."""
     t0, membership = time.perf_counter(), crew.membership
     try:
@@ -70,6 +70,6 @@ def evaluating(crew: Crew, ledger: Ledger, cfg: Config) -> State:
                             ledger.step, crew.label())
     except WorkersLost as lost:
         return Repairing(tuple(lost.dead), Interrupted.EVAL)
-    assert ledger.held_row is not None, "an evaluation follows a committed step"
-    ledger.held_row.update(**held_out.row(), eval_s=round(time.perf_counter() - t0, 3))
+    assert ledger.waiting_row is not None, "an evaluation follows a committed step"
+    ledger.waiting_row.update(**held_out.row(), eval_s=round(time.perf_counter() - t0, 3))
     return steps.after_commit(ledger, cfg, evaluated=True)

@@ -172,7 +172,7 @@ class Repairs:
         """Commit ``step`` on the survivors that prepared it; returns any that died meanwhile."""
         died = self.crew.roll_forward(step, reports, lost)
         self.ledger.time.rolled_forward(step)
-        # Held like any committed step's row: its held-out loss and checkpoint path may follow.
+        # It waits like any committed step's row: its held-out loss and checkpoint path may follow.
         row = steps.rolled_forward_row(step, reports, self.cfg, self.crew.membership.mesh(), self.num_samples,
                                        self.crew.label())
         self.ledger.commit(step, row)

@@ -33,7 +33,7 @@ def save_checkpoint(worker_group: WorkerGroup, savers: list[Member], step: int, 
 
 
 @dataclass
-class PendingSave:
+class SaveInFlight:
     """A checkpoint whose shards ``savers`` write in the background (checkpoint.async_save) while training
     goes on. It is published only once every saver's file is durable: until then, and for ever if a saver
     is lost first, the previous checkpoint stays the latest."""
@@ -59,29 +59,29 @@ class PendingSave:
 
 
 def start_background_save(worker_group: WorkerGroup, savers: list[Member], step: int, cfg: Config,
-                          mesh: Mesh) -> PendingSave:
+                          mesh: Mesh) -> SaveInFlight:
     """Have ``savers`` (one member per slot) snapshot their shards and write them into a new directory in the
     background; returns once every snapshot is taken. WorkersLost if a saver died."""
     ckpt_dir, t0 = checkpoint.new_step_dir(cfg.checkpoint.dir, step, cfg.checkpoint.lineage), time.perf_counter()
     stalls = worker_group.start_save(savers, ckpt_dir)
-    return PendingSave(ckpt_dir, step, list(savers), mesh, t0, max(stalls))
+    return SaveInFlight(ckpt_dir, step, list(savers), mesh, t0, max(stalls))
 
 
-def finish_background_save(worker_group: WorkerGroup, pending: PendingSave) -> list[ShardReport]:
+def finish_background_save(worker_group: WorkerGroup, in_flight: SaveInFlight) -> list[ShardReport]:
     """Wait for every saver's background write; their shards. WorkersLost if a saver died."""
-    for member, result in zip(pending.savers, worker_group.finish_save(pending.savers)):
+    for member, result in zip(in_flight.savers, worker_group.finish_save(in_flight.savers)):
         member.saved = result
-    shards = pending.written()
+    shards = in_flight.written()
     assert shards is not None, "every saver has finished its write"
     return shards
 
 
-def publish_background_save(pending: PendingSave, shards: list[ShardReport], cfg: Config,
+def publish_background_save(in_flight: SaveInFlight, shards: list[ShardReport], cfg: Config,
                             stage_layers: list[list[list[int]]]) -> str:
     """Publish a background save whose files are all durable (the manifest last), then prune."""
-    checkpoint.publish(pending.ckpt_dir, manifest(pending.step, shards, cfg, pending.mesh, stage_layers))
+    checkpoint.publish(in_flight.ckpt_dir, manifest(in_flight.step, shards, cfg, in_flight.mesh, stage_layers))
     checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.lineage)
-    return pending.ckpt_dir
+    return in_flight.ckpt_dir
 
 
 class Checkpoints:
@@ -90,7 +90,7 @@ class Checkpoints:
 
     def __init__(self, worker_group: WorkerGroup, ledger: Ledger, cfg: Config, stage_layers: list[list[list[int]]]):
         self.worker_group, self.ledger, self.cfg, self.stage_layers = worker_group, ledger, cfg, stage_layers
-        self.pending: Optional[PendingSave] = None
+        self.in_flight: Optional[SaveInFlight] = None
 
     def save(self, savers: list[Member], step: int, mesh: Mesh) -> str:
         """Save and publish now (after the background save in flight); the directory. WorkersLost if a saver died."""
@@ -104,14 +104,14 @@ class Checkpoints:
     def start(self, savers: list[Member], step: int, mesh: Mesh) -> None:
         """Start a background save (after the one in flight). WorkersLost if a saver died."""
         self.wait()
-        self.pending = start_background_save(self.worker_group, savers, step, self.cfg, mesh)
+        self.in_flight = start_background_save(self.worker_group, savers, step, self.cfg, mesh)
 
     def save_before_giving_up(self, membership: Membership, lost: tuple[Member, ...]) -> Optional[str]:
-        """For a run that gives up: keep the held step row, finish (or settle) the background save, and
+        """For a run that gives up: keep the waiting step row, finish (or settle) the background save, and
         save what the survivors (not ``lost``) committed when no checkpoint has it; the directory saved,
         else None. The ledger's ``last_checkpoint`` is the latest either way."""
         ledger = self.ledger
-        ledger.flush_row(None)  # a committed step's held row is kept however the run ends
+        ledger.flush_row(None)  # a committed step's waiting row is kept however the run ends
         try:
             self.wait()
         except WorkersLost as also_lost:
@@ -125,36 +125,36 @@ class Checkpoints:
 
     def publish_if_written(self) -> None:
         """Publish the background save once every saver's step report says its file is durable."""
-        pending = self.pending
-        shards = pending.written() if pending is not None else None
+        in_flight = self.in_flight
+        shards = in_flight.written() if in_flight is not None else None
         if shards is not None:
-            self.pending = None
-            publish_background_save(pending, shards, self.cfg, self.stage_layers)
-            self._published(pending.ckpt_dir, pending.step, time.perf_counter() - pending.started,
-                            stall_s=pending.stall_s, background=True)
+            self.in_flight = None
+            publish_background_save(in_flight, shards, self.cfg, self.stage_layers)
+            self._published(in_flight.ckpt_dir, in_flight.step, time.perf_counter() - in_flight.started,
+                            stall_s=in_flight.stall_s, background=True)
 
     def wait(self) -> None:
         """Block until the background save in flight is written, and publish it. WorkersLost if a saver died."""
-        pending = self.pending
-        if pending is not None:
+        in_flight = self.in_flight
+        if in_flight is not None:
             t0 = time.perf_counter()
-            if pending.written() is None:
-                finish_background_save(self.worker_group, pending)
-            pending.stall_s += time.perf_counter() - t0  # training waited for it
+            if in_flight.written() is None:
+                finish_background_save(self.worker_group, in_flight)
+            in_flight.stall_s += time.perf_counter() - t0  # training waited for it
             self.publish_if_written()
 
     def settle(self, lost: tuple[Member, ...]) -> None:
         """Workers were lost while a background save was in flight: publish it if every file was already
         durable, else drop it when a saver is among the lost (the previous checkpoint stays the latest; a
         torn checkpoint is never published). Savers that live on finish their write."""
-        pending = self.pending
-        if pending is None or not any(m in lost for m in pending.savers):
+        in_flight = self.in_flight
+        if in_flight is None or not any(m in lost for m in in_flight.savers):
             return
-        if pending.written() is not None:
+        if in_flight.written() is not None:
             self.publish_if_written()
             return
-        self.pending = None
-        self.ledger.emit({"event": "checkpoint_abandoned", "step": pending.step, "path": pending.ckpt_dir,
+        self.in_flight = None
+        self.ledger.emit({"event": "checkpoint_abandoned", "step": in_flight.step, "path": in_flight.ckpt_dir,
                           "reason": "a worker writing its shard in the background was lost",
                           "latest": self.ledger.last_checkpoint})
 
