@@ -47,6 +47,9 @@ class Reservation:
 
 
 class Crew:
+    """The run's workers and every operation that changes who trains (the module's docstring): who is in
+    the run (``membership``), how to reach them (``worker_group``), the generation they form."""
+
     def __init__(self, worker_group: WorkerGroup, layout: Layout, global_batch: int, faults: list[str],
                  extra_placements: tuple = ()):
         """``layout``: the configured one (its dp is the start's); ``extra_placements``: one placement
