@@ -89,7 +89,8 @@ class Coordinator:
         assert worker_group is not None or worker_cls is not None, "the Ray worker group needs the worker class"
         self.heartbeats = Heartbeats()  # every worker's, through ``beat``
         worker_group = worker_group or RayWorkerGroup(worker_cls, _worker_options(config), _worker_spec(prepared),
-                                        replacement_prefix(config), Hung(self.heartbeats, e.detect_timeout_s))
+                                                      replacement_prefix(config),
+                                                      Hung(self.heartbeats, e.detect_timeout_s))
         self.policy = ElasticPolicy(min_dp=e.min_dp or config.parallel.dp, target_dp=e.max_dp or config.parallel.dp,
                                     max_failures=e.max_failures, capacity_wait_s=e.capacity_wait_s,
                                     skip_nonfinite=config.train.skip_nonfinite)

@@ -95,7 +95,7 @@ class Crew:
         self.generation += 1
         mesh, ranked = self.membership.mesh(), self.membership.ranked()
         self.worker_group.join(ranked, mesh, even_shares(self.global_batch, mesh.dp), self.store, self.generation,
-                        self.faults)
+                               self.faults)
         if any(m.committed != step for _, m in ranked):
             sources = self.membership.sources(step)
             assert len(sources) == len(self.membership.slots), "a slot without an up-to-date member must reload a checkpoint first"
@@ -119,7 +119,7 @@ class Crew:
             if m not in respawn:  # replaced elsewhere: a placement group of its own goes back (if it had one)
                 self.worker_group.cancel_elsewhere(m)
         self.membership.add_pending([self.worker_group.spawn(m.stage, m.placement, m.bundle, shard=m.shard, tp=m.tp)
-                               for m in respawn])
+                                     for m in respawn])
         self.worker_group.send_leave(self.membership.spares)
 
     def start_replacement(self, leaving: Member) -> Member:

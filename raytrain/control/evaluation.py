@@ -66,8 +66,8 @@ def evaluating(crew: Crew, ledger: Ledger, cfg: Config) -> State:
     due (a worker lost meanwhile: REPAIRING, which comes back here)."""
     t0, membership = time.perf_counter(), crew.membership
     try:
-        held_out = evaluate(crew.worker_group, membership.members(), membership.mesh().columns, cfg.resources.step_timeout_s,
-                            ledger.step, crew.label())
+        held_out = evaluate(crew.worker_group, membership.members(), membership.mesh().columns,
+                            cfg.resources.step_timeout_s, ledger.step, crew.label())
     except WorkersLost as lost:
         return Repairing(tuple(lost.dead), Interrupted.EVAL)
     assert ledger.waiting_row is not None, "an evaluation follows a committed step"

@@ -59,11 +59,11 @@ def _check_worker(schedule: Schedule, placement: Placement, worker: int, acts: l
     extra = [a for a in acts if a.kind not in allowed[a.chunk]]
     if extra:
         raise ScheduleError(f"stage {worker} has communication with a stage that does not exist "
-                        f"or sits on the same worker: {extra}")
+                            f"or sits on the same worker: {extra}")
     for chunk in range(placement.chunks):
         if placement.stage(worker, chunk) == 0 and any(a.kind == WEIGHT and a.chunk == chunk for a in acts):
-            raise ScheduleError(f"stage {worker} has W actions on the first pipeline stage: it sends no input gradient, "
-                            "so its backward is never split")
+            raise ScheduleError(f"stage {worker} has W actions on the first pipeline stage: it sends no input "
+                                "gradient, so its backward is never split")
         for mb in range(num_microbatches):
             for kind in _required(placement, worker, chunk):
                 if (kind, mb, chunk) not in seen:

@@ -1,4 +1,5 @@
-"""Runs one pipeline worker's actions of the schedule for one step: one loop over the actions, one short method per action kind.
+"""Runs one pipeline worker's list of the schedule for one step: one loop over its actions, one short method
+per action kind.
 
 Sends are non-blocking and receives block, as raytrain.pipeline.checker simulates them, so a schedule that
 passes the checker cannot deadlock here. An activation is a tensor or a tuple of tensors
@@ -58,9 +59,9 @@ class StepBuffers:
 
 
 class ScheduleExecutor:
-    """Executes a worker's actions of the schedule (``Generation.actions``) one step at a time on its layers: ``module``, whose
-    model chunks are ``chunks`` (``[module]`` without virtual stages; ``cut_into_chunks`` views, or FSDP2
-    roots of their own). ``loss_context``: what the loss and the last chunk's backward run in (torch's
+    """Executes a worker's list of the schedule (``Generation.actions``) one step at a time on its layers:
+    ``module``, whose model chunks are ``chunks`` (``[module]`` without virtual stages; ``cut_into_chunks``
+    views, or FSDP2 roots of their own). ``loss_context``: what the loss and the last chunk's backward run in (torch's
     ``loss_parallel`` under tensor parallelism, where the head's logits stay split by vocabulary)."""
 
     def __init__(self, module: nn.Module, chunks: list[nn.Module], loss_fn: Callable, grads: GradientBuckets,

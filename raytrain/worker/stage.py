@@ -136,9 +136,9 @@ class Stage:
         """Wrap the layers on this generation's groups (a sharded or tensor-parallel stage re-wraps), and make
         the executor that runs them."""
         self.grads = self.layers.wrap(groups, mesh, rank, self.optimizer)
-        self.executor = ScheduleExecutor(self.layers.module, self.layers.chunks, self.loss_fn, self.grads, self.device,
-                                     _autocast(self.cfg, self.device), self.cfg.train.global_batch,
-                                     loss_parallel if self.cfg.parallel.tp > 1 else contextlib.nullcontext)
+        self.executor = ScheduleExecutor(self.layers.module, self.layers.chunks, self.loss_fn, self.grads,
+                                         self.device, _autocast(self.cfg, self.device), self.cfg.train.global_batch,
+                                         loss_parallel if self.cfg.parallel.tp > 1 else contextlib.nullcontext)
 
     def leave(self) -> None:
         """Drop this worker's process groups (after a failure they may be broken); state stays.
