@@ -57,7 +57,7 @@ class RunReporter:
             self._metrics.write(json.dumps(row) + "\n")
             if "event" in row:
                 self.events.append(row)
-                # a failure's line is the caller's, goodput's add_goodput's
+                # a failure is reported once, by the caller; goodput by add_goodput
                 if row["event"] not in ("started", "failed", "goodput"):
                     self._print(f"[raytrain] {row['event']}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k != "event"))
             else:
