@@ -87,19 +87,19 @@ def data_before_first_step(path: str, workdir: str, global_batch: int) -> dict:
     import torch  # noqa: F401  (a worker has it already)
 
     from raytrain import data
-    from raytrain.driver.plan import prepare
+    from raytrain.driver.prepare import prepare
 
     cfg = first_step_config(path, workdir, global_batch)
     t0 = time.perf_counter()
-    plan = prepare(cfg)
+    prepared = prepare(cfg)
     t1 = time.perf_counter()
     prepare(cfg)
     t2 = time.perf_counter()
-    dataset = data.open_dataset(plan.source.train, plan.cfg)  # what a worker's join opens
-    dataset.batch(data.sample_ids(cfg.train.seed, plan.num_samples, 0, global_batch))  # step 0's samples
+    dataset = data.open_dataset(prepared.source.train, prepared.cfg)  # what a worker's join opens
+    dataset.batch(data.sample_ids(cfg.train.seed, prepared.num_samples, 0, global_batch))  # step 0's samples
     t3 = time.perf_counter()
     return {"prepare_s": t1 - t0, "prepare_again_s": t2 - t1, "worker_step0_data_s": t3 - t2,
-            "decoded": len(dataset.opened), "files": len(plan.source.train.paths), "samples": plan.num_samples}
+            "decoded": len(dataset.opened), "files": len(prepared.source.train.paths), "samples": prepared.num_samples}
 
 
 def train_one_step(path: str, workdir: str, global_batch: int, cache: str = "") -> dict:

@@ -165,10 +165,10 @@ def launch(system: str, steps: int, workdir: str) -> dict:
     launched = time.time()
     if system == "raytrain-no-ray":
         import executor_without_ray
-        from raytrain.driver.model_check import plan_layout
+        from raytrain.driver.model_check import model_layout
 
         cfg = bench_config(steps)
-        res = {"step_end": executor_without_ray.launch(cfg, plan_layout(cfg).worker_layers, workdir, system)}
+        res = {"step_end": executor_without_ray.launch(cfg, model_layout(cfg).worker_layers, workdir, system)}
     else:
         out = os.path.join(workdir, f"{system}.json")
         script = [os.path.abspath(__file__), "--variant", system, "--steps", str(steps), "--out", out]

@@ -57,7 +57,7 @@ def run_layout(name: str, steps: int, workdir: str) -> dict:
 def state_mb_per_worker(name: str) -> list[float]:
     """Bytes of parameters, gradients and AdamW state each worker owns, by the layout's own cut."""
     from raytrain.config import load_config
-    from raytrain.driver.plan import prepare
+    from raytrain.driver.prepare import prepare
 
     cfg = load_config(None, MODEL + LAYOUTS[name] + ["train.global_batch=8", f"run.dir={tempfile.gettempdir()}"])
     layout = prepare(cfg).layout

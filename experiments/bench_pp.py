@@ -55,9 +55,9 @@ def bench_config(steps, extra=()):
 
 
 def stage_cut(cfg) -> list[range]:
-    from raytrain.driver.model_check import plan_layout
+    from raytrain.driver.model_check import model_layout
 
-    return plan_layout(cfg).stage_ranges
+    return model_layout(cfg).stage_ranges
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -91,9 +91,9 @@ def run_executor_without_ray(steps, warmup, m, schedule, workdir):
     import executor_without_ray
 
     cfg = bench_config(steps, [f"parallel.microbatches={m}", f"parallel.schedule={schedule}"])
-    from raytrain.driver.model_check import plan_layout
+    from raytrain.driver.model_check import model_layout
 
-    ends = executor_without_ray.launch(cfg, plan_layout(cfg).worker_layers, workdir, f"no-ray-{schedule}-{m}")
+    ends = executor_without_ray.launch(cfg, model_layout(cfg).worker_layers, workdir, f"no-ray-{schedule}-{m}")
     return {"samples_per_s": steady_rate(ends, warmup)}
 
 
@@ -276,7 +276,7 @@ def theory_bubble(kind: str, m: int) -> float:
     if kind in V_SCHEDULES:
         if kind == "dualpipev" and m < 2 * PP:
             return float("nan")  # neither side runs it (DualPipeV fills a V of 2 PP micro-batches)
-        finish, busy, _ = checker.simulate(schedule.build_plan(kind, PP, m, True, 2), 1.0, 2.0, 1.0,
+        finish, busy, _ = checker.simulate(schedule.build_schedule(kind, PP, m, True, 2), 1.0, 2.0, 1.0,
                                            placement=Placement.of_schedule(kind, PP, 2))
         return 1.0 - sum(busy) / (finish * PP)
     return checker.bubble_formula(PP, m, 2 if kind == "interleaved_1f1b" else 1)

@@ -1,6 +1,6 @@
 """Where a pipeline step's time goes, per worker, from a run's trace.json (``run.trace_steps``).
 
-For each traced step after the first (the first warms up): the plan's span, and per worker the time in
+For each traced step after the first (the first warms up): the schedule's span, and per worker the time in
 forwards, backwards and weight halves, in receives (waiting for a peer), and idle between actions.
 The figures behind "What raytrain's step is made of" in experiments/RESULTS.md:
 

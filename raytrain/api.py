@@ -14,7 +14,7 @@ from raytrain.config import Config
 from raytrain.config.prepared import ModelFacts, PreparedRun
 from raytrain.driver import run as driver
 from raytrain.driver.placement import ResourcesUnavailable
-from raytrain.driver.plan import prepare
+from raytrain.driver.prepare import prepare
 from raytrain.driver.run import Result, ensure_ray
 
 __all__ = ["PreparedRun", "Result", "ResourcesUnavailable", "ensure_ray", "prepare", "train"]

@@ -72,7 +72,7 @@ def _train(args, out: TextIO, signals: "ProcessSignals") -> int:
     try:
         with warnings_on_one_line():
             cfg = load_config(args.config, args.overrides)
-        # train() validates data, resume and layout (raytrain.driver.plan.prepare) before any actor starts.
+        # train() validates data, resume and layout (raytrain.driver.prepare.prepare) before any actor starts.
         result = train(cfg)
         signals.ended()
     except ValueError as e:

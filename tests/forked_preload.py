@@ -5,7 +5,7 @@ stage imported with the cyclic collector paused, then frozen, so no worker's ful
 stage's ``leave`` runs one) walks them. Two more imports every forked worker would otherwise pay for
 itself: Hugging Face's shared modelling code, which a Hugging Face stage imports as it builds its model
 (about a second of CPU), and the harness, which each worker unpickles its target from (it imports Ray
-through the driver's plan: a fifth of a second).
+through raytrain.driver.prepare: a fifth of a second).
 """
 
 import gc

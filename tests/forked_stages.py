@@ -22,7 +22,7 @@ from raytrain.config import Config
 from raytrain.config.mesh import Mesh
 from raytrain.config.prepared import Slot, WorkerSpec
 from raytrain.data.order import even_shares
-from raytrain.driver.plan import prepare
+from raytrain.driver.prepare import prepare
 from raytrain.driver.rendezvous import RendezvousStore
 
 JOIN_TIMEOUT_S = 120.0
@@ -88,13 +88,13 @@ def run_stages(cfg: Config, out_dir: str, rejoin_at: Optional[int] = None,
     after each step of ``evaluate_after`` (``held_out_losses`` reads the results); returns the model by
     global name (shards reassembled) and the peak number of live activations of each stage (replica 0's,
     shard 0's)."""
-    plan = prepare(cfg)
-    mesh = plan.layout.mesh
+    prepared = prepare(cfg)
+    mesh = prepared.layout.mesh
     os.makedirs(out_dir, exist_ok=True)
     rendezvous = RendezvousStore()
     store = rendezvous.address("127.0.0.1", namespace=os.path.basename(out_dir))
     ctx = _forkserver()
-    procs = [ctx.Process(target=_run_worker, args=(plan.worker_spec(), rank, mesh, store, out_dir, plan.resume,
+    procs = [ctx.Process(target=_run_worker, args=(prepared.worker_spec(), rank, mesh, store, out_dir, prepared.resume,
                                                    rejoin_at, evaluate_after),
                          daemon=True)
              for rank in range(mesh.world_size)]

@@ -12,7 +12,7 @@ import torch
 from raytrain.config import load_config
 from raytrain.data import columns as cols
 from raytrain.data.order import sample_seeds
-from raytrain.driver.plan import prepare
+from raytrain.driver.prepare import prepare
 from raytrain.models.layers import default_loss
 from raytrain.worker.metrics import HeldOutMetrics
 from tests.forked_stages import held_out_losses, held_out_metrics, run_stages
@@ -83,8 +83,8 @@ def test_a_resnet_on_images_decoded_and_augmented_by_the_transform_equals_one_pr
                                      "parallel.microbatches=2")], ids=["pp2", "fsdp2-pp2", "interleaved"])
 def test_a_parameter_tied_across_stages_stays_one_and_equals_one_process(make_config, tmp_path, layout):
     cfg = make_config("model.factory=tests.factories:tied_embedding_head", *STEPS, *layout)
-    plan = prepare(cfg)
-    assert [t.name for t in plan.model.ties_across(plan.stage_layers)] == ["0.weight"]
+    prepared = prepare(cfg)
+    assert [t.name for t in prepared.model.ties_across(prepared.stage_layers)] == ["0.weight"]
     model, _ = run_stages(cfg, str(tmp_path / "run"))
     assert_same_params(model, reference_state(cfg))  # the head's copy is checkpointed once, as the embedding's
     assert not any(name.startswith("4.") and name.endswith("weight") and "norm" not in name for name in model)

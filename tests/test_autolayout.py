@@ -110,7 +110,7 @@ def test_fsdp_may_leave_a_small_parameter_empty_but_never_cut_a_scalar(tmp_path)
     from torch import nn
 
     from raytrain.driver.model_check import shardable_rows
-    from raytrain.driver.plan import prepare
+    from raytrain.driver.prepare import prepare
 
     assert shardable_rows([nn.Linear(8, 1), nn.Linear(1, 8)]) == 8  # the 1-row Linear leaves shards empty: allowed
     assert shardable_rows([nn.Linear(8, 1), Scale()]) == 1

@@ -259,7 +259,7 @@ def test_boxes_of_a_mixtures_packed_experts_stack_along_dim_1_and_load_into_any_
 
 
 def test_a_save_and_a_load_hold_at_most_one_tensor_beyond_the_workers_state(tmp_path):
-    """Issue 21's bound: a save streams the live tensors (no snapshot of the state) and a load copies the
+    """The bound on a save's and a load's memory: a save streams the live tensors (no snapshot of the state) and a load copies the
     memory-mapped pieces straight into the parameters and moments, whole or by rows, from a local disk or
     an object store (staged to a local file as it is hashed)."""
     import json

@@ -1,4 +1,4 @@
-"""A checkpoint is data, checked before it is trusted (issue 25, items 2 and 3): each file's size and
+"""A checkpoint is data, checked before it is trusted: each file's size and
 sha256 are recorded in the manifest as it is streamed out and verified on every load; a resumed
 checkpoint is checked in ``prepare``, before any actor starts; a shard that would run code is
 refused without repeating torch's advice to load it unsafely; old manifests (formats 1 and 2,
@@ -198,7 +198,7 @@ def test_a_manifest_that_misses_a_shard_of_a_sharded_stage_is_refused_in_prepare
 
 @pytest.mark.parametrize("fmt", [1, 2])
 def test_an_old_checkpoint_without_checksums_still_loads_and_its_sizes_are_checked(make_config, tmp_path, fmt):
-    """Formats 1 and 2, written as the old code wrote them (torch.save into memory, sizes only)."""
+    """Formats 1 and 2, written as their writers did (torch.save into memory, sizes only)."""
     d = tmp_path / "step_00000001"
     d.mkdir()
     buf = io.BytesIO()

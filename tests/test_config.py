@@ -11,12 +11,12 @@ import pytest
 import yaml
 
 from raytrain.config import RENAMED_KEYS, all_keys, config_from_dict, load_config, parse_override
-from raytrain.driver.plan import prepare
+from raytrain.driver.prepare import prepare
 
 
 def _rejected(overrides, tmp_path) -> ValueError:
     """The error bad input raises before any actor starts: from the config itself, or from the checks of
-    this machine's files and modules (raytrain.driver.plan.prepare)."""
+    this machine's files and modules (raytrain.driver.prepare.prepare)."""
     with pytest.raises(ValueError) as err:
         prepare(load_config(None, [f"run.dir={tmp_path}", *overrides]))
     return err.value
@@ -174,7 +174,7 @@ def build(model_cfg):
 
 def test_cli_imports_a_factory_that_imports_torch_at_its_top(tmp_path):
     # The driver imports torch.distributed in a background thread; importing the user's module at the
-    # same time used to crash every time with 'cannot initialize type "RpcBackendOptions"'.
+    # same time must not race it (the race crashes with 'cannot initialize type "RpcBackendOptions"').
     (tmp_path / "torch_at_top.py").write_text(FACTORY_IMPORTING_TORCH)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     tiny = str(Path(__file__).parents[1] / "experiments/configs/tiny.yaml")
@@ -331,7 +331,7 @@ def test_every_rejected_value_is_named_in_the_one_form(overrides):
     except ValueError as e:
         found = ONE_FORM.match(str(e))
         assert found and found["key"] in all_keys(), f"not 'key=value: fix': {e}"
-    else:  # only this machine's checks (raytrain.driver.plan.prepare) can refuse it: held-out rows may come
+    else:  # only this machine's checks (raytrain.driver.prepare.prepare) can refuse it: held-out rows may come
         # from a dataset the Python API or data.factory passes, which only prepare sees
         assert overrides[0].split("=")[0] in ("data.path", "data.eval_path", "model.factory", "eval.every"), overrides
 

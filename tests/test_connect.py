@@ -29,7 +29,7 @@ from tests.private_cluster import kill_all_using, pids_using, unshare_works
 REPO = Path(__file__).resolve().parents[1]
 
 UNREACHABLE_EXIT_S = 30.0
-"""The issue's bound: an unreachable RAY_ADDRESS fails within this, Python's start-up included."""
+"""The bound on a run given an unreachable RAY_ADDRESS: it fails within this, Python's start-up included."""
 
 EMBEDDED_RUN_TIMEOUT_S = 150.0
 """A 2-step dp=1 run on an embedded Ray: about 15 s on a busy 2-core machine."""
@@ -37,8 +37,9 @@ EMBEDDED_RUN_TIMEOUT_S = 150.0
 SHORT_CONNECT_TIMEOUT_S = "3"
 """raytrain's bound on ray.init for a port that accepts but never answers as Ray (default 60 s)."""
 
-ISSUE_ADDRESS = "127.0.0.1:6553"
-"""The issue's RAY_ADDRESS; in a test's private network nothing listens there unless the test says so."""
+UNANSWERED_ADDRESS = "127.0.0.1:6553"
+"""A RAY_ADDRESS no Ray cluster answers at: in a test's private network nothing listens there unless the test
+says so."""
 
 NOT_RAY_LISTENER = (
     f"{sys.executable} -c 'import socket, time; s = socket.socket(); s.bind((\"0.0.0.0\", 6553)); "
@@ -64,7 +65,7 @@ def ray_tmpdir():
 def stale_current_cluster(ray_tmpdir: str) -> None:
     """Write what a killed `ray start` leaves behind: ray_current_cluster naming an address nobody listens on."""
     os.makedirs(os.path.join(ray_tmpdir, "ray"), exist_ok=True)
-    Path(ray_tmpdir, "ray", "ray_current_cluster").write_text(ISSUE_ADDRESS)
+    Path(ray_tmpdir, "ray", "ray_current_cluster").write_text(UNANSWERED_ADDRESS)
 
 
 def run_cli(env: dict, overrides: list[str], timeout_s: float, command: str = "train",
@@ -121,7 +122,7 @@ def test_unset_ray_address_starts_an_embedded_ray_despite_a_stale_current_cluste
 @pytest.mark.parametrize("case", ["nothing_listens", "not_ray", "auto_finds_a_stale_cluster"])
 def test_an_unreachable_ray_address_fails_fast_with_exit_3_naming_the_fix(case, ray_tmpdir, data_cache, tmp_path):
     """Ray itself retries such an address for minutes, printing only C++ warnings."""
-    address, extra, first = ISSUE_ADDRESS, {}, ""
+    address, extra, first = UNANSWERED_ADDRESS, {}, ""
     if case == "not_ray":
         extra["RAYTRAIN_CONNECT_TIMEOUT_S"] = SHORT_CONNECT_TIMEOUT_S
         first = NOT_RAY_LISTENER
@@ -139,11 +140,11 @@ def test_an_unreachable_ray_address_fails_fast_with_exit_3_naming_the_fix(case, 
 
 @needs_netns
 def test_a_sweep_with_an_unreachable_ray_address_fails_fast_with_exit_3(ray_tmpdir, tmp_path):
-    rc, _, err, seconds = run_cli(cli_env(ray_tmpdir, RAY_ADDRESS=ISSUE_ADDRESS), [f"sweep.storage_path={tmp_path}"],
+    rc, _, err, seconds = run_cli(cli_env(ray_tmpdir, RAY_ADDRESS=UNANSWERED_ADDRESS), [f"sweep.storage_path={tmp_path}"],
                                   UNREACHABLE_EXIT_S + 30, command="sweep",
                                   config="experiments/configs/sweep_tiny.yaml")
     assert rc == 3 and seconds < UNREACHABLE_EXIT_S, (seconds, err[-3000:])
-    assert f"raytrain: RAY_ADDRESS={ISSUE_ADDRESS}: no Ray cluster answers" in err, err[-3000:]
+    assert f"raytrain: RAY_ADDRESS={UNANSWERED_ADDRESS}: no Ray cluster answers" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
 
 

@@ -14,7 +14,7 @@ from tests.helpers import FakePlacement, FakeWorkerGroup, chain, fake_config, fa
 def run(tmp_path, *overrides, dp=2, pp=1, group=None, extra=(), resume=None, on_start=None):
     cfg = fake_config(tmp_path, f"parallel.dp={dp}", f"parallel.pp={pp}", *overrides)
     group = group or FakeWorkerGroup(pp, initial=cfg.layout().world_size)
-    coordinator = Coordinator(fake_prepared(cfg, pp, resume), Reservation(None, 0, tuple(extra)), group=group)
+    coordinator = Coordinator(fake_prepared(cfg, pp, resume), Reservation(None, 0, tuple(extra)), worker_group=group)
     if on_start:
         on_start(coordinator, group)
     summary = coordinator.run(store=None)
@@ -26,7 +26,7 @@ def events(rows, kind):
 
 
 def assert_every_live_worker_applied_each_step_once(coordinator, steps):
-    members = coordinator.team.members()
+    members = coordinator.membership.members()
     assert members and all(m.handle.committed == steps for m in members)
     assert {m.handle.value for m in members} == {chain(range(steps))}
 
@@ -133,7 +133,7 @@ def test_a_worker_that_hangs_in_a_save_is_killed_and_replaced(tmp_path):
     hung = group.workers[0]
     assert not hung.alive, "a worker declared lost must be killed: it holds the bundle its replacement needs"
     assert events(rows, "repair")[0]["during"] == "checkpoint" and summary.failures == 1
-    assert group.spawned == 3 and coordinator.team.dp == 2
+    assert group.spawned == 3 and coordinator.membership.dp == 2
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 
@@ -153,7 +153,7 @@ def test_a_granted_placement_grows_the_run_at_a_step_boundary(tmp_path):
                                         extra=(FakePlacement("extra"),), on_start=grant_after_start)
     grow = events(rows, "grow")
     assert events(rows, "capacity") and len(grow) == 1 and grow[0]["decision"] == "grow"
-    assert grow[0]["new_layout"] == "dp=3 pp=1" and len(coordinator.team.members()) == 3
+    assert grow[0]["new_layout"] == "dp=3 pp=1" and len(coordinator.membership.members()) == 3
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 

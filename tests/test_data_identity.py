@@ -22,7 +22,7 @@ from raytrain.control.crew import Reservation
 from raytrain.control.coordinator import Coordinator
 from raytrain.control.saving import save_checkpoint
 from raytrain.data import identity, order, shards
-from raytrain.driver.plan import prepare
+from raytrain.driver.prepare import prepare
 from raytrain.reports import ShardReport
 from tests.helpers import FakeWorkerGroup, fake_config, fake_prepared
 

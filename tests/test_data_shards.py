@@ -16,7 +16,7 @@ from raytrain import checkpoint, data, train
 from raytrain.config import load_config
 from raytrain.data import shards, token_checks
 from raytrain.data.shards import Files
-from raytrain.driver.plan import prepare
+from raytrain.driver.prepare import prepare
 
 SEQ_LEN = 8
 WIDTH = SEQ_LEN + 1
@@ -137,8 +137,8 @@ def test_held_out_rows_come_from_the_last_shards_or_an_eval_directory(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(data.open_dataset(files, sharded.cfg).batch(held), want))
 
     held_paths = write_shards(tmp_path / "held", token_rows(6, seed=3), [2])
-    plan = prepare(config(tmp_path, one, f"data.eval_path={tmp_path / 'held'}"))
-    assert plan.source.held_out.paths == tuple(held_paths) and plan.held_out == plan.source.held_out.total > 0
+    prepared = prepare(config(tmp_path, one, f"data.eval_path={tmp_path / 'held'}"))
+    assert prepared.source.held_out.paths == tuple(held_paths) and prepared.held_out == prepared.source.held_out.total > 0
 
 
 # --- lazily, file by file ----------------------------------------------------------------------------
@@ -148,32 +148,32 @@ def test_a_first_step_decodes_only_the_shards_it_reads(tmp_path):
     rows = token_rows(60, seed=4)
     write_shards(tmp_path / "corpus", rows, list(range(5, 60, 5)))  # 12 shards of 5 rows
     cache = tmp_path / "cache"
-    plan = prepare(config(tmp_path, tmp_path / "corpus"))
+    prepared = prepare(config(tmp_path, tmp_path / "corpus"))
     assert decoded(cache) == set()  # prepare read footers and scanned columns; it decoded nothing into the cache
-    files = plan.source.train
-    dataset = data.open_dataset(files, plan.cfg)  # what a worker's join does: opens nothing yet
+    files = prepared.source.train
+    dataset = data.open_dataset(files, prepared.cfg)  # what a worker's join does: opens nothing yet
     assert decoded(cache) == set() and dataset.opened == {}
 
-    step0 = data.sample_ids(plan.cfg.train.seed, plan.num_samples, 0, 4)
+    step0 = data.sample_ids(prepared.cfg.train.seed, prepared.num_samples, 0, 4)
     needed = {shards.basename(files.paths[k]) for k in files.locate(np.array(step0)).tolist()}
     assert len(needed) < len(files.paths)  # a step of 4 samples out of 12 shards cannot need them all
     dataset.batch(step0)
     assert decoded(cache) == needed  # exactly the files step 0 reads, each decoded once into the cache
     assert {shards.basename(files.paths[k]) for k in dataset.opened} == needed
 
-    dataset.batch(list(range(plan.num_samples)))  # an epoch later, every file is there, still once each
+    dataset.batch(list(range(prepared.num_samples)))  # an epoch later, every file is there, still once each
     assert decoded(cache) == {shards.basename(p) for p in files.paths}
     assert len(os.listdir(cache / "decoded")) == 2 * len(files.paths)  # each .npy and its lock, no temporaries
 
 
 def test_a_shard_rewritten_during_the_run_is_refused_not_shifted(tmp_path):
     paths = write_shards(tmp_path / "corpus", token_rows(10, seed=6), [5])
-    plan = prepare(config(tmp_path, tmp_path / "corpus"))
+    prepared = prepare(config(tmp_path, tmp_path / "corpus"))
     rewritten = token_rows(3, seed=7)  # fewer samples than prepare counted
     write_rows(paths[0], rewritten)
-    now, then = sum(len(r) // WIDTH for r in rewritten), plan.source.train.samples[0]
+    now, then = sum(len(r) // WIDTH for r in rewritten), prepared.source.train.samples[0]
     assert now != then
-    dataset = data.open_dataset(plan.source.train, plan.cfg)
+    dataset = data.open_dataset(prepared.source.train, prepared.cfg)
     with pytest.raises(ValueError, match=f"part-00000.parquet' holds {now} samples, not the {then} .* changed during"):
         dataset.batch([0])
 
@@ -256,12 +256,12 @@ def test_text_shards_pack_file_by_file(tmp_path):
     paths = [write_jsonl(tmp_path / "text" / "a.jsonl", docs[:100]),
              write_parquet(tmp_path / "text" / "b.parquet", docs[100:])]
     text = [f"data.text_column=text", f"data.tokenizer={tmp_path / 'tok'}", f"model.vocab_size={VOCAB}"]
-    plan = prepare(config(tmp_path, tmp_path / "text", *text))
-    per_file = [len(data.open_dataset(p, plan.cfg)) for p in paths]
-    assert plan.source.train.samples == tuple(per_file) and plan.num_samples == sum(per_file)
-    sharded = data.open_dataset(plan.source.train, plan.cfg)
-    last = data.open_dataset(paths[1], plan.cfg).batch([0, per_file[1] - 1])
-    got = sharded.batch([per_file[0], plan.num_samples - 1])
+    prepared = prepare(config(tmp_path, tmp_path / "text", *text))
+    per_file = [len(data.open_dataset(p, prepared.cfg)) for p in paths]
+    assert prepared.source.train.samples == tuple(per_file) and prepared.num_samples == sum(per_file)
+    sharded = data.open_dataset(prepared.source.train, prepared.cfg)
+    last = data.open_dataset(paths[1], prepared.cfg).batch([0, per_file[1] - 1])
+    got = sharded.batch([per_file[0], prepared.num_samples - 1])
     assert all(torch.equal(x, y) for x, y in zip(got, last))
 
 

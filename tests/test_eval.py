@@ -41,29 +41,29 @@ def evaluated(rows: list[dict]) -> dict[int, float]:
     return {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
 
 
-# --- plans and rules (no processes) -------------------------------------------------------------
+# --- schedules and rules (no processes) -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("pp, m", [(1, 1), (2, 2), (4, 3)])
-def test_the_evaluation_plan_is_forwards_only_and_cannot_deadlock(pp, m):
-    plan = schedule.forward_only(pp, m)
-    checker.simulate(plan)  # raises PlanError on a deadlock or an unmatched message
-    assert {a.kind for acts in plan for a in acts} <= {FORWARD, SEND_F, RECV_F}
-    assert [[a.mb for a in acts if a.kind is FORWARD] for acts in plan] == [list(range(m))] * pp
+def test_the_evaluation_schedule_is_forwards_only_and_cannot_deadlock(pp, m):
+    forward = schedule.forward_only(pp, m)
+    checker.simulate(forward)  # raises ScheduleError on a deadlock or an unmatched message
+    assert {a.kind for acts in forward for a in acts} <= {FORWARD, SEND_F, RECV_F}
+    assert [[a.mb for a in acts if a.kind is FORWARD] for acts in forward] == [list(range(m))] * pp
 
 
 @pytest.mark.parametrize("placement", [Placement(2, 2), Placement(3, 3), Placement(2, 2, v_shape=True),
                                        Placement(4, 2, v_shape=True)], ids=repr)
-def test_the_evaluation_plan_of_chunked_workers_runs_every_chunk_once_per_micro_batch(placement):
-    plan = schedule.forward_only(placement.workers, 3, placement)
-    checker.simulate(plan, placement=placement)
-    for worker, acts in enumerate(plan):
+def test_the_evaluation_schedule_of_chunked_workers_runs_every_chunk_once_per_micro_batch(placement):
+    forward = schedule.forward_only(placement.workers, 3, placement)
+    checker.simulate(forward, placement=placement)
+    for worker, acts in enumerate(forward):
         forwards = [(a.chunk, a.mb) for a in acts if a.kind is FORWARD]
         assert sorted(forwards) == [(c, mb) for c in range(placement.chunks) for mb in range(3)]
         local = [a for a in acts if a.kind in (SEND_F, RECV_F) and placement.is_local(worker, a.chunk, a.kind.peer)]
         assert not local  # a hand-off between chunks of one worker is no message
     # chunk by chunk, so the micro-batches pipeline: faster than each micro-batch through every stage in turn
-    finish, _, _ = checker.simulate(plan, placement=placement)
+    finish, _, _ = checker.simulate(forward, placement=placement)
     def in_stage_order(worker):
         return sorted(range(placement.chunks), key=lambda c: placement.stage(worker, c))
 
@@ -123,11 +123,11 @@ def test_holding_out_too_many_rows_leaves_too_few_to_train_on(make_config, tmp_p
 
 def test_the_held_out_rows_are_the_last_and_the_sample_order_never_reaches_them(make_config, tmp_path):
     path = _tokens(tmp_path / "hundred.parquet", rows=100)
-    plan = prepare(make_config(f"data.path={path}", "data.eval_fraction=0.25", "eval.every=2", "eval.batches=3"))
-    assert (plan.num_samples, plan.held_out) == (75, 25)
-    consumed = data.sample_ids(plan.cfg.train.seed, plan.num_samples, 0, 3 * 100)
+    prepared = prepare(make_config(f"data.path={path}", "data.eval_fraction=0.25", "eval.every=2", "eval.batches=3"))
+    assert (prepared.num_samples, prepared.held_out) == (75, 25)
+    consumed = data.sample_ids(prepared.cfg.train.seed, prepared.num_samples, 0, 3 * 100)
     assert set(consumed) == set(range(75))
-    assert data.held_out_source(plan.cfg, plan.source, plan.num_samples) == (plan.source.train, 75)
+    assert data.held_out_source(prepared.cfg, prepared.source, prepared.num_samples) == (prepared.source.train, 75)
     assert data.held_out_ids(75, 1, 8, 4, 8) == [87, 88, 89, 90]  # batch 1, the second replica's half
 
 
@@ -137,7 +137,7 @@ def test_the_held_out_rows_are_the_last_and_the_sample_order_never_reaches_them(
 def fake_run(tmp_path, *overrides, dp=2):
     cfg = fake_config(tmp_path, f"parallel.dp={dp}", "data.eval_fraction=0.1", *overrides)
     group = FakeWorkerGroup(1, initial=dp)
-    coordinator = Coordinator(fake_prepared(cfg), Reservation(None), group=group)
+    coordinator = Coordinator(fake_prepared(cfg), Reservation(None), worker_group=group)
     summary = coordinator.run(store=None)
     return coordinator, group, summary, coordinator.poll()
 
@@ -156,7 +156,7 @@ def test_a_worker_lost_during_an_evaluation_is_repaired_and_the_evaluation_run_a
     assert [(r["during"], r["step"]) for r in repair] == [("eval", 4)] and summary.failures == 1
     assert evaluated(rows) == {s: fake_eval_loss(chain(range(s))) for s in (2, 4, 6)}
     assert group.spawned == 3 and summary.committed_steps == list(range(6))
-    assert {m.handle.committed for m in coordinator.team.members()} == {6}
+    assert {m.handle.committed for m in coordinator.membership.members()} == {6}
 
 
 def test_a_rolled_forward_step_gets_its_evaluation(tmp_path):
@@ -180,9 +180,9 @@ class Recorder(PhaseHook):
 
 def test_an_evaluation_changes_no_training_state(make_config):
     threads = torch.get_num_threads()
-    plan = prepare(make_config(*EVAL))
+    prepared = prepare(make_config(*EVAL))
     recorder = Recorder()
-    stage = Stage(plan.worker_spec(), Slot(0), make_hook=lambda specs, replica, stage_index, shard: recorder)
+    stage = Stage(prepared.worker_spec(), Slot(0), make_hook=lambda specs, replica, stage_index, shard: recorder)
     rendezvous = RendezvousStore()
     try:
         stage.join(0, Mesh(), [8], rendezvous.address("127.0.0.1", "eval-state"), generation=0, faults=[])
@@ -194,9 +194,9 @@ def test_an_evaluation_changes_no_training_state(make_config):
         assert all(torch.equal(a, b) for a, b in zip(stage.grads.buffers, grads))
         assert stage.executor.module.training and stage.committed == 1 and stage.prepared is None
         assert recorder.calls == [("eval", 1)]  # no phase of a training step: no step fault fires
-        model, _ = train_reference(plan.cfg, 1)
+        model, _ = train_reference(prepared.cfg, 1)
         assert result.ok and result.rows == 16
-        assert result.loss_sum / result.rows == pytest.approx(reference_eval_loss(plan.cfg, model), rel=1e-5)
+        assert result.loss_sum / result.rows == pytest.approx(reference_eval_loss(prepared.cfg, model), rel=1e-5)
     finally:
         stage.shutdown()
         rendezvous.close()
@@ -205,7 +205,7 @@ def test_an_evaluation_changes_no_training_state(make_config):
 
 # --- real runs on Ray actors --------------------------------------------------------------------
 
-# An evaluation runs the forward-only plan whatever parallel.schedule trains (worker/generation.py):
+# An evaluation runs the forward-only schedule whatever parallel.schedule trains (worker/generation.py):
 # gpipe here; the default 1f1b trains dp2xpp2-m2 here and the pp=2 runs of the eval_path and kill tests.
 LAYOUTS = {
     "dp1": [],
@@ -267,8 +267,8 @@ def test_eval_path_holds_the_rows_of_a_separate_file(ray_session, make_config, t
     held = _tokens(tmp_path / "held.parquet", rows=20)
     cfg = make_config("train.steps=2", "eval.every=2", "eval.batches=2", f"data.eval_path={held}",
                       "parallel.pp=2", "parallel.microbatches=2")
-    plan = prepare(cfg)
-    assert plan.held_out == 20 and plan.num_samples == 200000 // 17  # every row of the corpus is trained on
+    prepared = prepare(cfg)
+    assert prepared.held_out == 20 and prepared.num_samples == 200000 // 17  # every row of the corpus is trained on
     result = train(cfg)
     assert result.eval_loss == pytest.approx(reference_eval_losses(cfg, (2,))[0], rel=1e-5)
     assert math.isfinite(result.eval_loss)

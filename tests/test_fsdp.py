@@ -12,7 +12,7 @@ import torch
 from raytrain import checkpoint, train
 from raytrain.testing.reference import train_reference
 from raytrain.config.mesh import Mesh
-from raytrain.worker.sharded import plan_has_weight_halves, shard_rows
+from raytrain.worker.sharded import schedule_has_weight_halves, shard_rows
 from tests.forked_stages import run_stages
 from tests.helpers import (LONG_RUN_LR, WhenPaused, assert_replicas_identical, assert_same_params, hold_until_a_new_worker_starts,
                            reference_state, stopped)
@@ -38,7 +38,7 @@ def test_shard_rows_cut_like_torch_chunk():
 def test_sharded_layers_stay_gathered_only_on_workers_whose_plan_splits_a_backward(make_config, settings, gathered):
     cfg = make_config("parallel.fsdp=2", *settings)
     mesh = Mesh(dp=1, fsdp=2, tp=1, pp=cfg.parallel.pp)
-    assert [plan_has_weight_halves(cfg, mesh, mesh.rank(replica=0, shard=0, stage=s, tp=0))
+    assert [schedule_has_weight_halves(cfg, mesh, mesh.rank(replica=0, shard=0, stage=s, tp=0))
             for s in range(cfg.parallel.pp)] == gathered
 
 

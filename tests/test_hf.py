@@ -10,7 +10,7 @@ from torch import nn
 
 from raytrain import checkpoint, train
 from raytrain.config import load_config
-from raytrain.driver.plan import prepare
+from raytrain.driver.prepare import prepare
 from raytrain.models.hf_conversion import to_file_names
 from raytrain.models.hf_model import meta_model
 from raytrain.models.hf_weights import build_hf_stage
@@ -127,9 +127,9 @@ def test_a_family_that_cannot_be_cut_is_named_for_pp_and_trains_whole_for_dp(ray
     with pytest.raises(ValueError, match=r"model.hf=.*BloomForCausalLM.*parallel.pp=1"):
         prepare(load_config(None, [f"model.hf={path}", "parallel.pp=2", f"run.dir={tmp_path}/runs"]))
     cfg = hf_config(make_config, path, "parallel.dp=2", "train.steps=2")
-    plan = prepare(cfg)
-    assert plan.cfg.model.hf_cut == "whole" and plan.layout.num_layers == 1
-    assert_same_params(checkpoint.load_state_dict(train(cfg).checkpoint), reference_state(plan.cfg))
+    prepared = prepare(cfg)
+    assert prepared.cfg.model.hf_cut == "whole" and prepared.layout.num_layers == 1
+    assert_same_params(checkpoint.load_state_dict(train(cfg).checkpoint), reference_state(prepared.cfg))
 
 
 @pytest.mark.parametrize("overrides, must_mention", [
@@ -232,8 +232,8 @@ def test_families_whose_files_name_parameters_unlike_their_modules_cut_through_t
 
     path = write_hf_model(tmp_path / "model", family)
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    plan = prepare(load_config(None, [f"model.hf={path}", "parallel.pp=2", f"run.dir={tmp_path}/runs"]))
-    assert plan.cfg.model.hf_cut == "layers"
+    prepared = prepare(load_config(None, [f"model.hf={path}", "parallel.pp=2", f"run.dir={tmp_path}/runs"]))
+    assert prepared.cfg.model.hf_cut == "layers"
     first, _ = build_hf_stage(path, "layers", 0, [0, 1])
     last, _ = build_hf_stage(path, "layers", 0, [2, 3])
     ids = torch.randint(0, 256, (2, 24))  # longer than Gemma 3's sliding window
@@ -265,8 +265,8 @@ def test_weights_missing_a_parameter_train_whole_and_refuse_a_pipeline(tmp_path)
     safetensors.torch.save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lack 'model.layers.0.mlp.gate_proj.weight'.*parallel.pp=1"):
         prepare(load_config(None, [f"model.hf={path}", "parallel.pp=2", f"run.dir={tmp_path}/runs"]))
-    plan = prepare(load_config(None, [f"model.hf={path}", f"run.dir={tmp_path}/runs", "model.seq_len=16"]))
-    assert plan.cfg.model.hf_cut == "whole"
+    prepared = prepare(load_config(None, [f"model.hf={path}", f"run.dir={tmp_path}/runs", "model.seq_len=16"]))
+    assert prepared.cfg.model.hf_cut == "whole"
     layers, _ = build_hf_stage(path, "whole", 0, None)
     assert isinstance(layers[0].model, transformers.LlamaForCausalLM)
 

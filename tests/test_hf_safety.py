@@ -14,7 +14,7 @@ import torch
 
 from raytrain import checkpoint
 from raytrain.config import load_config
-from raytrain.driver.plan import prepare
+from raytrain.driver.prepare import prepare
 from raytrain.models.hf_weights import build_hf_stage, hf_layers
 from tests.hf_models import write_hf_model
 
@@ -50,7 +50,7 @@ def custom_code_dir(tmp_path, known_type: bool) -> tuple[str, str]:
     return str(path), sentinel
 
 
-def plan_for(tmp_path, path, *overrides):
+def prepared_for(tmp_path, path, *overrides):
     return prepare(load_config(None, [f"model.hf={path}", f"run.dir={tmp_path}/runs", "model.seq_len=16", *overrides]))
 
 
@@ -58,7 +58,7 @@ def plan_for(tmp_path, path, *overrides):
 def test_a_directory_naming_custom_code_is_refused_naming_its_config_json(tmp_path, known_type):
     path, sentinel = custom_code_dir(tmp_path, known_type)
     with pytest.raises(ValueError) as err:
-        plan_for(tmp_path, path)
+        prepared_for(tmp_path, path)
     message = str(err.value)
     assert f"{path}/config.json" in message and "auto_map" in message and "custom_model" in message, message
     assert "model.trust_remote_code=true" in message and "\n" not in message, message
@@ -102,8 +102,8 @@ def test_a_checkpoint_cannot_turn_custom_code_on_for_export(tmp_path):
 def test_model_trust_remote_code_true_is_passed_to_transformers(tmp_path):
     """The opt-in works: the directory's own classes build the model (its code runs, as asked)."""
     path, sentinel = custom_code_dir(tmp_path, known_type=False)
-    plan = plan_for(tmp_path, path, "model.trust_remote_code=true")
-    assert plan.cfg.model.n_layer == 2 and os.path.exists(sentinel)
+    prepared = prepared_for(tmp_path, path, "model.trust_remote_code=true")
+    assert prepared.cfg.model.n_layer == 2 and os.path.exists(sentinel)
     model, _ = hf_layers(path, "layers", trust_remote_code=True)
     assert type(model).__name__ == "CustomForCausalLM"
 
@@ -188,7 +188,7 @@ KINDS = ["bert-config", "bert-masked-lm", "roberta-for-causal-lm", "t5", "vit", 
 def test_a_model_that_is_not_a_decoder_only_causal_lm_is_refused_naming_what_it_is(tmp_path, kind, cut):
     path, what = _not_causal_dirs(tmp_path)[kind]
     with pytest.raises(ValueError) as err:
-        plan_for(tmp_path, path, f"model.hf_cut={cut}")
+        prepared_for(tmp_path, path, f"model.hf_cut={cut}")
     message = str(err.value)
     assert f"model.hf={path!r}" in message and what in message and "decoder-only causal LM" in message, message
     assert "\n" not in message
@@ -202,7 +202,7 @@ def test_a_bert_made_a_causal_decoder_is_accepted(tmp_path):
 
     config = T.BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                           intermediate_size=64, max_position_embeddings=64, is_decoder=True)
-    assert plan_for(tmp_path, _save(config, tmp_path / "bert")).cfg.model.hf_cut == "whole"
+    assert prepared_for(tmp_path, _save(config, tmp_path / "bert")).cfg.model.hf_cut == "whole"
 
 
 def _broken_single(path, how: str) -> str:
@@ -218,7 +218,7 @@ def test_an_unreadable_model_safetensors_is_named(tmp_path, how):
     path = write_hf_model(tmp_path / "model", "llama")
     file = _broken_single(tmp_path / "model", how)
     with pytest.raises(ValueError) as err:
-        plan_for(tmp_path, path)
+        prepared_for(tmp_path, path)
     assert f"{file} is not a readable safetensors file" in str(err.value) and "\n" not in str(err.value)
 
 
@@ -249,7 +249,7 @@ def test_a_broken_sharded_checkpoint_is_named(tmp_path, how):
         weight_map[next(k for k, v in weight_map.items() if os.path.join(path, v) == first)] = os.path.basename(shard)
         json.dump({"metadata": {}, "weight_map": weight_map}, open(index, "w"))
     with pytest.raises(ValueError) as err:
-        plan_for(tmp_path, path)
+        prepared_for(tmp_path, path)
     assert named in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
@@ -265,5 +265,5 @@ def test_an_unparseable_config_json_is_named(tmp_path):
     write_hf_model(tmp_path / "model", "llama", weights=False)
     (tmp_path / "model" / "config.json").write_text('{"model_type": "llama",')
     with pytest.raises(ValueError, match=r"config.json is not a readable JSON config"):
-        plan_for(tmp_path, tmp_path / "model")
+        prepared_for(tmp_path, tmp_path / "model")
 

@@ -1,6 +1,7 @@
-"""Input that used to fail late, with a traceback, or silently (issue 25): each now ends in one line
-naming the file or key and the fix, with exit 2, before any actor starts; and token rows longer than
-model.seq_len + 1 train as all their windows instead of being cut."""
+"""Bad input (a config file that is not YAML or cannot be read, a bad --set value, an unwritable cache
+directory, a factory that returns the wrong type, a broken sweep file) ends in one line naming the file or
+key and the fix, with exit 2, before any actor starts, never in a traceback or silently; and token rows
+longer than model.seq_len + 1 train as all their windows, none cut."""
 
 import io
 import os
@@ -15,7 +16,7 @@ import pytest
 
 from raytrain import data, train
 from raytrain.config import load_config
-from raytrain.driver.plan import prepare
+from raytrain.driver.prepare import prepare
 
 
 def _cli(*args: str, env=None, cwd=None) -> subprocess.CompletedProcess:
@@ -169,7 +170,7 @@ def test_cli_names_a_factory_of_the_wrong_type(factory_dir, tmp_path, data_cache
     _one_line_exit_2(proc, "model.factory='ic_bad_factories:number'", "returned int", "nn.Sequential")
 
 
-# --- token rows longer than model.seq_len + 1: every window, none cut (issue 25, item 5) ---------------
+# --- token rows longer than model.seq_len + 1: every window, none cut -----------------------------------
 
 
 def _rows_of(lengths, start=0) -> list[list[int]]:
@@ -248,10 +249,10 @@ def test_prepare_counts_windows_for_training_and_held_out_rows(tmp_path, data_ca
     base = ["model.seq_len=16", "train.global_batch=4", f"data.cache_dir={data_cache}", f"run.dir={tmp_path / 'r'}",
             f"data.path={train_path}"]
     assert prepare(load_config(None, base)).num_samples == 40
-    plan = prepare(load_config(None, base + ["data.eval_fraction=0.25"]))
-    assert (plan.num_samples, plan.held_out) == (30, 10)
-    plan = prepare(load_config(None, base + [f"data.eval_path={eval_path}"]))
-    assert (plan.num_samples, plan.held_out) == (40, 4)
+    prepared = prepare(load_config(None, base + ["data.eval_fraction=0.25"]))
+    assert (prepared.num_samples, prepared.held_out) == (30, 10)
+    prepared = prepare(load_config(None, base + [f"data.eval_path={eval_path}"]))
+    assert (prepared.num_samples, prepared.held_out) == (40, 4)
 
 
 def test_long_rows_train_every_window_exactly_once_per_epoch(ray_session, make_config, tmp_path):

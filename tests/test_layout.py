@@ -9,7 +9,7 @@ import pytest
 from raytrain.config import ParallelConfig, load_config
 from raytrain.config.layout import Layout
 from raytrain.config.mesh import Mesh
-from raytrain.driver.model_check import plan_layout
+from raytrain.driver.model_check import model_layout
 
 
 def test_world_size_counts_every_replica_shard_and_stage():
@@ -77,7 +77,7 @@ def test_label_names_the_layout_and_the_schedule_of_a_pipeline():
     (["parallel.split_points=[]"], [range(0, 6)]),  # pp=1 takes no cut
 ])
 def test_stage_ranges_of_the_builtin_gpt(overrides, ranges):
-    layout = plan_layout(load_config(None, overrides))
+    layout = model_layout(load_config(None, overrides))
     assert layout.num_layers == 6 and layout.stage_ranges == ranges
 
 
@@ -88,7 +88,7 @@ def test_split_points_need_no_model():
 
 
 def test_a_factory_model_is_counted_and_cut():
-    layout = plan_layout(load_config(None, ["model.factory=tests.factories:raises_in_workers", "parallel.pp=2"]))
+    layout = model_layout(load_config(None, ["model.factory=tests.factories:raises_in_workers", "parallel.pp=2"]))
     assert layout.num_layers == 2 and layout.stage_ranges == [range(0, 1), range(1, 2)]
 
 
@@ -110,10 +110,10 @@ def test_a_cut_the_model_cannot_take_names_the_key(layout, must_mention):
     (["model.factory=tests.factories:raises_in_workers", "parallel.pp=2", "parallel.split_points=[2]"],
      ["parallel.split_points=[2]", "1..1"]),
 ])
-def test_the_config_and_the_plan_check_the_same_way(overrides, must_mention):
+def test_the_config_and_the_model_layout_refuse_a_bad_cut_the_same_way(overrides, must_mention):
     # The built-in GPT is checked when the config is built; a factory's layers once prepare counts them.
     with pytest.raises(ValueError) as err:
-        plan_layout(load_config(None, overrides))
+        model_layout(load_config(None, overrides))
     assert all(text in str(err.value) for text in must_mention), str(err.value)
 
 

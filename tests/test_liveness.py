@@ -26,7 +26,7 @@ def test_a_beat_is_answered_with_the_newest_generation_to_abort_and_silence_is_c
 def test_a_stage_aborts_the_groups_of_the_generation_named_and_of_no_later_one(make_config, monkeypatch):
     from raytrain.config.mesh import Mesh
     from raytrain.config.prepared import Slot
-    from raytrain.driver.plan import prepare
+    from raytrain.driver.prepare import prepare
     from raytrain.driver.rendezvous import RendezvousStore
     from raytrain.worker import stage as stage_module
 

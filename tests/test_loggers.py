@@ -7,7 +7,7 @@ import pytest
 
 from raytrain.config import load_config
 from raytrain.driver.loggers import MetricLoggers, check_loggers
-from raytrain.driver.plan import prepare
+from raytrain.driver.prepare import prepare
 
 
 def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:

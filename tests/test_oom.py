@@ -232,7 +232,7 @@ def test_an_oom_while_saving_that_exhausts_the_failures_names_the_save(tmp_path)
 
 def test_a_second_oom_with_nothing_committed_between_gives_up_at_once_instead_of_retrying(tmp_path):
     # the same layout at the same step would only run out again: a reload per try up to
-    # elastic.max_failures (20) spent 20 minutes of a 1B run before this rule
+    # elastic.max_failures (20) would spend 20 minutes of a 1B run for nothing
     group = FakeWorkerGroup(1, initial=2, oom_in="save", oom_times=5)
     with pytest.raises(OutOfMemoryLost, match=r"during a save \(the checkpoint of step 2\); workers ran out of "
                                                r"memory twice after step 2 with no step committed between") as raised:

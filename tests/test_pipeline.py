@@ -8,13 +8,13 @@ import pytest
 from raytrain import checkpoint, train
 from raytrain.testing.reference import train_reference
 from raytrain.pipeline.checker import last_gradient_action, peak_live_activations
-from raytrain.pipeline.schedule import build_plan
+from raytrain.pipeline.schedule import build_schedule
 from tests.forked_stages import run_stages
 from tests.helpers import assert_same_params, reference_state
 
 
-# At m=1 the 1F1B plan is the GPipe plan, action for action (asserted in test_schedule), and the
-# executor only runs plans: the (1f1b, m=1) cells would repeat the (gpipe, m=1) runs.
+# At m=1 the 1F1B schedule is the GPipe schedule, action for action (asserted in test_schedule), and the
+# executor only runs schedules: the (1f1b, m=1) cells would repeat the (gpipe, m=1) runs.
 CELLS = [(pp, kind, m) for pp in (2, 4) for kind in ("gpipe", "1f1b") for m in (1, 2, 4) if (kind, m) != ("1f1b", 1)]
 # The cells that also run on Ray actors: both schedules, both depths. The schedule and m only change
 # what each Stage executes, which the whole grid checks in forked processes; what the coordinator
@@ -71,12 +71,12 @@ def test_split_backwards_on_sharded_stages_reduce_after_their_last_weight_half(m
     # FSDP2's reduce-scatter in: ShardedGrads.chunk_weights_done runs it after that W (and with HSDP the
     # all-reduce across replicas). Without it these cells end far from one process's parameters.
     cfg = make_config("parallel.fsdp=2", "parallel.pp=2", "train.steps=3", "model.n_layer=6", *SPLIT_FSDP_CELLS[cell])
-    plan = build_plan(cfg.parallel.schedule, 2, cfg.parallel.microbatches, True, cfg.parallel.virtual_stages)
+    schedule = build_schedule(cfg.parallel.schedule, 2, cfg.parallel.microbatches, True, cfg.parallel.virtual_stages)
     model, _ = run_stages(cfg, str(tmp_path))
     assert_same_params(model, reference_state(cfg))
     # the case this is about ran: a chunk's last gradient action was a W, and FSDP2 reduce-scattered in it
     reduced_in_a_last_w = []
-    for stage, acts in enumerate(plan):
+    for stage, acts in enumerate(schedule):
         events = json.loads((tmp_path / f"stage{stage}-0-0.json").read_text())["last_step_events"]
         for chunk in sorted({a.chunk for a in acts}):
             last = acts[last_gradient_action(acts, chunk)]
@@ -93,8 +93,8 @@ def test_virtual_stages_match_single_process(make_config, tmp_path, pp, kind, m,
                       "parallel.virtual_stages=2", f"parallel.split_backward={split}", f"model.n_layer={2 * pp - 2}")
     model, peak_live = run_stages(cfg, str(tmp_path))
     assert_same_params(model, reference_state(cfg))
-    plan = build_plan(kind, pp, m, split == "true", 2)
-    assert peak_live == [peak_live_activations(acts) for acts in plan]  # the executor holds what the plan says
+    schedule = build_schedule(kind, pp, m, split == "true", 2)
+    assert peak_live == [peak_live_activations(acts) for acts in schedule]  # the executor holds what the schedule says
     assert max(peak_live) <= CHUNK_BOUND[kind](pp)
 
 
@@ -105,7 +105,7 @@ def test_v_schedules_on_actors_match_single_process(ray_session, make_config, ki
     result = train(cfg)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
     peaks = result.metrics[-1]["peak_live_activations"]
-    assert [peaks[str(s)] for s in range(2)] == [peak_live_activations(a) for a in build_plan(kind, 2, 4, True, 2)]
+    assert [peaks[str(s)] for s in range(2)] == [peak_live_activations(a) for a in build_schedule(kind, 2, 4, True, 2)]
 
 
 @pytest.mark.parametrize("pp, kind, m", RAY_CELLS)

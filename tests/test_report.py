@@ -28,7 +28,7 @@ def test_progress_line_follows_the_layout_through_a_grow_and_a_repair(tmp_path):
 
 
 def test_a_deep_pipeline_shows_its_bubble(tmp_path):
-    # The line used to look for "pp=1" in the label, which "pp=12" contains.
+    # Whether a pipeline runs is the layout's pp, not a "pp=1" found in the label, which "pp=12" contains.
     out = io.StringIO()
     reporter = RunReporter(str(tmp_path), total_steps=1, layout=Layout(mesh=Mesh(pp=12), microbatches=12), stream=out)
     reporter.add([{"step": 1, "loss": 2.5, "samples_per_s": 100.0, "layout": "dp=1 pp=12", "dp": 1, "bubble": 0.5}])

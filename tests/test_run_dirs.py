@@ -8,7 +8,7 @@ import pytest
 from raytrain.api import prepare
 from raytrain.config.layout import Layout
 from raytrain.config.mesh import Mesh
-from raytrain.driver import plan
+from raytrain.driver.prepare import _new_run_name
 
 
 def test_runs_prepared_in_the_same_second_get_their_own_directories(make_config, monkeypatch):
@@ -25,7 +25,7 @@ def test_concurrent_runs_never_share_a_directory(tmp_path, monkeypatch):
 
     def claim():
         start.wait()
-        names.append(plan._new_run_name(str(tmp_path), layout))
+        names.append(_new_run_name(str(tmp_path), layout))
 
     threads = [threading.Thread(target=claim) for _ in range(8)]
     for t in threads:

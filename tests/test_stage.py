@@ -65,15 +65,15 @@ class Recorder(PhaseHook):
 
 def test_the_stage_calls_its_hook_at_every_phase_point(make_config, tmp_path, keep_torch_threads):
     # pp=1 dp=1: one process, a world of one; generation 1 so the join counts as a repair's.
-    plan = prepare(make_config("train.steps=1"))
-    cfg = plan.cfg
+    prepared = prepare(make_config("train.steps=1"))
+    cfg = prepared.cfg
     recorder, armed = Recorder(), []
 
     def make_hook(specs, replica, stage_index, shard):
         armed.append((specs, replica, stage_index, shard))
         return recorder
 
-    stage = Stage(plan.worker_spec(), Slot(0), make_hook=make_hook)
+    stage = Stage(prepared.worker_spec(), Slot(0), make_hook=make_hook)
     rendezvous = RendezvousStore()
     try:
         stage.join(0, Mesh(), even_shares(cfg.train.global_batch, 1),
@@ -174,7 +174,7 @@ def test_a_background_write_begins_when_released_and_reports_its_result_or_its_e
 
 def test_a_worker_imports_torch_with_the_collector_paused_and_freezes_what_it_imported():
     """In a fresh interpreter, as a worker process starts: afterwards the collector runs again, and the
-    imported objects (hundreds of thousands) are frozen, so a full collection no longer walks them."""
+    imported objects (hundreds of thousands) are frozen, so a full collection does not walk them."""
     import subprocess
     import sys
 

@@ -17,7 +17,7 @@ import pytest
 from raytrain import data
 from raytrain.config import load_config
 from raytrain.data import text as text_data
-from raytrain.driver.plan import prepare
+from raytrain.driver.prepare import prepare
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -138,12 +138,12 @@ def test_documents_are_joined_by_the_end_of_text_token(tmp_path, specials, separ
 
 def test_packed_rows_feed_the_run_as_token_rows(tmp_path, text_config):
     cfg = text_config(write_jsonl(tmp_path / "d.jsonl", make_documents()))
-    plan = prepare(cfg)
-    (path,) = plan.source.train.paths
-    dataset = data.open_dataset(path, plan.cfg)
-    assert plan.num_samples == len(dataset) == len(text_data.packed_rows(
+    prepared = prepare(cfg)
+    (path,) = prepared.source.train.paths
+    dataset = data.open_dataset(path, prepared.cfg)
+    assert prepared.num_samples == len(dataset) == len(text_data.packed_rows(
         path, "text", cfg.data.tokenizer, SEQ_LEN + 1, cfg.data.cache_dir))
-    x, y = dataset.batch([0, 3, plan.num_samples - 1])
+    x, y = dataset.batch([0, 3, prepared.num_samples - 1])
     assert x.shape == y.shape == (3, SEQ_LEN) and bool((x[:, 1:] == y[:, :-1]).all())
     assert int(dataset.rows.max()) < VOCAB and str(x.dtype) == "torch.int64"
 
@@ -275,8 +275,8 @@ def test_make_tokenizer_writes_a_tokenizer_a_run_accepts(tmp_path, text_config):
     assert proc.returncode == 0, proc.stderr
     tok = tokenizers.Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
     assert tok.get_vocab_size() == 290 and tok.token_to_id(EOT) is not None
-    plan = prepare(text_config(str(corpus), f"data.tokenizer={tmp_path / 'tok'}", "model.vocab_size=290"))
-    assert plan.num_samples == stream_length(tok, make_documents()) // (SEQ_LEN + 1)
+    prepared = prepare(text_config(str(corpus), f"data.tokenizer={tmp_path / 'tok'}", "model.vocab_size=290"))
+    assert prepared.num_samples == stream_length(tok, make_documents()) // (SEQ_LEN + 1)
 
 
 # --- end to end ------------------------------------------------------------------------------------

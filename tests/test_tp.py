@@ -256,7 +256,7 @@ def test_a_hugging_face_family_splits_by_its_declared_plan_and_matches_one_proce
 ], ids=["kv-heads", "whole"])
 def test_a_hugging_face_tp_that_cannot_split_its_layers_is_refused_before_any_actor(tmp_path, overrides, words):
     from raytrain.config import load_config
-    from raytrain.driver.plan import prepare
+    from raytrain.driver.prepare import prepare
 
     path = write_hf_model(tmp_path / "model", "llama")
     cfg = load_config(None, [f"model.hf={path}", TP, "train.global_batch=8", f"run.dir={tmp_path}/runs", *overrides])
@@ -300,7 +300,7 @@ def test_sequence_parallelism_runs_a_decoder_layers_norms_on_each_ranks_tokens_a
 def test_sequence_parallelism_for_experts_a_decoder_layer_calls_itself_is_refused_before_any_actor(tmp_path):
     # Gemma 4 hands its experts the layer's tokens flattened: no (batch, tokens, width) input to gather
     from raytrain.config import load_config
-    from raytrain.driver.plan import prepare
+    from raytrain.driver.prepare import prepare
 
     path = write_hf_model(tmp_path / "model", "gemma4_moe")
     cfg = load_config(None, [f"model.hf={path}", TP, "parallel.tp=2", SP, f"run.dir={tmp_path}/runs"])
@@ -314,7 +314,7 @@ def test_a_family_whose_plan_splits_only_experts_is_refused_without_them(tmp_pat
     import transformers as T
 
     from raytrain.config import load_config
-    from raytrain.driver.plan import prepare
+    from raytrain.driver.prepare import prepare
 
     config = T.NemotronHConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=8, layers_block_type=["mamba", "attention"],
@@ -327,7 +327,7 @@ def test_a_family_whose_plan_splits_only_experts_is_refused_without_them(tmp_pat
 
 def test_a_family_without_a_tensor_parallel_plan_is_refused(tmp_path):
     from raytrain.config import load_config
-    from raytrain.driver.plan import prepare
+    from raytrain.driver.prepare import prepare
 
     path = write_hf_model(tmp_path / "model", "gpt2")
     cfg = load_config(None, [f"model.hf={path}", TP, "parallel.tp=2", f"run.dir={tmp_path}/runs"])

@@ -3,7 +3,7 @@
 Every field is a public, documented key (``section.field``). Errors are ``ValueError``s of one form,
 ``key=value: fix`` (raytrain.config.errors). The dataclasses' checks are pure (no disk, no imports of user code): every
 node builds them, and what only the driver's machine can answer (data.path exists, model.factory
-imports) is checked once, by ``raytrain.driver.plan.prepare``.
+imports) is checked once, by ``raytrain.driver.prepare.prepare``.
 """
 
 from raytrain.config.loader import (RENAMED_KEYS, all_keys, build_config, config_from_dict, flatten_sections,

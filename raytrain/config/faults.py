@@ -4,7 +4,7 @@ A fault names a worker's slot and a moment: ``replica:stage@step:phase``, e.g. `
 kills the worker at replica 1, stage 0 when it reaches phase ``backward`` of step 3 (0-based); with
 parallel.fsdp > 1, ``replica:shard:stage@step:phase`` names a shard (``replica:stage`` is shard 0).
 Set them with ``--set elastic.faults='["1:0@3:backward"]'``. Each fault fires at most once: after a
-repair the coordinator drops the faults at or before the step that failed (``FaultPlan``).
+repair the coordinator drops the faults at or before the step that failed (``remaining_faults``).
 
 Phases: ``forward`` (before the first forward of the step), ``backward`` (before the first
 backward), ``allreduce`` (while its dp peers are all-reducing gradients), ``optimizer`` (after all
@@ -70,15 +70,12 @@ class Fault:
         return f"{where}@{self.step}:{self.phase}"
 
 
-class FaultPlan:
-    """The faults of a run, as the coordinator hands them to each generation."""
+def remaining_faults(faults: list[str], failed_step: int, keep_join: bool = True) -> list[str]:
+    """The faults of ``faults`` still to come after a failure at ``failed_step`` (earlier ones fired or are
+    moot), as the coordinator hands them to each generation.
 
-    @staticmethod
-    def remaining(faults: list[str], failed_step: int, keep_join: bool = True) -> list[str]:
-        """Faults still to come after a failure at ``failed_step`` (earlier ones fired or are moot).
-
-        A ``join`` fault of that step is kept (it fires during this repair) unless ``keep_join`` is off.
-        """
-        parsed = [(text, Fault.parse(text)) for text in faults]
-        return [text for text, f in parsed
-                if f.step > failed_step or (keep_join and f.step == failed_step and f.phase == "join")]
+    A ``join`` fault of that step is kept (it fires during this repair) unless ``keep_join`` is off.
+    """
+    parsed = [(text, Fault.parse(text)) for text in faults]
+    return [text for text, f in parsed
+            if f.step > failed_step or (keep_join and f.step == failed_step and f.phase == "join")]

@@ -3,7 +3,7 @@
 ``Layout`` answers what the config, the driver, the reporter and Tune ask of a layout: its worker grid
 (``mesh``: dp x fsdp x tp x pp, raytrain.config.mesh, which owns the world size and the rank arithmetic), its
 label (``dp=2 pp=2 m=4 1f1b``), and, once the model is known (``for_model``, or
-``raytrain.driver.plan.plan_layout`` for the stage cuts), the layer count and each stage's layers. A label
+``raytrain.driver.model_check.model_layout`` for the stage cuts), the layer count and each stage's layers. A label
 is an answer, never an input: nothing parses it back. No torch and no Ray here: anything may import it.
 """
 
@@ -108,7 +108,7 @@ class Layout:
     @property
     def stage_ranges(self) -> list[range]:
         """Global layer indices of each model chunk, in pipeline order."""
-        assert self.num_layers is not None, "the layer count is not known yet: call for_model (or plan_layout)"
+        assert self.num_layers is not None, "the layer count is not known yet: call for_model (or model_layout)"
         cuts = self.cuts if self.cuts is not None else ()
         assert len(cuts) == self.num_chunks - 1, f"{self.num_chunks} chunks need {self.num_chunks - 1} cuts: {cuts}"
         bounds = [0, *cuts, self.num_layers]

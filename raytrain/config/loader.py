@@ -243,7 +243,7 @@ def parse_overrides(texts: Optional[list[str]]) -> list[tuple[str, Any]]:
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
     """Load ``path`` (YAML), apply ``--set`` overrides in order, validate, and return the Config.
 
-    What needs this machine (data.path, model.factory) is checked later, by raytrain.driver.plan.prepare.
+    What needs this machine (data.path, model.factory) is checked later, by raytrain.driver.prepare.prepare.
     Every input error is a ValueError naming the file or override (the CLI's one line, exit 2)."""
     values: dict[str, Any] = flatten_sections(read_yaml_file(path), path) if path is not None else {}
     values.update(parse_overrides(overrides))

@@ -1,6 +1,6 @@
 """The values a run is carried by across its process boundaries: built once, never taken apart.
 
-``PreparedRun``: what ``raytrain.driver.plan.prepare`` checked and decided on the driver, before any actor
+``PreparedRun``: what ``raytrain.driver.prepare.prepare`` checked and decided on the driver, before any actor
 starts; the driver runs it, and the coordinator is constructed from it. ``WorkerSpec``: what the
 coordinator hands every worker it starts (the same value for each), with the worker's ``Slot``. Both are
 frozen; a changed run (a layout chosen by parallel.auto, a coordinator restarted from a checkpoint) is a
@@ -47,7 +47,7 @@ class ModelFacts:
     layer_params: tuple[int, ...]
     """Parameters of each cuttable layer, in order (a shared one counted in each layer that holds it)."""
     max_fsdp: int
-    """The most shards parallel.fsdp may cut the parameters into (raytrain.driver.plan.shardable_rows)."""
+    """The most shards parallel.fsdp may cut the parameters into (raytrain.driver.model_check.shardable_rows)."""
     ties: tuple[Tie, ...] = ()
     """Parameters that several layers share."""
 

@@ -3,7 +3,7 @@
 
 Every check raises one form of error, ``key=value: fix`` (raytrain.config.errors.require). The checks are pure
 (no disk, no imports of user code): every node builds a Config, and what only the driver's machine
-can answer (data.path exists, model.factory imports) is checked once, by ``raytrain.driver.plan.prepare``.
+can answer (data.path exists, model.factory imports) is checked once, by ``raytrain.driver.prepare.prepare``.
 YAML files and ``--set`` overrides are read by raytrain.config.loader.
 """
 
@@ -144,7 +144,7 @@ class ParallelConfig:
     """Workers that shard one replica's parameters, gradients and optimizer state (FSDP2; HSDP with dp > 1)."""
     tp: int = 1
     """Workers that split each transformer block of a stage (tensor parallelism: attention heads and MLP
-    columns, by each layer's plan; with fsdp, FSDP2 shards the tp parts). Its group talks on every
+    columns, by each layer's tp plan; with fsdp, FSDP2 shards the tp parts). Its group talks on every
     layer, so it is placed on one node."""
     pp: int = 1
     """Pipeline stages the model is cut into."""
@@ -249,7 +249,7 @@ class DataConfig:
     """Parquet file with a token column (or text: see data.text_column, which also reads JSON lines), or many:
     a directory, a glob, or a list of those, local or pyarrow.fs URIs (raytrain.data.shards: sorted by path,
     concatenated); unset uses the built-in corpus (Python stdlib source, bytes). The files are listed and
-    checked on the driver's machine, by raytrain.driver.plan.prepare; workers read them (and data.tokenizer)
+    checked on the driver's machine, by raytrain.driver.prepare.prepare; workers read them (and data.tokenizer)
     at the same paths, each file when the sample order first reaches it."""
     column: str = "tokens"
     """Name of the token column in data.path (list<int> or bytes); each row needs >= seq_len + 1 tokens."""
@@ -576,7 +576,7 @@ class Config:
         self._check_batch_division()
         self._check_tensor_parallel()
         if self.model.factory is None and self.model.hf is None:
-            self.gpt_layout()  # a model.factory's or model.hf's layers are counted by raytrain.driver.plan.plan_layout
+            self.gpt_layout()  # a model.factory's or model.hf's layers are counted by raytrain.driver.model_check.model_layout
             rows = max(4 * self.model.d_model, self.model.seq_len, self.model.vocab_size)
             check_shardable(p.fsdp, rows, "the built-in GPT's largest parameter")
         if self.data.path is None and self.data.factory is None and self.data.builtin == "stdlib":
@@ -601,7 +601,7 @@ class Config:
                     "lower elastic.max_dp")
 
     def _check_tensor_parallel(self):
-        """parallel.tp splits the heads and MLP columns of the built-in GPT (or a plan's linears), on one node."""
+        """parallel.tp splits the heads and MLP columns of the built-in GPT (or a tp plan's linears), on one node."""
         tp, m, sequence = self.parallel.tp, self.model, self.parallel.sequence_parallel
         require(not sequence or tp > 1, "parallel.sequence_parallel", True,
                 "it splits the tokens between tp ranks: set parallel.tp > 1, or leave it false")
@@ -657,7 +657,7 @@ class Config:
 
     def layout(self) -> Layout:
         """The configured layout (its ``label``: ``dp=2 pp=1 m=1``); without the model's layer count
-        and cuts, which raytrain.driver.plan adds."""
+        and cuts, which raytrain.driver.prepare adds."""
         return Layout.of(self.parallel)
 
 

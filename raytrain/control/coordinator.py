@@ -41,7 +41,7 @@ from raytrain.control.drain import Drains
 from raytrain.control.evaluation import evaluating
 from raytrain.control.ledger import Ledger
 from raytrain.control.liveness import Heartbeats
-from raytrain.control.membership import Member
+from raytrain.control.membership import Member, Membership
 from raytrain.control.policy import Action, Decision, ElasticPolicy
 from raytrain.control.protocol import StepFailed, WorkerGroup, WorkersLost
 from raytrain.control.repair import GiveUp, Repairs
@@ -77,23 +77,25 @@ class OutOfMemoryLost(CapacityLost):
 class Coordinator:
     """Owns one run. Contract: construct (it starts the workers at once), then ``run(store)`` once;
     the driver calls ``poll`` meanwhile, ``request_stop`` on a signal and ``shutdown`` at the end.
+    ``prepared``: the run (raytrain.config.prepared); ``reservation``: where its workers start;
     ``worker_cls``: the workers' actor class (the driver's: control/ imports no worker code);
-    ``group`` replaces the Ray worker group (tests/helpers.FakeWorkerGroup); ``corpus_path``: _worker_args."""
+    ``worker_group`` replaces the Ray worker group (tests/helpers.FakeWorkerGroup)."""
 
     def __init__(self, prepared: PreparedRun, reservation: Reservation, worker_cls=None,
-                 group: Optional[WorkerGroup] = None):
+                 worker_group: Optional[WorkerGroup] = None):
         config, e = prepared.cfg, prepared.cfg.elastic
         self.cfg = config
         self.num_samples = prepared.num_samples
         self.resume_from = prepared.resume
-        assert group is not None or worker_cls is not None, "the Ray worker group needs the worker class"
+        assert worker_group is not None or worker_cls is not None, "the Ray worker group needs the worker class"
         self.heartbeats = Heartbeats()  # every worker's, through ``beat``
-        group = group or RayWorkerGroup(worker_cls, _worker_options(config), _worker_spec(prepared),
-                                        replacement_prefix(config), Hung(self.heartbeats, e.detect_timeout_s))
+        worker_group = worker_group or RayWorkerGroup(worker_cls, _worker_options(config), _worker_spec(prepared),
+                                                      replacement_prefix(config),
+                                                      Hung(self.heartbeats, e.detect_timeout_s))
         self.policy = ElasticPolicy(min_dp=e.min_dp or config.parallel.dp, target_dp=e.max_dp or config.parallel.dp,
                                     max_failures=e.max_failures, capacity_wait_s=e.capacity_wait_s,
                                     skip_nonfinite=config.train.skip_nonfinite)
-        self.crew = Crew(group, Layout.of(config.parallel), config.train.global_batch, e.faults, reservation.growth)
+        self.crew = Crew(worker_group, Layout.of(config.parallel), config.train.global_batch, e.faults, reservation.growth)
         self.ledger = Ledger(last_checkpoint=prepared.resume)
         self.drains = Drains(self.crew, self.ledger, config, lambda: self.stopping)
         """Workers told to leave (a SIGTERM): they go at a step boundary, once their replacements are up."""
@@ -102,10 +104,10 @@ class Coordinator:
                                lambda: self.stopping, self.drains, self.request_stop)
         self.state: State = Starting()
         self.in_flight: Optional[StepCall] = None  # the step sent to the workers and not yet collected
-        self.checkpoints = Checkpoints(group, self.ledger, config, prepared.stage_layers, prepared.data_identity)
+        self.checkpoints = Checkpoints(worker_group, self.ledger, config, prepared.stage_layers, prepared.data_identity)
         self.original_pids: list[int] = []
         self._stop_reason: Optional[str] = None
-        self.crew.spawn_first(reservation.group, reservation.first_bundle)  # they start while the driver finishes
+        self.crew.spawn_first(reservation.placement, reservation.first_bundle)  # they start while the driver finishes
 
     # --- driver-facing ----------------------------------------------------------------------------
 
@@ -131,9 +133,9 @@ class Coordinator:
         return self._stop_reason is not None
 
     @property
-    def team(self):
-        """Who is in the run (raytrain.control.membership.Membership)."""
-        return self.crew.team
+    def membership(self) -> Membership:
+        """Who is in the run: the current generation's replicas, the spares and the workers starting."""
+        return self.crew.membership
 
     def run(self, store: StoreAddress) -> RunSummary:
         """Train to ``train.steps`` (or, after ``request_stop``, to the next step boundary), forming
@@ -155,7 +157,7 @@ class Coordinator:
         ledger = self.ledger
         return RunSummary(steps=ledger.step, checkpoint=ledger.last_checkpoint, stopped=self._stop_reason,
                           digests=self.crew.digests() if self.cfg.run.record_samples else {},
-                          worker_pids=self.original_pids, final_pids=self.team.pids(),
+                          worker_pids=self.original_pids, final_pids=self.membership.pids(),
                           committed_steps=ledger.committed_steps, failures=ledger.failures,
                           recovery_s=ledger.recovery_s, skipped_steps=ledger.skipped_steps,
                           time_book=ledger.time.record())
@@ -197,8 +199,8 @@ class Coordinator:
             self.ledger.emit({"event": "resumed", "from": self.resume_from, "step": step})
         self.ledger.step = self.ledger.first_step = step
         self.crew.form_generation(step)
-        self.ledger.emit({"event": "started", "layout": self.cfg.layout().label, "replicas": self.team.dp,
-                          "standby": [m.pid for m in self.team.spares],
+        self.ledger.emit({"event": "started", "layout": self.cfg.layout().label, "replicas": self.membership.dp,
+                          "standby": [m.pid for m in self.membership.spares],
                           "generation": self.crew.generation, "pids": self.original_pids,
                           "coordinator_pid": os.getpid()})
         return Running()
@@ -212,7 +214,7 @@ class Coordinator:
         if self.in_flight is None:
             if self.stopping:
                 return Stopping()
-            if self.drains.due(self.step_s):
+            if self.drains.leaving_at_next_boundary(self.step_s):
                 return self.drains.state()
             growth = self.repairs.growth()
             if growth.action is Action.GROW:
@@ -221,7 +223,7 @@ class Coordinator:
         call = self.in_flight
         ahead = self._send(ledger.step + 1, None) if self._may_send_ahead(ledger.step + 1) else None
         try:
-            reports = steps.collect(self.crew.group, call, self.cfg.resources.step_timeout_s, self.layout(),
+            reports = steps.collect(self.crew.worker_group, call, self.cfg.resources.step_timeout_s, self.layout(),
                                     settle_s=self.cfg.elastic.detect_timeout_s + SETTLE_MARGIN_S)
         except StepLost as lost:
             self.in_flight = None
@@ -238,12 +240,12 @@ class Coordinator:
             self._wait_out(ahead)
             return self._skip_nonfinite(bad)
         self.step_s = time.perf_counter() - call.started
-        row = steps.aggregate_step(ledger.step, reports, self.step_s, self.cfg, self.team.mesh(), self.layout())
+        row = steps.aggregate_step(ledger.step, reports, self.step_s, self.cfg, self.membership.mesh(), self.layout())
         ledger.commit(ledger.step, row)
-        drained = self.drains.committed()
+        drained = self.drains.event_after_commit()
         if drained is not None:
-            ledger.emit(drained)
-        self.drains.noticed(reports, call.hold)
+            ledger.emit(drained.record())
+        self.drains.note_notices(reports, call.hold)
         self.checkpoints.publish_if_written()
         if ahead is not None:
             ahead.started = time.perf_counter()
@@ -252,27 +254,28 @@ class Coordinator:
 
     def _send(self, step: int, started: Optional[float]) -> StepCall:
         trace = step - self.ledger.first_step < self.cfg.run.trace_steps  # a resumed run traces its own first steps
-        return steps.send(self.crew.group, self.team.members(), step, trace, started, self.drains.holds())
+        return steps.send(self.crew.worker_group, self.membership.members(), step, trace, started,
+                          self.drains.holds_notices())
 
     def _may_send_ahead(self, step: int) -> bool:
         return may_send_ahead(step, self.cfg.train.steps, self.cfg.checkpoint.every,
                               self.crew.changing(self.policy.target_dp) or self.stopping
-                              or self.drains.due(self.step_s),
+                              or self.drains.leaving_at_next_boundary(self.step_s),
                               self.cfg.eval.every)
 
     def _wait_out(self, call: Optional[StepCall]) -> list[Member]:
-        return steps.wait_out(self.crew.group, call, self.cfg.elastic.detect_timeout_s + SETTLE_MARGIN_S)
+        return steps.wait_out(self.crew.worker_group, call, self.cfg.elastic.detect_timeout_s + SETTLE_MARGIN_S)
 
     def _skip_nonfinite(self, bad: NonFiniteStep) -> State:
         """Skip a step whose vote found a non-finite value (nothing of it was applied anywhere), or
         stop when train.skip_nonfinite steps were skipped already."""
         step, norm = bad.step, bad.results[0].grad_norm
-        loss = steps.loss_of(bad.results, self.cfg, self.team.mesh().columns)
+        loss = steps.loss_of(bad.results, self.cfg, self.membership.mesh().columns)
         decision = self.policy.nonfinite(len(self.ledger.skipped_steps))
         if decision.action is Action.GIVE_UP:
             self.give_up(decision, error=lambda last: nonfinite_loss(step, loss, norm, decision, last))
         self.crew.skip(step)
-        row = steps.skipped_row(step, loss, norm, self.cfg, self.num_samples, self.layout(), dp=self.team.dp)
+        row = steps.skipped_row(step, loss, norm, self.cfg, self.num_samples, self.layout(), dp=self.membership.dp)
         self.ledger.commit(step, row, skipped=True)
         self.ledger.emit({"event": "skipped_step", "step": step + 1, "loss": loss, "grad_norm": norm,
                           "skipped_so_far": len(self.ledger.skipped_steps), **decision.record()})
@@ -287,13 +290,13 @@ class Coordinator:
         (the run's last save, and one before a stop, are written before the run goes on)."""
         step = self.ledger.step
         background = self.cfg.checkpoint.async_save and step < self.cfg.train.steps and not self.stopping
-        savers = self.team.replicas[0]
+        savers = self.membership.replicas[0]
         try:
             if background:
-                self.checkpoints.start(savers, step, self.team.mesh())
+                self.checkpoints.start(savers, step, self.membership.mesh())
                 self.ledger.flush_row(None)  # the checkpoint event says when it is published
                 return Running()
-            ckpt_dir = self.checkpoints.save(savers, step, self.team.mesh())
+            ckpt_dir = self.checkpoints.save(savers, step, self.membership.mesh())
         except WorkersLost as lost:
             return Repairing(tuple(lost.dead), Interrupted.CHECKPOINT)
         self.ledger.flush_row(ckpt_dir)
@@ -315,7 +318,7 @@ class Coordinator:
                 error: Optional[Callable[[Optional[str]], Exception]] = None) -> None:
         """End the run with CapacityLost (or ``error(last checkpoint)``), after saving the survivors'
         state (not ``lost`` workers') when no checkpoint has it."""
-        saved = self.checkpoints.save_before_giving_up(self.team, lost)
+        saved = self.checkpoints.save_before_giving_up(self.membership, lost)
         last = self.ledger.last_checkpoint
         raise error(last) if error else capacity_lost(decision, last, saved is not None,
                                                       self.repairs.out_of_memory(lost))

@@ -10,6 +10,7 @@ It knows nothing of steps, policies or metrics: the states decide, the crew carr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Optional
 
 from raytrain.config.layout import Layout
@@ -23,26 +24,40 @@ GRANT_AT_START_S = 1.0
 """How long the start waits for replicas beyond parallel.dp before starting without them."""
 
 
+class ReplacementState(str, Enum):
+    """Where a replacement started at a notice (``Crew.start_replacement``) is."""
+
+    STARTING = "starting"
+    """Its actor is not up yet."""
+    UP = "up"
+    """Its actor is up (or it was admitted among the spares): it can take its slot at the boundary."""
+    FAILED = "failed"
+    """It died while starting (or was restarted since, as another member): it will not take its slot."""
+
+
 @dataclass(frozen=True)
 class Reservation:
-    """Where a run's workers start: bundles ``first_bundle``.. of ``group`` (a placement group the driver
+    """Where a run's workers start: bundles ``first_bundle``.. of ``placement`` (a placement group the driver
     reserved, or a Tune trial's), and ``growth``, one placement group per replica beyond parallel.dp that
     the cluster may grant later (the driver requested them)."""
 
-    group: Any
+    placement: Any
     first_bundle: int = 0
     growth: tuple = ()
 
 
 class Crew:
-    def __init__(self, group: WorkerGroup, layout: Layout, global_batch: int, faults: list[str],
+    """The run's workers and every operation that changes who trains (the module's docstring): who is in
+    the run (``membership``), how to reach them (``worker_group``), the generation they form."""
+
+    def __init__(self, worker_group: WorkerGroup, layout: Layout, global_batch: int, faults: list[str],
                  extra_placements: tuple = ()):
         """``layout``: the configured one (its dp is the start's); ``extra_placements``: one placement
         group per replica beyond it, which the cluster may grant later (the driver requested them)."""
-        self.group = group
+        self.worker_group = worker_group
         self.layout = layout
         self.global_batch = global_batch
-        self.team = Membership(layout.pp, fsdp=layout.fsdp, tp=layout.tp)
+        self.membership = Membership(layout.pp, fsdp=layout.fsdp, tp=layout.tp)
         self.faults = list(faults)
         """Fault-injection specs still to fire (elastic.faults), handed to every join."""
         self.unused_placements = [(pg, pg.ready()) for pg in extra_placements]
@@ -54,23 +69,23 @@ class Crew:
     def spawn_first(self, placement, first_bundle: int) -> None:
         """Start the configured replicas' workers in ``placement`` from ``first_bundle`` on, and those of
         the replicas beyond them that the cluster can hold now. They start in the background."""
-        slots = self.team.slots
-        members = [self.group.spawn(s, placement, first_bundle + r * len(slots) + i, shard=f, tp=t)
+        slots = self.membership.slots
+        members = [self.worker_group.spawn(s, placement, first_bundle + r * len(slots) + i, shard=f, tp=t)
                    for r in range(self.layout.dp) for i, (f, s, t) in enumerate(slots)]
-        members += spawn_in_granted(self.group, self.unused_placements, slots, timeout=GRANT_AT_START_S)
-        self.team.add_pending(members)
+        members += spawn_in_granted(self.worker_group, self.unused_placements, slots, timeout=GRANT_AT_START_S)
+        self.membership.add_pending(members)
 
     def start(self, target_dp: int) -> list[int]:
         """Wait for the first workers and form the first replicas (up to ``target_dp``: the rest are
         standby spares); the replicas' pids. WorkersLost if one died while starting (the driver
         restarts the coordinator)."""
-        members = list(self.team.pending)
+        members = list(self.membership.pending)
         for m in members:
-            m.pid = self.group.pid(m, SETUP_TIMEOUT_S)
+            m.pid = self.worker_group.pid(m, SETUP_TIMEOUT_S)
             if m.pid is None:
                 raise WorkersLost([m])
-        self.team.start(members, target_dp)
-        return [m.pid for m in self.team.members()]
+        self.membership.start(members, target_dp)
+        return [m.pid for m in self.membership.members()]
 
     # --- generations ----------------------------------------------------------------------------
 
@@ -78,18 +93,18 @@ class Crew:
         """Re-form the process groups over the replicas and bring every member to ``step``
         (members behind take their slot's state from one that is at it)."""
         self.generation += 1
-        mesh, ranked = self.team.mesh(), self.team.ranked()
-        self.group.join(ranked, mesh, even_shares(self.global_batch, mesh.dp), self.store, self.generation,
-                        self.faults)
+        mesh, ranked = self.membership.mesh(), self.membership.ranked()
+        self.worker_group.join(ranked, mesh, even_shares(self.global_batch, mesh.dp), self.store, self.generation,
+                               self.faults)
         if any(m.committed != step for _, m in ranked):
-            sources = self.team.sources(step)
-            assert len(sources) == len(self.team.slots), "a slot without an up-to-date member must reload a checkpoint first"
-            self.group.sync_state([(m, sources[m.slot]) for _, m in ranked])
-            self.team.set_committed(step)
+            sources = self.membership.sources(step)
+            assert len(sources) == len(self.membership.slots), "a slot without an up-to-date member must reload a checkpoint first"
+            self.worker_group.sync_state([(m, sources[m.slot]) for _, m in ranked])
+            self.membership.set_committed(step)
 
     def label(self) -> str:
         """The live grid's label: dp changes with repairs and growth."""
-        return self.team.mesh().grid_label
+        return self.membership.mesh().grid_label
 
     # --- losses and replacements ------------------------------------------------------------------
 
@@ -99,63 +114,63 @@ class Crew:
         connections now."""
         dead = list({id(m): m for m in dead}.values())  # a worker can be reported lost twice
         respawn = dead if respawn is None else respawn
-        self.team.drop_dead(dead)
+        self.membership.drop_dead(dead)
         for m in dead:
             if m not in respawn:  # replaced elsewhere: a placement group of its own goes back (if it had one)
-                self.group.cancel_elsewhere(m)
-        self.team.add_pending([self.group.spawn(m.stage, m.placement, m.bundle, shard=m.shard, tp=m.tp)
-                               for m in respawn])
-        self.group.send_leave(self.team.spares)
+                self.worker_group.cancel_elsewhere(m)
+        self.membership.add_pending([self.worker_group.spawn(m.stage, m.placement, m.bundle, shard=m.shard, tp=m.tp)
+                                     for m in respawn])
+        self.worker_group.send_leave(self.membership.spares)
 
     def start_replacement(self, leaving: Member) -> Member:
         """Start a worker for ``leaving``'s slot in a placement group of its own while ``leaving`` still
         holds its bundle (it was told to leave); it waits in ``pending``."""
-        replacement = self.group.spawn_elsewhere(leaving.stage, shard=leaving.shard, tp=leaving.tp)
-        self.team.add_pending([replacement])
+        replacement = self.worker_group.spawn_elsewhere(leaving.stage, shard=leaving.shard, tp=leaving.tp)
+        self.membership.add_pending([replacement])
         return replacement
 
     def cancel_replacement(self, replacement: Member) -> None:
         """End a replacement started by ``start_replacement`` that is not needed (or not up in time), and
         any worker restarted in its place (its placement group goes)."""
-        same_place = [m for m in self.team.pending if m.placement is replacement.placement]
+        same_place = [m for m in self.membership.pending if m.placement is replacement.placement]
         for m in same_place:
-            self.group.kill(m)
-        self.group.cancel_elsewhere(replacement)
-        self.team.drop_dead([replacement, *same_place])
+            self.worker_group.kill(m)
+        self.worker_group.cancel_elsewhere(replacement)
+        self.membership.drop_dead([replacement, *same_place])
 
-    def replacement_up(self, member: Member) -> Optional[bool]:
-        """Of a worker started by ``start_replacement``: True once up (its actor alive, or admitted), False
-        if it died while starting (or was restarted since, as another member), None while it starts. It
-        does not wait."""
-        if member in self.team.pending:
-            if not self.group.started([member], 0):
-                return None
-            member.pid = self.group.pid(member, SETUP_TIMEOUT_S)  # it has started: no wait
-            return member.pid is not None
-        return any(m is member for m in self.team.everyone())
+    def replacement_state(self, member: Member) -> ReplacementState:
+        """Where a worker started by ``start_replacement`` is: starting, up or failed. It does not wait."""
+        if member in self.membership.pending:
+            if not self.worker_group.started([member], 0):
+                return ReplacementState.STARTING
+            member.pid = self.worker_group.pid(member, SETUP_TIMEOUT_S)  # it has started: no wait
+            return ReplacementState.UP if member.pid is not None else ReplacementState.FAILED
+        alive = any(m is member for m in self.membership.everyone())
+        return ReplacementState.UP if alive else ReplacementState.FAILED
 
     def admit_started(self, wait_s: float, target_dp: int) -> None:
         """Move started replacements to the spares (restarting any that died while starting), and
         form replicas from spares up to ``target_dp``."""
-        for m in self.group.started(self.team.pending, wait_s):
-            m.pid = self.group.pid(m, timeout=SETUP_TIMEOUT_S)
+        for m in self.worker_group.started(self.membership.pending, wait_s):
+            m.pid = self.worker_group.pid(m, timeout=SETUP_TIMEOUT_S)
             if m.pid is None:
-                self.team.restart(m, self.group.spawn(m.stage, m.placement, m.bundle, shard=m.shard, tp=m.tp))
+                self.membership.restart(m, self.worker_group.spawn(m.stage, m.placement, m.bundle, shard=m.shard, tp=m.tp))
             else:
-                self.team.admit([m])
-        self.team.fill_to(target_dp)
+                self.membership.admit([m])
+        self.membership.fill_to(target_dp)
 
     def spawn_in_granted_placements(self) -> int:
         """Start a replica's workers in every extra placement the cluster granted since; how many workers."""
-        granted = spawn_in_granted(self.group, self.unused_placements, self.team.slots, timeout=0)
-        self.team.add_pending(granted)
+        granted = spawn_in_granted(self.worker_group, self.unused_placements, self.membership.slots, timeout=0)
+        self.membership.add_pending(granted)
         return len(granted)
 
     def changing(self, target_dp: int) -> bool:
         """Whether a replica may join at the next step boundary: the run is below ``target_dp`` and a
         placement is not yet granted, a worker is starting or a spare waits (at the target, they are
         standby)."""
-        return self.team.dp < target_dp and bool(self.unused_placements or self.team.pending or self.team.spares)
+        membership = self.membership
+        return membership.dp < target_dp and bool(self.unused_placements or membership.pending or membership.spares)
 
     # --- state ------------------------------------------------------------------------------------
 
@@ -163,35 +178,35 @@ class Crew:
         """Apply ``step`` on the live survivors that prepared but did not apply it; returns any that
         died meanwhile (the others' progress is recorded either way)."""
         by_rank = {r.rank: r for r in reports}
-        behind = [m for rank, m in self.team.ranked()
+        behind = [m for rank, m in self.membership.ranked()
                   if rank in by_rank and by_rank[rank].committed == step and m not in lost]
-        outcomes = self.group.collect(behind, self.group.send_commit_prepared(behind, step), SETUP_TIMEOUT_S)
+        outcomes = self.worker_group.collect(behind, self.worker_group.send_commit_prepared(behind, step), SETUP_TIMEOUT_S)
         for o in outcomes:
             if o.value is not None:
                 o.member.committed = o.value
-        return lost_members(self.group, outcomes)
+        return lost_members(self.worker_group, outcomes)
 
     def skip(self, step: int) -> None:
         """Every member counts ``step`` as done without applying it."""
-        members = self.team.members()
-        for m, committed in zip(members, self.group.skip_step(members, step)):
+        members = self.membership.members()
+        for m, committed in zip(members, self.worker_group.skip_step(members, step)):
             m.committed = committed
 
     def load(self, ckpt_dir: str, step: int) -> None:
         """Every member of the generation loads the checkpoint of ``step``."""
-        self.group.load(self.team.members(), ckpt_dir)
-        self.team.set_committed(step)
+        self.worker_group.load(self.membership.members(), ckpt_dir)
+        self.membership.set_committed(step)
 
     def digests(self) -> dict[str, str]:
         """``"replica:stage"`` (``"replica:shard:stage"`` when sharded, ``...:tp`` with tp) ``-> digest`` of every member's
         parameters and optimizer state (audits: the replicas of a slot must be identical, however many
         workers were lost on the way)."""
-        ranked, mesh = self.team.ranked(), self.team.mesh()
-        digests = self.group.state_digest([m for _, m in ranked])
+        ranked, mesh = self.membership.ranked(), self.membership.mesh()
+        digests = self.worker_group.state_digest([m for _, m in ranked])
         return {mesh.label(rank): d for (rank, _), d in zip(ranked, digests)}
 
     def shutdown(self) -> None:
-        for m in self.team.everyone():
-            self.group.kill(m)
-        self.team.clear()
-        self.group.close()
+        for m in self.membership.everyone():
+            self.worker_group.kill(m)
+        self.membership.clear()
+        self.worker_group.close()

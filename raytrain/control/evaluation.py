@@ -43,12 +43,12 @@ class HeldOutLoss:
         return {"eval_loss": self.loss, "eval_rows": self.rows, **{f"eval_{k}": v for k, v in self.metrics.items()}}
 
 
-def evaluate(group: WorkerGroup, members: list[Member], columns: int, timeout_s: float, step: int,
+def evaluate(worker_group: WorkerGroup, members: list[Member], columns: int, timeout_s: float, step: int,
              layout: str) -> HeldOutLoss:
     """Every member evaluates (a silent one is killed: WorkersLost); ``columns`` last stages (every
     shard of every replica evaluates its own rows) report their sums. StepFailed if one failed with
     every worker alive."""
-    reports = group.evaluate(members, timeout_s)
+    reports = worker_group.evaluate(members, timeout_s)
     failed = [r for r in reports if not r.ok]
     if failed:
         raise StepFailed(f"the evaluation after step {step} failed with every worker alive "
@@ -62,14 +62,14 @@ def evaluate(group: WorkerGroup, members: list[Member], columns: int, timeout_s:
 
 
 def evaluating(crew: Crew, ledger: Ledger, cfg: Config) -> State:
-    """EVALUATING: every member evaluates; the held step row gets the loss; then a checkpoint, if one is
+    """EVALUATING: every member evaluates; the waiting step row gets the loss; then a checkpoint, if one is
     due (a worker lost meanwhile: REPAIRING, which comes back here)."""
-    t0, team = time.perf_counter(), crew.team
+    t0, membership = time.perf_counter(), crew.membership
     try:
-        held_out = evaluate(crew.group, team.members(), team.mesh().columns, cfg.resources.step_timeout_s,
-                            ledger.step, crew.label())
+        held_out = evaluate(crew.worker_group, membership.members(), membership.mesh().columns,
+                            cfg.resources.step_timeout_s, ledger.step, crew.label())
     except WorkersLost as lost:
         return Repairing(tuple(lost.dead), Interrupted.EVAL)
-    assert ledger.held_row is not None, "an evaluation follows a committed step"
-    ledger.held_row.update(**held_out.row(), eval_s=round(time.perf_counter() - t0, 3))
+    assert ledger.waiting_row is not None, "an evaluation follows a committed step"
+    ledger.waiting_row.update(**held_out.row(), eval_s=round(time.perf_counter() - t0, 3))
     return steps.after_commit(ledger, cfg, evaluated=True)

@@ -28,19 +28,19 @@ class Ledger:
     recovery_s: list[float] = field(default_factory=list)
     time: TimeBook = field(default_factory=TimeBook)
     """Where the run's time went (goodput, badput by cause): a reload's rewind moves undone steps' time."""
-    held_row: Optional[dict] = None
-    """A committed step's metrics row, held until its held-out loss (if due) and its checkpoint's path are known."""
+    waiting_row: Optional[dict] = None
+    """A committed step's metrics row, waiting until its held-out loss (if due) and its checkpoint's path are known."""
     _rows: list[dict] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def commit(self, step: int, row: dict, skipped: bool = False) -> None:
-        """``step`` is done everywhere (applied, rolled forward, or ``skipped`` as not finite); its row is held."""
+        """``step`` is done everywhere (applied, rolled forward, or ``skipped`` as not finite); its row waits."""
         self.committed_steps.append(step)
         if "step_s" in row:  # a step the workers ran to its commit (not rolled forward, not skipped)
             self.time.committed(step, row["step_s"], row.get("data_s", 0.0))
         if skipped:
             self.skipped_steps.append(step)
-        self.step, self.held_row = step + 1, row
+        self.step, self.waiting_row = step + 1, row
 
     def rewind(self, step: int) -> None:
         """Every worker reloaded the checkpoint of ``step``: the steps after it will run again."""
@@ -69,8 +69,8 @@ class Ledger:
         return rows
 
     def flush_row(self, checkpoint_path: Optional[str]) -> None:
-        """Emit the held row with the path of the checkpoint that has its step (None: none has)."""
-        if self.held_row is not None:
-            self.held_row["checkpoint"] = checkpoint_path
-            self.emit(self.held_row)
-            self.held_row = None
+        """Emit the waiting row with the path of the checkpoint that has its step (None: none has)."""
+        if self.waiting_row is not None:
+            self.waiting_row["checkpoint"] = checkpoint_path
+            self.emit(self.waiting_row)
+            self.waiting_row = None

@@ -158,21 +158,21 @@ class WorkerGroup(ABC):
         after the first member reported a failed step."""
 
 
-def lost_members(group: WorkerGroup, outcomes: list[Outcome]) -> list[Member]:
+def lost_members(worker_group: WorkerGroup, outcomes: list[Outcome]) -> list[Member]:
     """The members an operation lost: dead ones, and silent ones, which are killed so that their
     bundle is free for a replacement (a hung actor would hold it for ever)."""
     for o in outcomes:
         if o.silent:
-            group.kill_hung(o.member)
+            worker_group.kill_hung(o.member)
     return [o.member for o in outcomes if not o.answered]
 
 
-def spawn_in_granted(group: WorkerGroup, placements: list, slots: list[tuple[int, int, int]],
+def spawn_in_granted(worker_group: WorkerGroup, placements: list, slots: list[tuple[int, int, int]],
                      timeout: float) -> list[Member]:
     """Start one replica's workers (one per (shard, stage, tp) slot) in every placement group of ``placements``
     that the cluster has granted within ``timeout``; those leave ``placements``."""
     members = []
-    for pg, ready in group.granted(placements, timeout):
+    for pg, ready in worker_group.granted(placements, timeout):
         placements.remove((pg, ready))
-        members += [group.spawn(s, pg, i, shard=f, tp=t) for i, (f, s, t) in enumerate(slots)]
+        members += [worker_group.spawn(s, pg, i, shard=f, tp=t) for i, (f, s, t) in enumerate(slots)]
     return members

@@ -11,25 +11,58 @@ coordinator, which saves what the survivors hold and ends the run.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from raytrain import checkpoint
 from raytrain.config import Config
-from raytrain.config.faults import FaultPlan
+from raytrain.config.faults import remaining_faults
 from raytrain.config.mesh import place_of
 from raytrain.control import steps
 from raytrain.control.crew import Crew
-from raytrain.control.drain import DrainMove, Drains, drain_event, next_move
+from raytrain.control.drain import DrainMove, Drains, Reformed, drain_event, next_move
 from raytrain.control.ledger import Ledger
 from raytrain.control.membership import Member
 from raytrain.control.policy import NO_DECISION, Action, Decision, ElasticPolicy
 from raytrain.control.protocol import WorkersLost
 from raytrain.control.runstate import (Checkpointing, Draining, Evaluating, Growing, Interrupted, Repairing,
                                        Running, State)
+from raytrain.reports.oom import OutOfMemory
 
 CAPACITY_POLL_S = 1.0
 """How often a run below elastic.min_dp checks whether replacements have started."""
+
+
+@dataclass(frozen=True)
+class OomEvent:
+    """The ``oom`` event of a worker lost to memory: which worker (its place, replica, shard and stage; no
+    replica when it was not in the generation), what the run was doing (``during``: an Interrupted value
+    or ``join``) at the ledger's ``step``, and how it ran out (who ended it, its node's memory)."""
+
+    step: int
+    during: str
+    worker: str
+    replica: Optional[int]
+    shard: int
+    stage: int
+    pid: Optional[int]
+    oom: OutOfMemory
+
+    def record(self) -> dict:
+        """The event's row in metrics.jsonl."""
+        return {"event": "oom", "step": self.step, "during": self.during, "worker": self.worker,
+                "replica": self.replica, "shard": self.shard, "stage": self.stage, "pid": self.pid,
+                **self.oom.record(),
+                "reason": "out of memory: the worker leaves the run like a lost worker (repaired, or reloaded)"}
+
+    def text(self) -> str:
+        """Which worker ran out of memory, how, and what the run was doing (a step, a save, an evaluation)."""
+        step = self.step
+        running = {"step": f"a step (step {step + 1})", "checkpoint": f"a save (the checkpoint of step {step})",
+                   "eval": f"an evaluation (after step {step})"}.get(self.during, f"re-forming the groups (step {step + 1})")
+        return f"{self.worker} {self.oom.text()} during {running}"
 
 
 class GiveUp(Exception):
@@ -55,7 +88,7 @@ class Repairs:
         self.drains = drains
         self.request_stop = request_stop
         self._next_grow_poll = 0.0
-        self.oom_events: dict[int, dict] = {}
+        self.oom_events: dict[int, OomEvent] = {}
         """The ``oom`` event of each worker lost to memory, by id of its member."""
         self._last_oom_step: Optional[int] = None
         """The ledger's step when a worker was last lost to memory (a second loss there gives up)."""
@@ -67,8 +100,8 @@ class Repairs:
         crew, ledger = self.crew, self.ledger
         t0, detected_at = time.perf_counter(), time.time()
         failed_step, lost = ledger.step, list(state.lost)
-        mesh = crew.team.mesh()
-        places = {id(m): place_of(mesh.label(rank)) for rank, m in crew.team.ranked() if m in lost}
+        mesh = crew.membership.mesh()
+        places = {id(m): place_of(mesh.label(rank)) for rank, m in crew.membership.ranked() if m in lost}
         settle = NO_DECISION
         if state.interrupted is Interrupted.STEP:
             settle = self.policy.settle_step(failed_step, [r.committed for r in state.reports])
@@ -77,7 +110,7 @@ class Repairs:
         self._report_oom(lost, state.interrupted.value)
         self._give_up_on_repeated_oom(lost)
         self._count_failure(lost)  # after the step is settled: a run that gives up saves its survivors' state
-        crew.faults = FaultPlan.remaining(crew.faults, failed_step)  # fired, or moot: slots are renumbered now
+        crew.faults = remaining_faults(crew.faults, failed_step)  # fired, or moot: slots are renumbered now
         capacity = self._reform(lost, self.drains.needing_replacement(lost))
         seconds = time.perf_counter() - t0
         ledger.recovery_s.append(round(seconds, 3))
@@ -86,7 +119,7 @@ class Repairs:
                      "rolled_forward": settle.action is Action.ROLL_FORWARD,
                      "retrying_step": failed_step if settle.action is Action.RETRY else None,
                      "new_layout": crew.label(), "generation": crew.generation, "repair_s": round(seconds, 3),
-                     "pending_replacements": len(crew.team.pending),
+                     "pending_replacements": len(crew.membership.pending),
                      "decisions": [d.record() for d in (settle, capacity) if d is not NO_DECISION],
                      **_hung(lost, places, self.cfg.elastic.detect_timeout_s),
                      "reason": "lost worker(s); survivors kept, groups re-formed, batch re-divided"})
@@ -103,31 +136,24 @@ class Repairs:
         """An ``oom`` event for each member of ``lost`` that was lost to memory (once each): which worker
         (its replica, shard and stage), what the run was doing, who ended it and its node's memory.
         Its repair follows as for any lost worker (a replica remains) or a reload (none does)."""
-        mesh = self.crew.team.mesh()
-        ranks = {id(m): rank for rank, m in self.crew.team.ranked()}
+        mesh = self.crew.membership.mesh()
+        ranks = {id(m): rank for rank, m in self.crew.membership.ranked()}
         for m in lost:
             if m.oom is None or id(m) in self.oom_events:
                 continue
             rank = ranks.get(id(m))
-            replica = mesh.coords(rank)[0] if rank is not None else None
-            event = {"event": "oom", "step": self.ledger.step, "during": during,
-                     "worker": place_of(mesh.label(rank)) if rank is not None else f"shard {m.shard} stage {m.stage}",
-                     "replica": replica, "shard": m.shard, "stage": m.stage, "pid": m.pid, **m.oom.record(),
-                     "reason": "out of memory: the worker leaves the run like a lost worker (repaired, or reloaded)"}
+            event = OomEvent(step=self.ledger.step, during=during,
+                             worker=place_of(mesh.label(rank)) if rank is not None else f"shard {m.shard} stage {m.stage}",
+                             replica=mesh.coords(rank)[0] if rank is not None else None, shard=m.shard, stage=m.stage,
+                             pid=m.pid, oom=m.oom)
             self.oom_events[id(m)] = event
-            self.ledger.emit(event)
+            self.ledger.emit(event.record())
 
     def out_of_memory(self, lost: tuple[Member, ...]) -> Optional[str]:
         """For a run that gives up after losing ``lost``: which worker ran out of memory, how, and what the
         run was doing (a step, a save, an evaluation), or None when no worker of them was lost to memory."""
-        found = next(((m, self.oom_events[id(m)]) for m in lost if id(m) in self.oom_events), None)
-        if found is None:
-            return None
-        m, event = found
-        step = event["step"]
-        running = {"step": f"a step (step {step + 1})", "checkpoint": f"a save (the checkpoint of step {step})",
-                   "eval": f"an evaluation (after step {step})"}.get(event["during"], f"re-forming the groups (step {step + 1})")
-        return f"{event['worker']} {m.oom.text()} during {running}"
+        found = next((self.oom_events[id(m)] for m in lost if id(m) in self.oom_events), None)
+        return found.text() if found is not None else None
 
     def _give_up_on_repeated_oom(self, lost: list[Member]) -> None:
         if not any(m.oom is not None for m in lost):
@@ -146,8 +172,8 @@ class Repairs:
         """Commit ``step`` on the survivors that prepared it; returns any that died meanwhile."""
         died = self.crew.roll_forward(step, reports, lost)
         self.ledger.time.rolled_forward(step)
-        # Held like any committed step's row: its held-out loss and checkpoint path may follow.
-        row = steps.rolled_forward_row(step, reports, self.cfg, self.crew.team.mesh(), self.num_samples,
+        # It waits like any committed step's row: its held-out loss and checkpoint path may follow.
+        row = steps.rolled_forward_row(step, reports, self.cfg, self.crew.membership.mesh(), self.num_samples,
                                        self.crew.label())
         self.ledger.commit(step, row)
         return died
@@ -169,7 +195,7 @@ class Repairs:
                 lost += more.dead  # not to be saved from if the run gives up
                 self._report_oom(more.dead, "join")
                 self._count_failure(lost)
-                crew.faults = FaultPlan.remaining(crew.faults, ledger.step, keep_join=False)
+                crew.faults = remaining_faults(crew.faults, ledger.step, keep_join=False)
                 ledger.emit({"event": "repair_failed", "step": ledger.step, "lost": len(more.dead),
                              "reason": "lost worker(s) while re-forming groups; repairing again"})
                 dead, respawn = more.dead, self.drains.needing_replacement(more.dead)
@@ -185,10 +211,10 @@ class Repairs:
         crew, t0 = self.crew, time.monotonic()
         crew.admit_started(0, self.policy.target_dp)
         while True:
-            decision = self.policy.capacity(crew.team.dp, time.monotonic() - t0)
-            if decision.action is Action.WAIT and self.stopping() and crew.team.dp > 0:
+            decision = self.policy.capacity(crew.membership.dp, time.monotonic() - t0)
+            if decision.action is Action.WAIT and self.stopping() and crew.membership.dp > 0:
                 # A stop was asked for: save from the replicas there are now rather than wait for more.
-                return Decision(Action.CONTINUE, f"stopping: {crew.team.dp} live replica(s) save the checkpoint "
+                return Decision(Action.CONTINUE, f"stopping: {crew.membership.dp} live replica(s) save the checkpoint "
                                 "without waiting for replacements", "elastic.min_dp")
             if decision.action is Action.CONTINUE:
                 return decision
@@ -200,7 +226,7 @@ class Repairs:
         """If some slot has no member at the ledger's step, every member reloads the last checkpoint
         (a sharded run at dp=1 has no live copy of a lost shard)."""
         crew, ledger = self.crew, self.ledger
-        decision = self.policy.stale_stages(crew.team.stale_stages(ledger.step), ledger.last_checkpoint)
+        decision = self.policy.stale_stages(crew.membership.stale_stages(ledger.step), ledger.last_checkpoint)
         if decision.action is Action.NONE:
             return
         if decision.action is Action.GIVE_UP:
@@ -224,28 +250,28 @@ class Repairs:
         started at the notice is up; one that is not is cancelled: raytrain.control.drain), and the run
         re-forms as after a loss (shrinking if elastic.min_dp allows, taking a standby, else waiting for
         replacements); the ``drain`` event goes out with the first step without them."""
-        move = next_move(state, self.crew.team, self.ledger.checkpointed(self.ledger.step))
+        move = next_move(state, self.crew.membership, self.ledger.checkpointed(self.ledger.step))
         if move is DrainMove.STOP:
-            self.ledger.emit(drain_event(state, self.crew.team, self.ledger.step, "every worker was told to "
-                                         "leave: checkpoint and stop (exit 143); resume from the checkpoint"))
-            self.drains.gone(None)
+            self.ledger.emit(drain_event(state, self.crew.membership, self.ledger.step, "every worker was told to "
+                                         "leave: checkpoint and stop (exit 143); resume from the checkpoint").record())
+            self.drains.drained(None)
             self.request_stop("SIGTERM")
             return Running()  # which stops at once: STOPPING saves, then FINISHED
         if move is DrainMove.SAVE_FIRST:
             return Checkpointing()  # then back here, through RUNNING
         t0 = time.perf_counter()
         why = ", ".join(sorted({n.why for n in state.notices}))
-        event = drain_event(state, self.crew.team, self.ledger.step,
+        event = drain_event(state, self.crew.membership, self.ledger.step,
                             f"told to leave ({why}); left at a step boundary, no step redone")
         for m in state.leaving:
-            self.crew.group.kill(m)
+            self.crew.worker_group.kill(m)
         respawn = self.drains.needing_replacement(list(state.leaving))
         capacity = self._reform(list(state.leaving), respawn)
-        event.update(new_layout=self.crew.label(), generation=self.crew.generation,
-                     replaced_at_notice=len(state.leaving) - len(respawn),  # by replacements up at the boundary
-                     reform_s=round(time.perf_counter() - t0, 3),
-                     decisions=[capacity.record()] if capacity is not NO_DECISION else [])
-        self.drains.gone(event)
+        reformed = Reformed(new_layout=self.crew.label(), generation=self.crew.generation,
+                            replaced_at_notice=len(state.leaving) - len(respawn),
+                            reform_s=round(time.perf_counter() - t0, 3),
+                            decisions=(capacity,) if capacity is not NO_DECISION else ())
+        self.drains.drained(dataclasses.replace(event, reformed=reformed))
         self.ledger.flush_row(None)
         return Running()
 
@@ -261,11 +287,11 @@ class Repairs:
             if granted:
                 self.ledger.emit({"event": "capacity", "new_workers": granted,
                                   "reason": "the cluster granted another replica's resources (up to elastic.max_dp)"})
-        if crew.team.dp >= self.policy.target_dp or not (crew.team.pending or crew.team.spares):
+        if crew.membership.dp >= self.policy.target_dp or not (crew.membership.pending or crew.membership.spares):
             return NO_DECISION
-        before = crew.team.dp
+        before = crew.membership.dp
         crew.admit_started(0, self.policy.target_dp)
-        return self.policy.grow(before, crew.team.dp - before)
+        return self.policy.grow(before, crew.membership.dp - before)
 
     def growing(self, state: Growing) -> State:
         """Re-form with the replicas ``growth`` formed; they take their state from live peers."""

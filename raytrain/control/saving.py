@@ -21,20 +21,20 @@ from raytrain.control.protocol import StepFailed, WorkerGroup, WorkersLost
 from raytrain.reports import ShardReport
 
 
-def save_checkpoint(group: WorkerGroup, savers: list[Member], step: int, cfg: Config, mesh: Mesh,
+def save_checkpoint(worker_group: WorkerGroup, savers: list[Member], step: int, cfg: Config, mesh: Mesh,
                     stage_layers: list[list[list[int]]], data: Optional[dict] = None) -> str:
     """Have ``savers`` (one member per slot, in slot order) write their shards into a new directory under
     checkpoint.dir, publish its manifest (recording ``data``: the run's training data) and prune; returns the
     directory. WorkersLost if a saver died."""
     ckpt_dir = checkpoint.new_step_dir(cfg.checkpoint.dir, step, cfg.checkpoint.lineage)
-    shards = group.save(savers, ckpt_dir)
+    shards = worker_group.save(savers, ckpt_dir)
     checkpoint.publish(ckpt_dir, manifest(step, shards, cfg, mesh, stage_layers, data))
     checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.lineage)
     return ckpt_dir
 
 
 @dataclass
-class PendingSave:
+class SaveInFlight:
     """A checkpoint whose shards ``savers`` write in the background (checkpoint.async_save) while training
     goes on. It is published only once every saver's file is durable: until then, and for ever if a saver
     is lost first, the previous checkpoint stays the latest."""
@@ -59,27 +59,27 @@ class PendingSave:
         return [d.shard for d in done]
 
 
-def start_background_save(group: WorkerGroup, savers: list[Member], step: int, cfg: Config, mesh: Mesh) -> PendingSave:
+def start_background_save(worker_group: WorkerGroup, savers: list[Member], step: int, cfg: Config, mesh: Mesh) -> SaveInFlight:
     """Have ``savers`` (one member per slot) snapshot their shards and write them into a new directory in the
     background; returns once every snapshot is taken. WorkersLost if a saver died."""
     ckpt_dir, t0 = checkpoint.new_step_dir(cfg.checkpoint.dir, step, cfg.checkpoint.lineage), time.perf_counter()
-    stalls = group.start_save(savers, ckpt_dir)
-    return PendingSave(ckpt_dir, step, list(savers), mesh, t0, max(stalls))
+    stalls = worker_group.start_save(savers, ckpt_dir)
+    return SaveInFlight(ckpt_dir, step, list(savers), mesh, t0, max(stalls))
 
 
-def finish_background_save(group: WorkerGroup, pending: PendingSave) -> None:
-    """Wait for every saver's background write (``pending.written()`` then has their shards, or raises
+def finish_background_save(worker_group: WorkerGroup, in_flight: SaveInFlight) -> None:
+    """Wait for every saver's background write (``in_flight.written()`` then has their shards, or raises
     for one that failed). WorkersLost if a saver died."""
-    for member, result in zip(pending.savers, group.finish_save(pending.savers)):
+    for member, result in zip(in_flight.savers, worker_group.finish_save(in_flight.savers)):
         member.saved = result
 
 
-def publish_background_save(pending: PendingSave, shards: list[ShardReport], cfg: Config,
+def publish_background_save(in_flight: SaveInFlight, shards: list[ShardReport], cfg: Config,
                             stage_layers: list[list[list[int]]], data: Optional[dict] = None) -> str:
     """Publish a background save whose files are all durable (the manifest last, recording ``data``), then prune."""
-    checkpoint.publish(pending.ckpt_dir, manifest(pending.step, shards, cfg, pending.mesh, stage_layers, data))
+    checkpoint.publish(in_flight.ckpt_dir, manifest(in_flight.step, shards, cfg, in_flight.mesh, stage_layers, data))
     checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.lineage)
-    return pending.ckpt_dir
+    return in_flight.ckpt_dir
 
 
 class Checkpoints:
@@ -87,10 +87,10 @@ class Checkpoints:
     each published checkpoint records ``data`` (the run's training data: raytrain.data.identity.record) and
     becomes the ledger's ``last_checkpoint`` and a ``checkpoint`` event."""
 
-    def __init__(self, group: WorkerGroup, ledger: Ledger, cfg: Config, stage_layers: list[list[list[int]]],
+    def __init__(self, worker_group: WorkerGroup, ledger: Ledger, cfg: Config, stage_layers: list[list[list[int]]],
                  data: Optional[dict] = None):
-        self.group, self.ledger, self.cfg, self.stage_layers, self.data = group, ledger, cfg, stage_layers, data
-        self.pending: Optional[PendingSave] = None
+        self.worker_group, self.ledger, self.cfg, self.stage_layers, self.data = worker_group, ledger, cfg, stage_layers, data
+        self.in_flight: Optional[SaveInFlight] = None
 
     def save(self, savers: list[Member], step: int, mesh: Mesh) -> str:
         """Save and publish now (after the background save in flight); the directory. WorkersLost if a saver died;
@@ -98,17 +98,17 @@ class Checkpoints:
         self.wait()
         t0 = time.perf_counter()
         try:
-            ckpt_dir = save_checkpoint(self.group, savers, step, self.cfg, mesh, self.stage_layers, self.data)
+            ckpt_dir = save_checkpoint(self.worker_group, savers, step, self.cfg, mesh, self.stage_layers, self.data)
         except StepFailed as failed:
             raise StepFailed(f"{failed}; {self.last_good()}") from None
         seconds = time.perf_counter() - t0
         self._published(ckpt_dir, step, seconds, stall_s=seconds, background=False)
         return ckpt_dir
 
-    def _written(self, pending: PendingSave) -> Optional[list[ShardReport]]:
-        """``pending.written()``, its StepFailed naming where to resume from."""
+    def _written(self, in_flight: SaveInFlight) -> Optional[list[ShardReport]]:
+        """``in_flight.written()``, its StepFailed naming where to resume from."""
         try:
-            return pending.written()
+            return in_flight.written()
         except StepFailed as failed:
             raise StepFailed(f"{failed}; {self.last_good()}") from None
 
@@ -121,19 +121,19 @@ class Checkpoints:
     def start(self, savers: list[Member], step: int, mesh: Mesh) -> None:
         """Start a background save (after the one in flight). WorkersLost if a saver died."""
         self.wait()
-        self.pending = start_background_save(self.group, savers, step, self.cfg, mesh)
+        self.in_flight = start_background_save(self.worker_group, savers, step, self.cfg, mesh)
 
-    def save_before_giving_up(self, team: Membership, lost: tuple[Member, ...]) -> Optional[str]:
-        """For a run that gives up: keep the held step row, finish (or settle) the background save, and
+    def save_before_giving_up(self, membership: Membership, lost: tuple[Member, ...]) -> Optional[str]:
+        """For a run that gives up: keep the waiting step row, finish (or settle) the background save, and
         save what the survivors (not ``lost``) committed when no checkpoint has it; the directory saved,
         else None. The ledger's ``last_checkpoint`` is the latest either way."""
         ledger = self.ledger
-        ledger.flush_row(None)  # a committed step's held row is kept however the run ends
+        ledger.flush_row(None)  # a committed step's waiting row is kept however the run ends
         try:
             self.wait()
         except WorkersLost as also_lost:
             self.settle(tuple(also_lost.dead))
-        saved, event = save_survivors(self.group, team, ledger.step, lost, ledger.last_checkpoint, self.cfg,
+        saved, event = save_survivors(self.worker_group, membership, ledger.step, lost, ledger.last_checkpoint, self.cfg,
                                       self.stage_layers, self.data)
         if event is not None:
             ledger.emit(event)
@@ -142,36 +142,36 @@ class Checkpoints:
 
     def publish_if_written(self) -> None:
         """Publish the background save once every saver's step report says its file is durable."""
-        pending = self.pending
-        shards = self._written(pending) if pending is not None else None
+        in_flight = self.in_flight
+        shards = self._written(in_flight) if in_flight is not None else None
         if shards is not None:
-            self.pending = None
-            publish_background_save(pending, shards, self.cfg, self.stage_layers, self.data)
-            self._published(pending.ckpt_dir, pending.step, time.perf_counter() - pending.started,
-                            stall_s=pending.stall_s, background=True)
+            self.in_flight = None
+            publish_background_save(in_flight, shards, self.cfg, self.stage_layers, self.data)
+            self._published(in_flight.ckpt_dir, in_flight.step, time.perf_counter() - in_flight.started,
+                            stall_s=in_flight.stall_s, background=True)
 
     def wait(self) -> None:
         """Block until the background save in flight is written, and publish it. WorkersLost if a saver died."""
-        pending = self.pending
-        if pending is not None:
+        in_flight = self.in_flight
+        if in_flight is not None:
             t0 = time.perf_counter()
-            if self._written(pending) is None:
-                finish_background_save(self.group, pending)
-            pending.stall_s += time.perf_counter() - t0  # training waited for it
+            if self._written(in_flight) is None:
+                finish_background_save(self.worker_group, in_flight)
+            in_flight.stall_s += time.perf_counter() - t0  # training waited for it
             self.publish_if_written()
 
     def settle(self, lost: tuple[Member, ...]) -> None:
         """Workers were lost while a background save was in flight: publish it if every file was already
         durable, else drop it when a saver is among the lost (the previous checkpoint stays the latest; a
         torn checkpoint is never published). Savers that live on finish their write."""
-        pending = self.pending
-        if pending is None or not any(m in lost for m in pending.savers):
+        in_flight = self.in_flight
+        if in_flight is None or not any(m in lost for m in in_flight.savers):
             return
-        if self._written(pending) is not None:
+        if self._written(in_flight) is not None:
             self.publish_if_written()
             return
-        self.pending = None
-        self.ledger.emit({"event": "checkpoint_abandoned", "step": pending.step, "path": pending.ckpt_dir,
+        self.in_flight = None
+        self.ledger.emit({"event": "checkpoint_abandoned", "step": in_flight.step, "path": in_flight.ckpt_dir,
                           "reason": "a worker writing its shard in the background was lost",
                           "latest": self.ledger.last_checkpoint})
 
@@ -195,7 +195,7 @@ def manifest(step: int, shards: list[ShardReport], cfg: Config, mesh: Mesh, stag
     }
 
 
-def save_survivors(group: WorkerGroup, team: Membership, step: int, lost: tuple[Member, ...],
+def save_survivors(worker_group: WorkerGroup, membership: Membership, step: int, lost: tuple[Member, ...],
                    last_checkpoint: Optional[str], cfg: Config, stage_layers: list[list[list[int]]],
                    data: Optional[dict] = None) -> tuple[Optional[str], Optional[dict]]:
     """Save committed ``step`` from live workers (not in ``lost``) that hold every slot's state at it,
@@ -208,11 +208,11 @@ def save_survivors(group: WorkerGroup, team: Membership, step: int, lost: tuple[
         saved_step = -1  # unreadable now: save anew
     if step <= saved_step:
         return None, None
-    holders = team.holders(step, excluding=list(lost))
+    holders = membership.holders(step, excluding=list(lost))
     try:
         if holders is None:
             raise WorkersLost([])
-        saved = save_checkpoint(group, holders, step, cfg, team.mesh().with_dp(1), stage_layers, data)
+        saved = save_checkpoint(worker_group, holders, step, cfg, membership.mesh().with_dp(1), stage_layers, data)
     except WorkersLost:
         return None, {"event": "not_saved", "step": step,
                       "reason": "no live worker holds some slot's state at this step (or one was lost saving)"}

@@ -56,12 +56,12 @@ class StepCall:
     hold: bool = False  # a member told to leave in it does not vote to go (raytrain.control.drain)
 
 
-def send(group: WorkerGroup, members: list[Member], step: int, trace: bool, started: Optional[float],
+def send(worker_group: WorkerGroup, members: list[Member], step: int, trace: bool, started: Optional[float],
          hold: bool = False) -> StepCall:
-    return StepCall(step, members, group.send_step(members, step, trace, hold), started, hold)
+    return StepCall(step, members, worker_group.send_step(members, step, trace, hold), started, hold)
 
 
-def collect(group: WorkerGroup, call: StepCall, timeout_s: float, layout: str,
+def collect(worker_group: WorkerGroup, call: StepCall, timeout_s: float, layout: str,
             settle_s: Optional[float] = None) -> list[StepReport]:
     """Every member's report of ``call.step``; StepLost, NonFiniteStep, DrainBoundary or StepFailed when
     it did not commit.
@@ -69,10 +69,10 @@ def collect(group: WorkerGroup, call: StepCall, timeout_s: float, layout: str,
     A member silent for longer than a step may take, or for ``settle_s`` after another reported a
     failed collective, is killed and counted as lost.
     """
-    outcomes = group.collect(call.members, call.refs, timeout_s, settle_s)
+    outcomes = worker_group.collect(call.members, call.refs, timeout_s, settle_s)
     for o in outcomes:
         if o.silent:
-            group.kill_hung(o.member)
+            worker_group.kill_hung(o.member)
         if o.error is not None:
             raise StepFailed(f"step {call.step + 1} raised on a worker of stage {o.member.stage} (layout {layout}): "
                              f"{worker_error(o.error)}")
@@ -93,7 +93,7 @@ def collect(group: WorkerGroup, call: StepCall, timeout_s: float, layout: str,
     return reports
 
 
-def wait_out(group: WorkerGroup, call: Optional[StepCall], timeout_s: float) -> list[Member]:
+def wait_out(worker_group: WorkerGroup, call: Optional[StepCall], timeout_s: float) -> list[Member]:
     """Wait out a step sent ahead of one that failed; returns the members that died meanwhile.
 
     Workers whose own step failed skip it; the others fail it against their lost peers, so it ends
@@ -101,11 +101,11 @@ def wait_out(group: WorkerGroup, call: Optional[StepCall], timeout_s: float) -> 
     """
     if call is None:
         return []
-    outcomes = group.collect(call.members, call.refs, timeout_s)
+    outcomes = worker_group.collect(call.members, call.refs, timeout_s)
     for o in outcomes:
         if o.value is not None:
             o.member.committed, o.member.saved = o.value.committed, o.value.saved
-    return lost_members(group, outcomes)
+    return lost_members(worker_group, outcomes)
 
 
 def may_send_ahead(step: int, steps: int, checkpoint_every: int, membership_changing: bool,

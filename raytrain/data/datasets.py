@@ -43,7 +43,7 @@ def open_dataset(source: Union[str, Samples], cfg: Config) -> Dataset:
 
 def counted_source(cfg: Config) -> DataSource:
     """The run's files counted by opening (decoding) every one of them in this process: for the one-process
-    reference and tools; a run's driver counts them from their metadata instead (raytrain.driver.plan)."""
+    reference and tools; a run's driver counts them from their metadata instead (raytrain.driver.prepare)."""
     def counted(paths: list[str]) -> Files:
         if cfg.data.inputs is not None:  # rows: the footer counts them
             import pyarrow.parquet as pq

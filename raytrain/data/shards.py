@@ -20,7 +20,7 @@ the same files gives the same list. Files concatenate in that order:
 file k's samples are global ids [offset_k, offset_k + samples_k) (``Files``). A file is JSON lines when its
 name ends ``.jsonl`` or ``.json``; any other is read as Parquet.
 
-The list is resolved once, on the driver (raytrain.driver.plan.prepare), and travels to the workers with
+The list is resolved once, on the driver (raytrain.driver.prepare.prepare), and travels to the workers with
 each file's sample count: a worker never lists a directory, so a shard written during the run cannot
 change the order (DESIGN invariant 5).
 """

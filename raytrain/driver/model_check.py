@@ -175,12 +175,12 @@ def shardable_rows(layers: list) -> int:
     return 1 if any(len(shape) == 0 for shape in shapes) else max((shape[0] for shape in shapes), default=1)
 
 
-def plan_layout(cfg: Config, layers: Optional[list] = None, example: Optional[Callable[[], tuple]] = None) -> Layout:
+def model_layout(cfg: Config, layers: Optional[list] = None, example: Optional[Callable[[], tuple]] = None) -> Layout:
     """The configured layout with the model's layer count and stage cuts (parallel.split_points, else
     balanced by parallel.balance); a ValueError naming parallel.pp or parallel.split_points when the
     model cannot be cut so. ``layers``: the model's, when the caller built them (else built here, when
     needed); ``example``: the first samples, whose inputs parallel.balance=time times a model.factory's
-    layers on. Needs model.factory importable (raytrain.driver.plan.check_inputs)."""
+    layers on. Needs model.factory importable (raytrain.driver.prepare.check_inputs)."""
     if cfg.model.hf is not None:
         return _hf_layout(cfg, layers if layers is not None else model_layers(cfg))
     if cfg.model.factory is None:
@@ -192,12 +192,12 @@ def plan_layout(cfg: Config, layers: Optional[list] = None, example: Optional[Ca
         layers = layers if layers is not None else model_layers(cfg)
         layout = Layout.of(cfg.parallel).for_model(len(layers), "model.factory")
         check_shardable(layout.fsdp, shardable_rows(layers), "model.factory's largest parameter (or it has a scalar)")
-        _check_factory_plan(cfg, layers)
+        _check_factory_tp_plan(cfg, layers)
         if not layout.needs_cuts:
             return layout
-    from raytrain.pipeline.partition import plan_cuts
+    from raytrain.pipeline.partition import layer_cuts
 
-    return dataclasses.replace(layout, cuts=tuple(plan_cuts(layers, layout.num_chunks, _timing_input(cfg, example))))
+    return dataclasses.replace(layout, cuts=tuple(layer_cuts(layers, layout.num_chunks, _timing_input(cfg, example))))
 
 
 def _gpt_layers_to_cut(cfg: Config) -> list:
@@ -210,8 +210,8 @@ def _gpt_layers_to_cut(cfg: Config) -> list:
     return build_model(cfg.model, cfg.train.seed).layers
 
 
-def _check_factory_plan(cfg: Config, layers: list) -> None:
-    """parallel.tp > 1 needs the factory's layers to declare a plan their linears fit."""
+def _check_factory_tp_plan(cfg: Config, layers: list) -> None:
+    """parallel.tp > 1 needs the factory's layers to declare a tp plan their linears fit."""
     from raytrain.models.tensor_plan import plan_problem
 
     problem = plan_problem(layers, cfg.parallel.tp, cfg.parallel.sequence_parallel) if cfg.parallel.tp > 1 else None
@@ -222,8 +222,8 @@ def _check_factory_plan(cfg: Config, layers: list) -> None:
 
 def _hf_layout(cfg: Config, layers: list) -> Layout:
     """A Hugging Face model's layout: cut by parameter counts of its meta-device layers (or timed)."""
-    from raytrain.models.hf_plan import hf_layout
-    from raytrain.pipeline.partition import plan_cuts
+    from raytrain.models.hf_prepare import hf_layout
+    from raytrain.pipeline.partition import layer_cuts
 
     layout = hf_layout(cfg, layers)
     check_shardable(layout.fsdp, shardable_rows(layers), "model.hf's largest parameter (or it has a scalar)")
@@ -231,7 +231,7 @@ def _hf_layout(cfg: Config, layers: list) -> Layout:
         if cfg.parallel.balance == "time":
             raise ValueError("parallel.balance=time builds the whole model on the driver to time its layers, which "
                              "model.hf does not do; use parallel.balance=params or parallel.split_points")
-        layout = dataclasses.replace(layout, cuts=tuple(plan_cuts(layers, layout.num_chunks)))
+        layout = dataclasses.replace(layout, cuts=tuple(layer_cuts(layers, layout.num_chunks)))
     return layout
 
 

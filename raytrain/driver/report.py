@@ -41,6 +41,8 @@ class RunReporter:
         self.stream = stream
         self.steps: list[dict] = []
         self.events: list[dict] = []
+        self.goodput: Optional[Goodput] = None
+        """The run's goodput, once it ended (``add_goodput``)."""
         self.traces: dict[int, dict] = {}  # step -> rank -> events
         self.last_eval: Optional[tuple[int, dict]] = None  # (step, its eval_* values) of the latest evaluation
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
@@ -57,9 +59,8 @@ class RunReporter:
             self._metrics.write(json.dumps(row) + "\n")
             if "event" in row:
                 self.events.append(row)
-                if row["event"] == "goodput":
-                    self._print(f"[raytrain] {Goodput(row['wall_s'], row['good_s'], row['badput_s']).text()}")
-                elif row["event"] not in ("started", "failed"):  # a failure is reported once, by the caller
+                # a failure is reported once, by the caller; goodput by add_goodput
+                if row["event"] not in ("started", "failed", "goodput"):
                     self._print(f"[raytrain] {row['event']}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k != "event"))
             else:
                 self.steps.append(row)
@@ -70,6 +71,12 @@ class RunReporter:
         stepped = any("event" not in row for row in rows)  # a batch of events alone repeats no progress line
         if stepped and self.steps[-1].get("loss") is not None and "samples_per_s" in self.steps[-1]:
             self._progress(self.steps[-1])
+
+    def add_goodput(self, goodput: Goodput) -> None:
+        """The run's goodput, once it ended: a ``goodput`` event and one line saying where the time went."""
+        self.goodput = goodput
+        self.add([{"event": "goodput", **goodput.record()}])
+        self._print(f"[raytrain] {goodput.text()}")
 
     def _current_layout(self, row: dict) -> Layout:
         """The layout this step ran on: the configured one with the row's live replica count."""

@@ -1,6 +1,6 @@
 """The driver's side of a run: reserve the workers, start the coordinator, relay its metric rows.
 
-``run(plan)`` trains a prepared plan (raytrain.driver.plan) with the layout it names; ``raytrain.train``
+``run(prepared)`` trains a prepared run (raytrain.driver.prepare) with the layout it names; ``raytrain.train``
 (raytrain.api) chooses the layout first when parallel.auto is set, and Tune trials call ``run``
 directly. The driver hosts the rendezvous store, holds the checkpoint directory's lease, restarts
 a lost coordinator from the last checkpoint, and writes what a person sees (raytrain.driver.report).
@@ -29,7 +29,7 @@ from raytrain.driver.connect import cluster_reachable, embedded, ensure_ray, whi
 from raytrain.driver.lease import Lease
 from raytrain.driver.memory import check_run_memory
 from raytrain.driver.placement import request, reserve
-from raytrain.driver.plan import remove_if_empty
+from raytrain.driver.prepare import remove_if_empty
 from raytrain.driver.rendezvous import RendezvousStore, preload_torch_distributed
 from raytrain.driver.report import RunReporter, evaluated
 from raytrain.driver.signals import Aborted, StopOnSignal
@@ -91,9 +91,9 @@ class Result:
                 **({"auto_layout": self.auto_layout["chosen"]} if self.auto_layout else {})}
 
 
-def run(plan: PreparedRun, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]], None]] = None,
+def run(prepared: PreparedRun, stream=sys.stderr, on_rows: Optional[Callable[[list[dict]], None]] = None,
         placement=None) -> Result:
-    """Train ``plan`` to ``train.steps`` on the current (or an embedded) Ray cluster, with its layout.
+    """Train ``prepared`` to ``train.steps`` on the current (or an embedded) Ray cluster, with its layout.
 
     ``on_rows`` receives every batch of new metric rows as they arrive (Tune reports from it).
     ``placement=(placement_group, first_bundle)`` runs the workers in bundles first_bundle.. of an
@@ -102,40 +102,40 @@ def run(plan: PreparedRun, stream=sys.stderr, on_rows: Optional[Callable[[list[d
     Result's ``stopped`` names the signal. The same signal again within a second is that request; a later
     one aborts at once, raising signals.Aborted, which names the last checkpoint the run committed.
     """
-    assert not plan.cfg.parallel.auto, "parallel.auto chooses the layout before a run (raytrain.train)"
+    assert not prepared.cfg.parallel.auto, "parallel.auto chooses the layout before a run (raytrain.train)"
     launched = time.perf_counter()  # goodput's wall time counts from here
-    cfg, stages = plan.cfg, plan.layout.stage_ranges
+    cfg, stages = prepared.cfg, prepared.layout.stage_ranges
     ensure_ray()
     try:
-        check_run_memory(cfg, plan.layout, plan.model)
+        check_run_memory(cfg, prepared.layout, prepared.model)
     except ValueError:  # exit 2, and the run that claimed its directory leaves nothing behind
-        remove_if_empty(plan.run_dir)
+        remove_if_empty(prepared.run_dir)
         raise
-    held = Lease(cfg.checkpoint.dir, plan.run_dir).acquire()  # a busy directory is a ValueError: exit 2
+    held = Lease(cfg.checkpoint.dir, prepared.run_dir).acquire()  # a busy directory is a ValueError: exit 2
     stop = StopOnSignal(stream)
     try:
-        reporter = RunReporter(plan.run_dir, cfg.train.steps, plan.layout, stream, cfg.run.loggers)
-        stream.write(f"[raytrain] {plan.layout.label}, {len(stages)} stage(s) "
+        reporter = RunReporter(prepared.run_dir, cfg.train.steps, prepared.layout, stream, cfg.run.loggers)
+        stream.write(f"[raytrain] {prepared.layout.label}, {len(stages)} stage(s) "
                      f"{[f'{s[0]}-{s[-1]}' for s in stages]}, global batch {cfg.train.global_batch}, "
-                     f"{plan.num_samples} samples" + (f" (+{plan.held_out} held out)" if plan.held_out else "")
-                     + f"; run dir {plan.run_dir}\n")
+                     f"{prepared.num_samples} samples" + (f" (+{prepared.held_out} held out)" if prepared.held_out else "")
+                     + f"; run dir {prepared.run_dir}\n")
         with stop:
-            summary, restarts = _run_coordinators(plan, placement, reporter, on_rows, stop, launched)
-        return _result(plan, summary, restarts, reporter)
+            summary, restarts = _run_coordinators(prepared, placement, reporter, on_rows, stop, launched)
+        return _result(prepared, summary, restarts, reporter)
     except KeyboardInterrupt as e:  # an aborting signal: StopOnSignal's, the CLI's outside it, or Ray's re-raise
-        raise _aborted(plan, stop.aborted or getattr(e, "reason", "SIGINT")) from None
+        raise _aborted(prepared, stop.aborted or getattr(e, "reason", "SIGINT")) from None
     finally:
         held.release()
 
 
-def _aborted(plan: PreparedRun, reason: str) -> Aborted:
-    """The abort of ``plan``'s run by signal ``reason``, naming the last checkpoint the run committed."""
-    last = _last_committed(plan.cfg, plan.resume)
+def _aborted(prepared: PreparedRun, reason: str) -> Aborted:
+    """The abort of ``prepared``'s run by signal ``reason``, naming the last checkpoint the run committed."""
+    last = _last_committed(prepared.cfg, prepared.resume)
     try:
         steps = checkpoint.read_manifest(last)["step"] if last is not None else 0
     except checkpoint.CheckpointError:
         last, steps = None, 0
-    return Aborted(reason, last, steps, plan.run_dir)
+    return Aborted(reason, last, steps, prepared.run_dir)
 
 
 def _last_committed(cfg, resume: Optional[str]) -> Optional[str]:
@@ -144,33 +144,32 @@ def _last_committed(cfg, resume: Optional[str]) -> Optional[str]:
     return checkpoint.latest_of(cfg.checkpoint.dir, cfg.checkpoint.lineage) or resume
 
 
-def _result(plan: PreparedRun, summary: RunSummary, restarts: int, reporter: RunReporter) -> Result:
+def _result(prepared: PreparedRun, summary: RunSummary, restarts: int, reporter: RunReporter) -> Result:
     steps = list({r["step"]: r for r in reporter.steps}.values())  # a restart re-runs steps after its checkpoint
     timed = [r for r in steps[1:] if "step_s" in r]  # the first step pays for warm-up
-    batch = plan.cfg.train.global_batch
+    batch = prepared.cfg.train.global_batch
     samples_per_s = len(timed) * batch / sum(r["step_s"] for r in timed) if timed else 0.0
     measured = [r for r in steps if "eval_loss" in r]
-    goodput = [e for e in reporter.events if e["event"] == "goodput"]
     return Result(
         steps=summary.steps, final_loss=steps[-1]["loss"] if steps else float("nan"),
-        samples_per_s=samples_per_s, checkpoint=summary.checkpoint, run_dir=plan.run_dir,
-        layout=plan.layout.label, metrics=steps, events=reporter.events, worker_pids=summary.worker_pids,
+        samples_per_s=samples_per_s, checkpoint=summary.checkpoint, run_dir=prepared.run_dir,
+        layout=prepared.layout.label, metrics=steps, events=reporter.events, worker_pids=summary.worker_pids,
         final_pids=summary.final_pids, committed_steps=summary.committed_steps, failures=summary.failures,
         recovery_s=summary.recovery_s, coordinator_restarts=restarts, stopped=summary.stopped,
         skipped_steps=[s + 1 for s in summary.skipped_steps], state_digests=summary.digests,
         eval_loss=measured[-1]["eval_loss"] if measured else None,
         eval_metrics={k: v for k, v in evaluated(measured[-1]).items() if k != "eval_loss"} if measured else {},
-        goodput={k: v for k, v in goodput[-1].items() if k != "event"} if goodput else None,
+        goodput=reporter.goodput.record() if reporter.goodput is not None else None,
     )
 
 
-def _run_coordinators(plan: PreparedRun, placement, reporter: RunReporter, on_rows, stop,
+def _run_coordinators(prepared: PreparedRun, placement, reporter: RunReporter, on_rows, stop,
                       launched: float) -> tuple[RunSummary, int]:
     """Start a coordinator and drive it to the end, restarting it from the last checkpoint when it
     is lost; returns its summary and the number of restarts, after a ``goodput`` event (its wall time
     counted from ``launched``). Placement groups it reserved are removed, and every row received is
     written, however it ends."""
-    cfg, resume = plan.cfg, plan.resume
+    cfg, resume = prepared.cfg, prepared.resume
     if placement is not None:  # a Tune trial runs in what Tune reserved for it: nothing started elsewhere
         cfg = dataclasses.replace(cfg, elastic=dataclasses.replace(cfg.elastic, replace_at_notice=False))
     rendezvous, groups = RendezvousStore(), []
@@ -185,13 +184,13 @@ def _run_coordinators(plan: PreparedRun, placement, reporter: RunReporter, on_ro
             # On the driver's node: losing a worker node never takes the coordinator (or its store) with it.
             coordinator = ray.remote(Coordinator).options(
                 num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-            ).remote(dataclasses.replace(plan, cfg=cfg, resume=resume), reservation, worker_cls=StageWorker)
+            ).remote(dataclasses.replace(prepared, cfg=cfg, resume=resume), reservation, worker_cls=StageWorker)
             try:
                 store = rendezvous.address(host, namespace=f"coordinator{restarts}")
                 summary = _drive(coordinator, store, reporter, on_rows, stop)
                 if summary.time_book:
                     goodput = Goodput.of(summary.time_book, time.perf_counter() - launched, created - first_created)
-                    reporter.add([{"event": "goodput", **goodput.record()}])
+                    reporter.add_goodput(goodput)
                 return summary, restarts
             except ray.exceptions.RayError as e:
                 if stop.reason is not None and (_coordinator_lost(e) or (embedded() and not cluster_reachable())):

@@ -23,7 +23,7 @@ from typing import Optional
 from torch import nn
 
 from raytrain.models.tensor_plan import (EXPERT_COLWISE, EXPERT_ROWWISE, GRAD_SUM, PARAM_ROWS, SEQUENCE_REGION,
-                                         SUMMED_EXPERTS, TAIL_GRAD_SUM, WHOLE_OUTPUT_REGION, Plan, param_split_problem)
+                                         SUMMED_EXPERTS, TAIL_GRAD_SUM, WHOLE_OUTPUT_REGION, TpPlan, param_split_problem)
 
 LAYER_PREFIX = "layers.*."
 """How a base-model plan names a submodule of every decoder layer."""
@@ -47,7 +47,7 @@ def declared_plan(config) -> dict[str, str]:
             if not any(name == e or name.startswith(f"{e}.") for e in _experts(config))}
 
 
-def decoder_layer_plan(config, decoder_layer: Optional[nn.Module] = None) -> Plan:
+def decoder_layer_plan(config, decoder_layer: Optional[nn.Module] = None) -> TpPlan:
     """raytrain's plan for one decoder layer (its wrapper holds the layer as ``layer``): the entries of
     the styles it applies, one part each (transformers' plain styles split unfused projections), for
     the submodules ``decoder_layer`` has when given (a plan names optional ones: DeepSeek-V2's q_proj
@@ -62,7 +62,7 @@ def decoder_layer_plan(config, decoder_layer: Optional[nn.Module] = None) -> Pla
     return plan
 
 
-def experts_plan(config, decoder_layer: nn.Module) -> Plan:
+def experts_plan(config, decoder_layer: nn.Module) -> TpPlan:
     """The entries that split a decoder layer's module of experts (relative to the layer): each of its
     (experts, out, in) weights by the family's plan (``packed_colwise``: the packed gate and up, two parts;
     ``colwise``; ``rowwise``), and the module summed over the tp ranks (``moe_tp_experts``). None where
@@ -72,7 +72,7 @@ def experts_plan(config, decoder_layer: nn.Module) -> Plan:
     declared = _layer_entries(config)
     if "moe_identity_expert" in declared.values():
         return {}
-    plan: Plan = {}
+    plan: TpPlan = {}
     for experts in _experts(config):
         module = _submodule(decoder_layer, experts)
         if module is None:
@@ -94,7 +94,7 @@ def _layer_entries(config) -> dict[str, str]:
     return {key[len(LAYER_PREFIX):]: style for key, style in plan.items() if key.startswith(LAYER_PREFIX)}
 
 
-def sequence_plan(config, decoder_layer: nn.Module) -> Plan:
+def sequence_plan(config, decoder_layer: nn.Module) -> TpPlan:
     """Sequence parallelism's entries for a decoder layer (kept by layer_plan only with
     parallel.sequence_parallel): its norms run on the rank's tokens, and every other child with
     parameters (the attention, the MLP or mixture of experts) is a ``sequence_region``: transformers'

@@ -12,7 +12,7 @@ Arithmetic on parameter counts and widths, no torch. The estimate of the fullest
   backwards, every layer of the worker, gathered with its gradient from its first backward of the
   step until its reduction after the last weight half (8 bytes per parameter of the stage);
 - **activations**: what backward needs of each micro-batch it holds at once (GPipe: all of them;
-  1F1B: at most pp - stage; without a pipeline: one; with virtual stages the plan's own peak of chunk
+  1F1B: at most pp - stage; without a pipeline: one; with virtual stages the schedule's own peak of chunk
   activations, each counted at the worker's largest chunk), per transformer layer about 34 x tokens x width + 5 x heads x tokens x seq_len
   values (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"), or
   with activation checkpointing each layer's input plus one layer rebuilt in backward; the last
@@ -34,7 +34,7 @@ from typing import Optional
 
 from raytrain.pipeline.actions import Placement
 from raytrain.pipeline.checker import peak_live_activations
-from raytrain.pipeline.schedule import build_plan
+from raytrain.pipeline.schedule import build_schedule
 
 STATE_BYTES_PER_PARAM = 16
 """fp32 parameter, gradient and AdamW's two moments."""
@@ -140,7 +140,7 @@ def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, m
     first and the last (the blocks) holds a ``1 / tp`` part; the embedding and the head stay whole on
     every tp rank, but for ``table_split`` of the embedding's parameters (its token table) and, with
     ``head_split``, the head (with its logits), split by vocabulary. ``split``: the
-    plan splits backwards into input and weight halves (sharded layers then stay gathered). ``device``: a
+    schedule splits backwards into input and weight halves (sharded layers then stay gathered). ``device``: a
     GPU run's costs beyond the tensors (None on CPU)."""
     chunks = stage_bounds(layer_params, pp * virtual_stages, cuts)
     last_layer = len(layer_params) - 1
@@ -178,12 +178,11 @@ def _live_microbatches(pp: int, stage: int, microbatches: int, schedule: str, vi
                        split: bool = False) -> int:
     """Micro-batches (chunk activations, with virtual stages) a worker holds at once: one without a
     pipeline (accumulation finishes each before the next), all of them in GPipe, at most pp - stage in
-    1F1B, and the plan's own count (of the plan ``split`` or not) for the interleaved and V schedules."""
+    1F1B, and the schedule's own count (of the schedule ``split`` or not) for the interleaved and V schedules."""
     if pp == 1:
         return 1
     if virtual_stages > 1:
-        plan = build_plan(schedule, pp, microbatches, split, virtual_stages)
-        return peak_live_activations(plan[stage])
+        return peak_live_activations(build_schedule(schedule, pp, microbatches, split, virtual_stages)[stage])
     return microbatches if schedule == "gpipe" else min(microbatches, pp - stage)
 
 

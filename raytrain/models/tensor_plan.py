@@ -68,7 +68,7 @@ from raytrain.checkpoint.assemble import stack_dim
 
 Box = tuple[tuple[int, int], ...]
 """[start, stop) per dim of the whole tensor."""
-Plan = dict[str, tuple[str, int]]
+TpPlan = dict[str, tuple[str, int]]
 """Submodule name -> (one of STYLES, fused parts; for tail_grad_sum, the count of output features)."""
 VOCAB_PARALLEL = "vocab_parallel"
 VOCAB_EMBEDDING = "vocab_embedding"
@@ -101,13 +101,13 @@ BY_VOCABULARY = (VOCAB_PARALLEL, VOCAB_EMBEDDING)
 """Preferences, not requirements: a table or head whose vocabulary tp does not divide stays whole."""
 
 
-def sequence_parallel(plan: Plan) -> bool:
+def sequence_parallel(plan: TpPlan) -> bool:
     """Whether a layer's activations between its split linears are split by tokens (its colwise linears
     then gather their input, its rowwise ones reduce-scatter their output)."""
     return any(style in SEQUENCE_STYLES for style, _ in plan.values())
 
 
-def layer_plan(layer, tp: int = 1, sequence: bool = False) -> Plan:
+def layer_plan(layer, tp: int = 1, sequence: bool = False) -> TpPlan:
     """A layer's tensor-parallel plan at ``tp`` ranks (empty: every parameter replicated), without the
     ``vocab_parallel`` heads and ``vocab_embedding`` tables whose vocabulary ``tp`` does not divide (they
     stay whole), and without its ``sequence_*`` entries unless ``sequence`` (parallel.sequence_parallel)."""
@@ -156,7 +156,7 @@ def plan_problem(layers: list[nn.Module], tp: int, sequence: bool = False) -> Op
     return token_split_problem([layer_plan(layer, tp, sequence) for layer in layers]) if sequence else None
 
 
-def token_split_problem(plans: list[Plan]) -> Optional[str]:
+def token_split_problem(plans: list[TpPlan]) -> Optional[str]:
     """Why the layers' sequence-parallel entries do not agree (None when they do): a layer that scatters the
     tokens, then only sequence-parallel layers, the last of which gathers them again (a head)."""
     if not any(sequence_parallel(plan) for plan in plans):
@@ -230,7 +230,7 @@ def param_split_problem(layer: nn.Module, where: str, name: str, style: str, par
     return None
 
 
-def split_of(plan: Plan, param_name: str) -> Optional[tuple[str, int, int]]:
+def split_of(plan: TpPlan, param_name: str) -> Optional[tuple[str, int, int]]:
     """(style, parts, dim) by which parameter ``param_name`` (its name within the layer) is split, or None
     when it is replicated (no plan names it or its submodule, or it is a rowwise bias); an expert's dim
     counts from the end."""
@@ -250,13 +250,13 @@ def split_of(plan: Plan, param_name: str) -> Optional[tuple[str, int, int]]:
     raise ValueError(f"unknown tensor-parallel style {style!r} for {module}")
 
 
-def grad_summed(plan: Plan, param_name: str) -> bool:
+def grad_summed(plan: TpPlan, param_name: str) -> bool:
     """Whether parameter ``param_name`` is whole on every tp rank with its gradient summed over them."""
     module = param_name.rpartition(".")[0]
     return module in plan and plan[module][0] == GRAD_SUM
 
 
-def local_boxes(plan: Plan, param_name: str, shape: tuple[int, ...], tp: int, index: int) -> list[Box]:
+def local_boxes(plan: TpPlan, param_name: str, shape: tuple[int, ...], tp: int, index: int) -> list[Box]:
     """The boxes of the whole tensor (of ``shape``) that tp rank ``index`` of ``tp`` holds, in the order
     its local tensor stacks them (along ``stack_dim``); one whole box when the parameter is replicated."""
     whole = tuple((0, n) for n in shape)

@@ -1,8 +1,8 @@
-"""The vocabulary pipeline plans are written in: actions, where each model chunk sits, and how a plan prints.
+"""The vocabulary pipeline schedules are written in: actions, where each model chunk sits, and how a schedule prints.
 
-A plan (``Plan``) holds one ordered action list per pipeline worker. With parallel.virtual_stages > 1 a
+A schedule (``Schedule``) holds one ordered action list per pipeline worker. With parallel.virtual_stages > 1 a
 worker hosts several model chunks, and an action names the chunk it runs on; ``Placement`` says which
-pipeline stage each (worker, chunk) is, so a plan's sends and receives know their peers.
+pipeline stage each (worker, chunk) is, so a schedule's sends and receives know their peers.
 
 Actions print compactly: ``F3`` forward micro-batch 3, ``B3`` backward, ``W3`` the weight half of a split
 backward, ``>F3`` send activation to the next stage, ``<F3`` receive it, ``>B3`` send input gradient to the
@@ -57,7 +57,7 @@ FORWARD, BACKWARD, WEIGHT = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.
 SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
 COMPUTE = frozenset(k for k in ActionKind if k.is_compute)
 
-Plan = list[list["Action"]]  # plan[worker] = that pipeline worker's ordered actions
+Schedule = list[list["Action"]]  # schedule[worker] = that pipeline worker's ordered actions
 
 
 @dataclass(frozen=True)
@@ -68,14 +68,14 @@ class Action:
     """Which of the worker's model chunks it runs on (0 unless parallel.virtual_stages > 1)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", ActionKind(self.kind))  # "F" (as plans are written) -> FORWARD
+        object.__setattr__(self, "kind", ActionKind(self.kind))  # "F" (as schedules are written) -> FORWARD
 
     def __repr__(self) -> str:
         return f"{self.kind}{self.mb}" + (f"c{self.chunk}" if self.chunk else "")
 
 
-class PlanError(ValueError):
-    """A plan breaks a rule (ordering, matching or deadlock); the message names worker and action."""
+class ScheduleError(ValueError):
+    """A schedule breaks a rule (ordering, matching or deadlock); the message names worker and action."""
 
 
 @dataclass(frozen=True)
@@ -128,10 +128,10 @@ class Placement:
         return other is not None and other[0] == worker
 
 
-def format_grid(plan: Plan, mark: Optional[tuple[int, int]] = None) -> str:
+def format_grid(schedule: Schedule, mark: Optional[tuple[int, int]] = None) -> str:
     """One row per worker, one column per action; ``mark=(worker, index)`` brackets a cell."""
     rows = []
-    for s, acts in enumerate(plan):
+    for s, acts in enumerate(schedule):
         cells = []
         for i, a in enumerate(acts):
             text = repr(a)

@@ -1,11 +1,11 @@
-"""The rules every pipeline plan obeys, and the timing model that runs it: no Ray, no torch.
+"""The rules every pipeline schedule obeys, and the timing model that runs it: no Ray, no torch.
 
-``simulate`` runs a plan under the executor's semantics (raytrain.worker.executor): sends are
+``simulate`` runs a schedule under the executor's semantics (raytrain.worker.executor): sends are
 non-blocking, receives block, and the messages from one worker to another arrive in the order they were
-sent, whatever they carry (torch.distributed's point-to-point order, on gloo and NCCL alike). So a plan
-that passes ``check_plan`` cannot deadlock in the executor, nor receive one tensor in another's place.
+sent, whatever they carry (torch.distributed's point-to-point order, on gloo and NCCL alike). So a schedule
+that passes ``check_schedule`` cannot deadlock in the executor, nor receive one tensor in another's place.
 
-A row of a plan is a pipeline worker ("stage" in messages, as in a plan without virtual stages); with
+A row of a schedule is a pipeline worker ("stage" in messages, as in a schedule without virtual stages); with
 virtual stages its actions name their chunk, and ``Placement`` says which pipeline stage a chunk is.
 """
 
@@ -14,23 +14,23 @@ from __future__ import annotations
 from typing import Optional
 
 from raytrain.pipeline.actions import (BACKWARD, COMPUTE, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, WEIGHT, Action,
-                                       ActionKind, Placement, Plan, PlanError, format_grid)
+                                       ActionKind, Placement, Schedule, ScheduleError, format_grid)
 
 _ORDER = [(RECV_F, FORWARD), (FORWARD, SEND_F), (FORWARD, BACKWARD), (RECV_B, BACKWARD), (BACKWARD, SEND_B),
           (BACKWARD, WEIGHT), (SEND_B, WEIGHT)]
 """(first, then): within one chunk, ``first`` of a micro-batch comes before ``then`` of it."""
 
 
-def check_plan(plan: Plan, num_microbatches: int, placement: Optional[Placement] = None) -> None:
-    """Raise PlanError unless every worker's list is complete and ordered and the whole plan runs."""
-    if not plan:
-        raise PlanError("a plan needs at least one stage")
-    placement = placement or Placement(len(plan))
-    if placement.workers != len(plan):
-        raise PlanError(f"a plan of {len(plan)} rows for a placement of {placement.workers} workers")
-    for worker, acts in enumerate(plan):
-        _check_worker(plan, placement, worker, acts, num_microbatches)
-    simulate(plan, placement=placement)
+def check_schedule(schedule: Schedule, num_microbatches: int, placement: Optional[Placement] = None) -> None:
+    """Raise ScheduleError unless every worker's list is complete and ordered and the whole schedule runs."""
+    if not schedule:
+        raise ScheduleError("a schedule needs at least one stage")
+    placement = placement or Placement(len(schedule))
+    if placement.workers != len(schedule):
+        raise ScheduleError(f"a schedule of {len(schedule)} rows for a placement of {placement.workers} workers")
+    for worker, acts in enumerate(schedule):
+        _check_worker(schedule, placement, worker, acts, num_microbatches)
+    simulate(schedule, placement=placement)
 
 
 def _required(placement: Placement, worker: int, chunk: int) -> list[ActionKind]:
@@ -43,37 +43,39 @@ def _required(placement: Placement, worker: int, chunk: int) -> list[ActionKind]
     return kinds
 
 
-def _check_worker(plan: Plan, placement: Placement, worker: int, acts: list[Action], num_microbatches: int) -> None:
+def _check_worker(schedule: Schedule, placement: Placement, worker: int, acts: list[Action],
+                  num_microbatches: int) -> None:
     seen: dict[tuple[ActionKind, int, int], int] = {}
     for i, a in enumerate(acts):
         if (a.kind, a.mb, a.chunk) in seen:
-            raise PlanError(f"stage {worker} action {i} ({a!r}) appears twice\n{format_grid(plan, mark=(worker, i))}")
+            raise ScheduleError(f"stage {worker} action {i} ({a!r}) appears twice\n"
+                                f"{format_grid(schedule, mark=(worker, i))}")
         if not 0 <= a.mb < num_microbatches:
-            raise PlanError(f"stage {worker} action {i} ({a!r}): micro-batch out of range 0..{num_microbatches - 1}")
+            raise ScheduleError(f"stage {worker} action {i} ({a!r}): micro-batch out of range 0..{num_microbatches - 1}")
         if not 0 <= a.chunk < placement.chunks:
-            raise PlanError(f"stage {worker} action {i} ({a!r}): chunk out of range 0..{placement.chunks - 1}")
+            raise ScheduleError(f"stage {worker} action {i} ({a!r}): chunk out of range 0..{placement.chunks - 1}")
         seen[(a.kind, a.mb, a.chunk)] = i
     allowed = {c: set(_required(placement, worker, c)) | {WEIGHT} for c in range(placement.chunks)}
     extra = [a for a in acts if a.kind not in allowed[a.chunk]]
     if extra:
-        raise PlanError(f"stage {worker} has communication with a stage that does not exist "
-                        f"or sits on the same worker: {extra}")
+        raise ScheduleError(f"stage {worker} has communication with a stage that does not exist "
+                            f"or sits on the same worker: {extra}")
     for chunk in range(placement.chunks):
         if placement.stage(worker, chunk) == 0 and any(a.kind == WEIGHT and a.chunk == chunk for a in acts):
-            raise PlanError(f"stage {worker} has W actions on the first pipeline stage: it sends no input gradient, "
-                            "so its backward is never split")
+            raise ScheduleError(f"stage {worker} has W actions on the first pipeline stage: it sends no input "
+                                "gradient, so its backward is never split")
         for mb in range(num_microbatches):
             for kind in _required(placement, worker, chunk):
                 if (kind, mb, chunk) not in seen:
                     missing = repr(Action(kind, mb, chunk))
-                    raise PlanError(f"stage {worker} is missing {missing}\n{format_grid(plan)}")
+                    raise ScheduleError(f"stage {worker} is missing {missing}\n{format_grid(schedule)}")
             order = [((first, mb, chunk), (then, mb, chunk)) for first, then in _ORDER]
             order += _hand_off_order(placement, worker, chunk, mb)
             for first, then in order:
                 if first in seen and then in seen and seen[first] > seen[then]:
                     i = seen[then]
-                    raise PlanError(f"stage {worker} action {i} ({Action(*then)!r}) comes before {Action(*first)!r}"
-                                    f"\n{format_grid(plan, mark=(worker, i))}")
+                    raise ScheduleError(f"stage {worker} action {i} ({Action(*then)!r}) comes before {Action(*first)!r}"
+                                        f"\n{format_grid(schedule, mark=(worker, i))}")
 
 
 def _hand_off_order(placement: Placement, worker: int, chunk: int, mb: int) -> list[tuple[tuple, tuple]]:
@@ -111,9 +113,9 @@ def _message(placement: Placement, worker: int, a: Action) -> tuple[int, tuple[s
     return placement.owner(peer_stage)[0], (a.kind.flow, receiver, a.mb)
 
 
-def simulate(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0, weight_cost: float = 0.0,
+def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 1.0, weight_cost: float = 0.0,
              split_cost: float = 0.0, placement: Optional[Placement] = None):
-    """Run the plan under the executor's semantics (non-blocking sends, blocking receives, one ordered
+    """Run the schedule under the executor's semantics (non-blocking sends, blocking receives, one ordered
     channel per pair of workers).
 
     A backward costs ``backward_cost``; where the worker has a ``W`` for it, ``weight_cost`` of that
@@ -121,22 +123,22 @@ def simulate(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0, 
     per chunk: with virtual stages a chunk is a fraction of a worker's layers.
 
     Returns ``(finish_time, busy_time_per_worker, timeline)`` where timeline[worker] lists
-    ``(start, end, action)`` for compute actions. Raises PlanError on a deadlock or a receive that
+    ``(start, end, action)`` for compute actions. Raises ScheduleError on a deadlock or a receive that
     does not match the next message in flight on its channel.
     """
-    placement = placement or Placement(len(plan))
-    p = len(plan)
+    placement = placement or Placement(len(schedule))
+    p = len(schedule)
     pos, clock, busy = [0] * p, [0.0] * p, [0.0] * p
     timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
     channels: dict[tuple[int, int], list[tuple[tuple, float]]] = {}  # (src, dst) -> FIFO of (message, ready)
-    split = [split_keys(acts) for acts in plan]
+    split = [split_keys(acts) for acts in schedule]
     cost_of = {FORWARD: forward_cost, WEIGHT: weight_cost}
     input_half_cost = backward_cost - weight_cost + split_cost
-    while any(pos[s] < len(plan[s]) for s in range(p)):
+    while any(pos[s] < len(schedule[s]) for s in range(p)):
         progressed = False
         for s in range(p):
-            while pos[s] < len(plan[s]):
-                a = plan[s][pos[s]]
+            while pos[s] < len(schedule[s]):
+                a = schedule[s][pos[s]]
                 if a.kind in COMPUTE:
                     split_here = (a.chunk, a.mb) in split[s]
                     cost = cost_of.get(a.kind, input_half_cost if split_here else backward_cost)
@@ -153,28 +155,29 @@ def simulate(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0, 
                         break  # blocked: wait for the peer
                     message, ready = queue.pop(0)
                     if message != wanted:
-                        raise PlanError(
+                        raise ScheduleError(
                             f"stage {s} action {pos[s]} ({a!r}) would receive {message} from stage {src}: "
-                            f"sends and receives are out of order\n{format_grid(plan, mark=(s, pos[s]))}"
+                            f"sends and receives are out of order\n{format_grid(schedule, mark=(s, pos[s]))}"
                         )
                     clock[s] = max(clock[s], ready)
                 pos[s] += 1
                 progressed = True
         if not progressed:
-            stuck = [(s, pos[s]) for s in range(p) if pos[s] < len(plan[s])]
+            stuck = [(s, pos[s]) for s in range(p) if pos[s] < len(schedule[s])]
             s, i = stuck[0]
-            raise PlanError(f"deadlock: stages {[s for s, _ in stuck]} all wait to receive\n{format_grid(plan, mark=(s, i))}")
+            raise ScheduleError(f"deadlock: stages {[s for s, _ in stuck]} all wait to receive\n"
+                                f"{format_grid(schedule, mark=(s, i))}")
     leftovers = {k: v for k, v in channels.items() if v}
     if leftovers:
-        raise PlanError(f"messages sent but never received: {leftovers}")
+        raise ScheduleError(f"messages sent but never received: {leftovers}")
     return max(clock), busy, timeline
 
 
-def idle_fraction(plan: Plan, forward_cost: float = 1.0, backward_cost: float = 1.0, weight_cost: float = 0.0,
+def idle_fraction(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 1.0, weight_cost: float = 0.0,
                   placement: Optional[Placement] = None) -> float:
     """Fraction of worker-time spent waiting, for chunks of equal cost."""
-    finish, busy, _ = simulate(plan, forward_cost, backward_cost, weight_cost, placement=placement)
-    return 1.0 - sum(busy) / (finish * len(plan))
+    finish, busy, _ = simulate(schedule, forward_cost, backward_cost, weight_cost, placement=placement)
+    return 1.0 - sum(busy) / (finish * len(schedule))
 
 
 def bubble_formula(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:

@@ -61,7 +61,7 @@ def time_costs(layers: Sequence[nn.Module], example_input: torch.Tensor, repeats
     return costs
 
 
-def plan_cuts(layers: Sequence[nn.Module], num_stages: int, example_input: Optional[torch.Tensor] = None) -> list[int]:
+def layer_cuts(layers: Sequence[nn.Module], num_stages: int, example_input: Optional[torch.Tensor] = None) -> list[int]:
     """Balanced cuts (the first layer of stages 1..p-1): by measured time on ``example_input`` when
     given, else by parameter counts."""
     costs = time_costs(layers, example_input) if example_input is not None else param_costs(layers)

@@ -26,13 +26,13 @@ costs a little (a graph walk and more autograd calls), so a schedule splits only
 from __future__ import annotations
 
 from raytrain.pipeline.actions import (BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, WEIGHT, Action, Placement,
-                                       Plan)
-from raytrain.pipeline.checker import check_plan
+                                       Schedule)
+from raytrain.pipeline.checker import check_schedule
 
 ComputeOrder = list[Action]  # one worker's F, B and W actions, in order
 
 
-def gpipe(num_stages: int, num_microbatches: int, split_backward: bool = False) -> Plan:
+def gpipe(num_stages: int, num_microbatches: int, split_backward: bool = False) -> Schedule:
     """All forwards, then all backwards: simple, but every micro-batch's activations stay alive."""
     orders = []
     for s in range(num_stages):
@@ -44,7 +44,7 @@ def gpipe(num_stages: int, num_microbatches: int, split_backward: bool = False) 
     return lower(Placement(num_stages), orders)
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int, split_backward: bool = False) -> Plan:
+def one_f_one_b(num_stages: int, num_microbatches: int, split_backward: bool = False) -> Schedule:
     """1F1B: p-s-1 warm-up forwards, then alternate forward/backward; at most p-s activations alive."""
     m = num_microbatches
     orders = []
@@ -59,7 +59,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int, split_backward: bool = F
 
 
 def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, split_backward: bool = False,
-                            virtual_stages: int = 2) -> Plan:
+                            virtual_stages: int = 2) -> Schedule:
     """Interleaved 1F1B (Narayanan et al., 2021, Megatron-LM's interleaved schedule) on the looped placement.
 
     Each of the ``num_stages`` workers holds ``virtual_stages`` chunks. Forwards run in rounds of
@@ -91,7 +91,7 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, split_backwa
     return lower(placement, orders)
 
 
-def zero_bubble_v(num_stages: int, num_microbatches: int) -> Plan:
+def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
     """Zero-bubble V (Qi et al., 2024, "ZB-V"): two chunks per worker on the V placement, every backward
     after the first stage split into B and W, and the W's placed where 1F1B would wait.
 
@@ -149,7 +149,7 @@ def _zbv_order(p: int, s: int, n: int) -> ComputeOrder:
     return order
 
 
-def dual_pipe_v(num_stages: int, num_microbatches: int) -> Plan:
+def dual_pipe_v(num_stages: int, num_microbatches: int) -> Schedule:
     """DualPipeV (DeepSeek-V3's DualPipe folded onto the V placement, in the order of torch's
     ``ScheduleDualPipeV``): two chunks per worker at stages s and 2p-1-s, as zero-bubble V.
 
@@ -211,9 +211,9 @@ def _dual_pipe_v_order(p: int, s: int, m: int) -> ComputeOrder:
     return order
 
 
-def forward_only(num_stages: int, num_microbatches: int, placement: Placement | None = None) -> Plan:
+def forward_only(num_stages: int, num_microbatches: int, placement: Placement | None = None) -> Schedule:
     """Every micro-batch's forward in order, no backward: the held-out loss (raytrain.control.evaluation).
-    Not a training plan (``check_plan`` wants backwards); ``simulate`` runs it."""
+    Not a training schedule (``check_schedule`` wants backwards); ``simulate`` runs it."""
     placement = placement or Placement(num_stages)
     orders = [[Action(FORWARD, mb, c) for c in sorted(range(placement.chunks), key=lambda c: placement.stage(s, c))
                for mb in range(num_microbatches)]  # chunk by chunk: the micro-batches pipeline through each
@@ -245,8 +245,8 @@ _NEEDS = {FORWARD: (RECV_F, -1), BACKWARD: (RECV_B, +1)}
 """compute -> (the receive it waits for, from which neighbour)."""
 
 
-def lower(placement: Placement, orders: list[ComputeOrder]) -> Plan:
-    """The plan of ``orders`` with its messages: each send right after the compute that produces it, and
+def lower(placement: Placement, orders: list[ComputeOrder]) -> Schedule:
+    """The schedule of ``orders`` with its messages: each send right after the compute that produces it, and
     before each compute that needs a message, the receives of that channel up to it (module docstring)."""
     sent = {}  # (src, dst) -> the messages src sends dst, in order: (kind of the receive, chunk there, mb)
     for w, order in enumerate(orders):
@@ -255,7 +255,7 @@ def lower(placement: Placement, orders: list[ComputeOrder]) -> Plan:
                 _, receive, offset = _MESSAGES[a.kind]
                 dst, chunk = placement.neighbour(w, a.chunk, offset)
                 sent.setdefault((w, dst), []).append((receive, chunk, a.mb))
-    plan = []
+    schedule = []
     for w, order in enumerate(orders):
         received = {}  # src -> messages of (src, w) already received
         acts = []
@@ -270,8 +270,8 @@ def lower(placement: Placement, orders: list[ComputeOrder]) -> Plan:
             acts.append(a)
             if a.kind in _MESSAGES and _remote(placement, w, a.chunk, _MESSAGES[a.kind][2]):
                 acts.append(Action(_MESSAGES[a.kind][0], a.mb, a.chunk))
-        plan.append(acts)
-    return plan
+        schedule.append(acts)
+    return schedule
 
 
 def _remote(placement: Placement, worker: int, chunk: int, offset: int) -> bool:
@@ -285,20 +285,21 @@ V_SCHEDULES = ("zbv", "dualpipev")
 """The schedules on the V placement: two chunks per worker, at stages s and 2p-1-s."""
 
 
-def build_plan(kind: str, num_stages: int, num_microbatches: int, split_backward: bool = False,
-               virtual_stages: int = 1) -> Plan:
-    """The checked plan of schedule ``kind`` for ``num_stages`` workers of ``virtual_stages`` chunks each."""
+def build_schedule(kind: str, num_stages: int, num_microbatches: int, split_backward: bool = False,
+                   virtual_stages: int = 1) -> Schedule:
+    """The checked schedule named ``kind`` (parallel.schedule) for ``num_stages`` workers of ``virtual_stages``
+    chunks each."""
     if kind not in SCHEDULES:
         raise ValueError(f"unknown schedule {kind!r}; use one of {', '.join(SCHEDULES)}")
     if num_stages == 1 and virtual_stages == 1:
         kind = "1f1b" if kind in ("interleaved_1f1b", *V_SCHEDULES) else kind  # one stage: one chunk, nothing to interleave
     if kind == "interleaved_1f1b":
-        plan = interleaved_one_f_one_b(num_stages, num_microbatches, split_backward, virtual_stages)
+        schedule = interleaved_one_f_one_b(num_stages, num_microbatches, split_backward, virtual_stages)
     elif kind in V_SCHEDULES:
         assert virtual_stages == 2, f"{kind} has two chunks per worker (the V)"
-        plan = {"zbv": zero_bubble_v, "dualpipev": dual_pipe_v}[kind](num_stages, num_microbatches)
+        schedule = {"zbv": zero_bubble_v, "dualpipev": dual_pipe_v}[kind](num_stages, num_microbatches)
     else:
         assert virtual_stages == 1, f"{kind} has one chunk per worker"
-        plan = {"gpipe": gpipe, "1f1b": one_f_one_b}[kind](num_stages, num_microbatches, split_backward)
-    check_plan(plan, num_microbatches, Placement.of_schedule(kind, num_stages, virtual_stages))
-    return plan
+        schedule = {"gpipe": gpipe, "1f1b": one_f_one_b}[kind](num_stages, num_microbatches, split_backward)
+    check_schedule(schedule, num_microbatches, Placement.of_schedule(kind, num_stages, virtual_stages))
+    return schedule

@@ -2,7 +2,7 @@
 
 The candidates are every dp x fsdp x tp x pp layout of the cluster's workers that the config can run
 (tp > 1 only where its workers stay on one node, resources.placement_strategy=STRICT_PACK, and the
-model's plan splits its layers so).
+model's tp plan splits its layers so).
 One whose estimated memory per worker (raytrain.models.memory: the fullest worker's training state,
 gathered layer and activations) exceeds a worker's memory is not probed, and the probe table says so; a layout that fails its probe (out of device memory, for one) is never chosen. The probes are a
 normal raytrain sweep (``raytrain.tune``), kept under ``<run.dir>/auto-layout`` for inspection;
@@ -32,7 +32,7 @@ def candidate_layouts(cfg: Config, workers: int, layers: int) -> list[dict]:
     """Every layout that uses all ``workers`` workers and that the config can run.
 
     dp x fsdp data-parallel workers need to divide the global batch (a model.factory's or model.hf's
-    limit on fsdp and plan for tp are applied by ``choose_layout``); tp > 1 needs the config's checks
+    limit on fsdp and the tp plan for tp are applied by ``choose_layout``); tp > 1 needs the config's checks
     (one node, the built-in GPT's heads) to pass; pipelines need pp <= ``layers`` and take each of
     parallel.auto_microbatches that divides each worker's share, with each of parallel.auto_schedules.
     """
@@ -75,15 +75,15 @@ def _grids(workers: int, layers: int):
 
 
 def splits_by_tp(cfg: Config, model: list, tp: int) -> bool:
-    """Whether the model's plan splits its layers over ``tp`` ranks (the built-in GPT's heads are the
-    config's own check; a model.factory's or model.hf's plan is checked here, as a run would)."""
+    """Whether the model's tp plan splits its layers over ``tp`` ranks (the built-in GPT's heads are the
+    config's own check; a model.factory's or model.hf's tp plan is checked here, as a run would)."""
     if tp == 1 or (cfg.model.factory is None and cfg.model.hf is None):
         return True
     if cfg.model.factory is not None:
         from raytrain.models.tensor_plan import plan_problem
 
         return plan_problem(model, tp, cfg.parallel.sequence_parallel) is None
-    from raytrain.models.hf_plan import check_tensor_parallel, resolve_cut, with_hf_architecture
+    from raytrain.models.hf_prepare import check_tensor_parallel, resolve_cut, with_hf_architecture
 
     try:
         check_tensor_parallel(resolve_cut(with_hf_architecture(

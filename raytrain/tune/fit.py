@@ -1,7 +1,7 @@
 """Whether a sweep's trials can run, checked before any trial starts, and what each reserves.
 
 Every layout the space names is built and checked as a run's would be (``check_inputs``,
-``plan_layout``), then against the cluster: a trial runs in the resources Tune reserved for it
+``model_layout``), then against the cluster: a trial runs in the resources Tune reserved for it
 (``trial_resources``: its own placement group), so it can neither grow nor keep standby workers.
 """
 
@@ -14,9 +14,9 @@ from ray import tune
 from raytrain.config import Config, build_config
 from raytrain.config.layout import Layout
 from raytrain.config.mesh import Mesh
-from raytrain.driver.model_check import plan_layout
+from raytrain.driver.model_check import model_layout
 from raytrain.driver.placement import worker_bundle
-from raytrain.driver.plan import check_inputs
+from raytrain.driver.prepare import check_inputs
 from raytrain.tune.space import layout_combinations, trial_values
 from raytrain.tune.sweep_config import LAYOUT_KEYS, SweepConfig
 
@@ -32,7 +32,7 @@ def check_layouts(sweep: SweepConfig, cluster: dict[str, float]) -> None:
             if cfg.parallel.auto:
                 raise ValueError("parallel.auto=true: the sweep sets each trial's layout; drop parallel.auto from it")
             check_inputs(cfg)
-            layout = plan_layout(cfg)
+            layout = model_layout(cfg)
         except ValueError as e:
             problems.append(f"{label}: {e}")
             continue

@@ -18,7 +18,7 @@ from raytrain.tune.space import BASE_KEY, trial_config
 def raytrain_trainable(params: dict) -> None:
     """One trial: a raytrain run in this trial's placement group, reporting every step."""
     from raytrain import checkpoint
-    from raytrain.driver.plan import prepare
+    from raytrain.driver.prepare import prepare
     from raytrain.driver.run import run
 
     started = time.time()

@@ -1,6 +1,7 @@
-"""Runs one pipeline worker's plan for one step: one loop over the actions, one short method per action kind.
+"""Runs one pipeline worker's list of the schedule for one step: one loop over its actions, one short method
+per action kind.
 
-Sends are non-blocking and receives block, as raytrain.pipeline.checker simulates them, so a plan that
+Sends are non-blocking and receives block, as raytrain.pipeline.checker simulates them, so a schedule that
 passes the checker cannot deadlock here. An activation is a tensor or a tuple of tensors
 (raytrain.worker.activations). With virtual stages the worker holds several model chunks and
 every tensor in flight is keyed by (chunk, micro-batch); between two chunks of this worker nothing is
@@ -57,10 +58,10 @@ class StepBuffers:
     metrics: Optional[HeldOutMetrics] = None  # eval.metrics summed over the last stage's samples (evaluations)
 
 
-class PlanExecutor:
-    """Executes a worker's plan (``Generation.plan``) one step at a time on its layers: ``module``, whose
-    model chunks are ``chunks`` (``[module]`` without virtual stages; ``cut_into_chunks`` views, or FSDP2
-    roots of their own). ``loss_context``: what the loss and the last chunk's backward run in (torch's
+class ScheduleExecutor:
+    """Executes a worker's list of the schedule (``Generation.actions``) one step at a time on its layers:
+    ``module``, whose model chunks are ``chunks`` (``[module]`` without virtual stages; ``cut_into_chunks``
+    views, or FSDP2 roots of their own). ``loss_context``: what the loss and the last chunk's backward run in (torch's
     ``loss_parallel`` under tensor parallelism, where the head's logits stay split by vocabulary)."""
 
     def __init__(self, module: nn.Module, chunks: list[nn.Module], loss_fn: Callable, grads: GradientBuckets,
@@ -81,12 +82,12 @@ class PlanExecutor:
 
     def run(self, gen: Generation, step: int, x: Optional[torch.Tensor], y: Optional[torch.Tensor],
             hook: PhaseHook, trace: bool, metrics: Optional[HeldOutMetrics] = None) -> StepBuffers:
-        """Every action of ``gen.plan`` in order, then wait for the sends; the gradients are accumulated.
+        """Every action of ``gen.actions`` in order, then wait for the sends; the gradients are accumulated.
         ``metrics``: what an evaluation measures of the last chunk's outputs beside the loss."""
         buf = StepBuffers(gen, step, hook, x, y, torch.zeros((), device=self.device), events=[] if trace else None,
                           metrics=metrics)
         hook("forward", step)
-        for i, action in enumerate(gen.plan):
+        for i, action in enumerate(gen.actions):
             t0 = time.perf_counter()
             if i in gen.chunk_last_grad_actions:  # this chunk's last gradients: a sharded chunk reduces them
                 self.grads.arm_chunk(gen.chunk_last_grad_actions.index(i))

@@ -1,6 +1,6 @@
 """A worker's place in one generation of the run: one frozen value, formed by ``join``.
 
-Everything that depends on the membership (rank, neighbours, this stage's plan, this worker's share
+Everything that depends on the membership (rank, neighbours, this stage's actions of the schedule, this worker's share
 of the global batch, the process groups, the shape of the activations each of its chunks receives) is
 fixed for a generation and changes only when the coordinator forms a new one. A worker holds it from
 ``join`` until it leaves; nothing in it is updated in place.
@@ -83,14 +83,14 @@ class Generation:
     """Which pipeline stage each worker's chunk is."""
     chunks: tuple[ChunkPlace, ...]
     """This worker's model chunks, in chunk order."""
-    plan: tuple[Action, ...]
+    actions: tuple[Action, ...]
     """This worker's actions for every step."""
     split: frozenset[tuple[int, int]]
     """(chunk, micro-batch) of the backwards this worker splits (they have a W action)."""
     last_grad_action: int
-    """Index in ``plan`` of the action that fills the step's last gradients: buckets reduce from then on."""
+    """Index in ``actions`` of the action that fills the step's last gradients: buckets reduce from then on."""
     chunk_last_grad_actions: tuple[int, ...]
-    """Of each chunk, the index in ``plan`` of the action that fills its last gradients (a sharded chunk,
+    """Of each chunk, the index in ``actions`` of the action that fills its last gradients (a sharded chunk,
     an FSDP2 root of its own, reduce-scatters them in it)."""
     share: int
     """This worker's samples of each global batch: its replica's share, divided among its shards."""
@@ -127,16 +127,16 @@ def form_generation(cfg: Config, rank: int, mesh: Mesh, shares: list[int], store
 
     places = [_place(placement, stage, chunk, column_rank) for chunk in range(placement.chunks)]
     chunks = _exchange_shapes(sample_inputs, places, chunk_output, device)
-    plan = tuple(schedule.build_plan(par.schedule, mesh.pp, par.microbatches, par.split_backward,
-                                     par.virtual_stages)[stage])
+    actions = tuple(schedule.build_schedule(par.schedule, mesh.pp, par.microbatches, par.split_backward,
+                                            par.virtual_stages)[stage])
     slices = data.even_shares(shares[replica], mesh.fsdp)
     return Generation(
         number=number, mesh=mesh, rank=rank, replica=replica, stage=stage, shard=shard, tp_index=tp_index,
         is_first=any(c.is_first for c in chunks), is_last=any(c.is_last for c in chunks),
         placement=placement, chunks=chunks,
-        plan=plan, split=frozenset(checker.split_keys(list(plan))),
-        last_grad_action=checker.last_gradient_action(list(plan)),
-        chunk_last_grad_actions=tuple(checker.last_gradient_action(list(plan), chunk) for chunk in range(len(chunks))),
+        actions=actions, split=frozenset(checker.split_keys(list(actions))),
+        last_grad_action=checker.last_gradient_action(list(actions)),
+        chunk_last_grad_actions=tuple(checker.last_gradient_action(list(actions), chunk) for chunk in range(len(chunks))),
         share=slices[shard], batch_offset=sum(shares[:replica]) + sum(slices[:shard]),
         mb_bounds=tuple(data.microbatch_bounds(slices[shard], par.microbatches)),
         groups=groups,
@@ -157,10 +157,10 @@ def _place(placement: Placement, worker: int, chunk: int, rank_of: Callable[[int
 
 
 def for_evaluation(gen: Generation) -> Generation:
-    """The same place in the run with a forward-only plan over the same micro-batches: no backward, no
+    """The same place in the run with a forward-only schedule over the same micro-batches: no backward, no
     split backward, and no action arms the gradient buckets (``last_grad_action`` matches none)."""
-    plan = tuple(schedule.forward_only(gen.mesh.pp, len(gen.mb_bounds), gen.placement)[gen.stage])
-    return dataclasses.replace(gen, plan=plan, split=frozenset(), last_grad_action=-1,
+    actions = tuple(schedule.forward_only(gen.mesh.pp, len(gen.mb_bounds), gen.placement)[gen.stage])
+    return dataclasses.replace(gen, actions=actions, split=frozenset(), last_grad_action=-1,
                                chunk_last_grad_actions=(-1,) * len(gen.chunks))
 
 

@@ -11,7 +11,7 @@ optimizer steps plain views of FSDP's own shards, so its state is plain tensors 
 re-forming (a wrapping holds the groups of one generation only, and those die with it).
 
 Gradients: FSDP2 reduce-scatters (and, with dp > 1, all-reduces across replicas) in each chunk's last
-backward of the step only, or after its last weight half where the plan splits that backward;
+backward of the step only, or after its last weight half where the schedule splits that backward;
 losses are scaled by their share of the global batch, so the reductions are SUMs (``ShardedGrads``,
 the sharded counterpart of raytrain.worker.gradsync).
 
@@ -44,7 +44,7 @@ from raytrain.config.mesh import Mesh
 from raytrain.models.layers import Recomputed, persistent_buffer_names
 from raytrain.models.tensor_plan import rows_of_stack
 from raytrain.pipeline.actions import WEIGHT
-from raytrain.pipeline.schedule import build_plan
+from raytrain.pipeline.schedule import build_schedule
 from raytrain.worker.groups import Groups
 from raytrain.worker.tensor_parallel import local_part, parallelize_layers
 from raytrain.worker.gradsync import squared_norms_by_split, sum_over_tp
@@ -157,7 +157,7 @@ class ShardedLayers:
         dparams = adopt(module, self.device, self.buffers, self.params, optimizer)
         self.module = module
         return ShardedGrads(self.chunks, dparams, self.params, self.split, (self.summed, groups.tp_group),
-                            keep_unsharded=plan_has_weight_halves(self.cfg, mesh, rank))
+                            keep_unsharded=schedule_has_weight_halves(self.cfg, mesh, rank))
 
     def release(self) -> None:
         """Drop the wrapping (its groups are going); ``params`` keep the values and the prepared gradients.
@@ -199,13 +199,13 @@ def _fully_shard_stage(layers: list[nn.Module], mesh: DeviceMesh, owner: Sharded
     return root
 
 
-def plan_has_weight_halves(cfg: Config, mesh: Mesh, rank: int) -> bool:
-    """Whether the pipeline plan of ``rank``'s worker splits a backward (has weight halves): only then
+def schedule_has_weight_halves(cfg: Config, mesh: Mesh, rank: int) -> bool:
+    """Whether the pipeline schedule of ``rank``'s worker splits a backward (has weight halves): only then
     must its layers stay gathered from a backward to the weight half after it. The first stage under a
     split 1F1B or GPipe sends no input gradient, so it does not split; nor does a run without a pipeline."""
     par = cfg.parallel
-    plan = build_plan(par.schedule, mesh.pp, par.microbatches, par.split_backward, par.virtual_stages)
-    return any(action.kind == WEIGHT for action in plan[mesh.coords(rank)[1]])
+    schedule = build_schedule(par.schedule, mesh.pp, par.microbatches, par.split_backward, par.virtual_stages)
+    return any(action.kind == WEIGHT for action in schedule[mesh.coords(rank)[1]])
 
 
 class ShardedGrads:
@@ -224,7 +224,7 @@ class ShardedGrads:
         self.summed_over_tp = summed_over_tp
         """With tp > 1: which gradients FSDP reduced over the fsdp group alone still sum over tp too."""
         self.keep_unsharded = keep_unsharded
-        """When the worker's plan splits backwards (plan_has_weight_halves): no backward reshards a chunk's
+        """When the worker's schedule splits backwards (schedule_has_weight_halves): no backward reshards a chunk's
         layers until its reduction, as a weight half that runs after its input half accumulates into the
         unsharded parameters (as in torch.distributed.pipelining); a later forward may still reshard them
         (FSDP2's reshard_after_forward). Otherwise each backward reshards them."""

@@ -51,7 +51,7 @@ from raytrain.reports.oom import reraise_out_of_memory
 from raytrain.optim.optimizer import apply_step, make_optimizer
 from raytrain.worker.saving import ShardSaves
 from raytrain.worker.activations import TensorShape
-from raytrain.worker.executor import PlanExecutor
+from raytrain.worker.executor import ScheduleExecutor
 from raytrain.worker.generation import Generation, form_generation
 from raytrain.worker.gradsync import clip_global_norm
 from raytrain.worker.groups import Groups, abort_groups, destroy_groups
@@ -87,7 +87,7 @@ class Stage:
         self.layers = stage_layers(cfg, chunks, shard, tp, self.device)
         self.params, self.loss_fn = self.layers.params, self.layers.loss_fn
         self.grads: Optional[Grads] = None  # this generation's gradient reduction (its join makes it) ...
-        self.executor: Optional[PlanExecutor] = None  # ... and executor
+        self.executor: Optional[ScheduleExecutor] = None  # ... and executor
         self.optimizer = make_optimizer(self.params, cfg.train)
         held = self.layers
         buffers = StageBuffers(held.buffer_names, held.buffers, writes=held.part in (None, 0))
@@ -137,9 +137,9 @@ class Stage:
         """Wrap the layers on this generation's groups (a sharded or tensor-parallel stage re-wraps), and make
         the executor that runs them."""
         self.grads = self.layers.wrap(groups, mesh, rank, self.optimizer)
-        self.executor = PlanExecutor(self.layers.module, self.layers.chunks, self.loss_fn, self.grads, self.device,
-                                     _autocast(self.cfg, self.device), self.cfg.train.global_batch,
-                                     loss_parallel if self.cfg.parallel.tp > 1 else contextlib.nullcontext)
+        self.executor = ScheduleExecutor(self.layers.module, self.layers.chunks, self.loss_fn, self.grads,
+                                         self.device, _autocast(self.cfg, self.device), self.cfg.train.global_batch,
+                                         loss_parallel if self.cfg.parallel.tp > 1 else contextlib.nullcontext)
 
     def leave(self) -> None:
         """Drop this worker's process groups (after a failure they may be broken); state stays.
@@ -241,7 +241,7 @@ class Stage:
         return self.committed
 
     def _prepare(self, step: int, trace: bool, report: StepReport) -> None:
-        """Forward and backward every micro-batch by the plan, all-reduce and clip: all but the update.
+        """Forward and backward every micro-batch by the schedule, all-reduce and clip: all but the update.
         Fills in ``report``'s timings and values."""
         gen, cfg = self.gen, self.cfg
         t_start = time.perf_counter()

@@ -17,7 +17,7 @@ import torch
 
 from raytrain import data
 from raytrain.config import Config
-from raytrain.worker.executor import PlanExecutor
+from raytrain.worker.executor import ScheduleExecutor
 from raytrain.worker.generation import Generation, for_evaluation
 from raytrain.worker.metrics import HeldOutMetrics
 from raytrain.worker.phases import PhaseHook
@@ -31,13 +31,13 @@ class HeldOutLoss:
         self.source, self.num_samples = source, num_samples  # read at the first evaluation
         self.dataset: Optional[data.Dataset] = None  # data.eval_path's rows, opened on first use
 
-    def loss_sum(self, executor: PlanExecutor, gen: Generation, step: int,
+    def loss_sum(self, executor: ScheduleExecutor, gen: Generation, step: int,
                  train_rows: Optional[data.Dataset]) -> tuple[float, int, HeldOutMetrics]:
         """Sum over this worker's share of the held-out rows of their mean loss (meaningful on the last
         stage only), how many rows that share is, and eval.metrics' sums over them, run by the stage's
         executor of this generation. ``train_rows``: the stage's training dataset (data.eval_fraction's rows
         follow its training rows); ``step`` only labels the pass."""
-        plan, rows, B = for_evaluation(gen), self._rows(gen, train_rows), self.cfg.train.global_batch
+        forward, rows, B = for_evaluation(gen), self._rows(gen, train_rows), self.cfg.train.global_batch
         first = data.held_out_source(self.cfg, self.source, self.num_samples)[1]
         module, total, metrics = executor.module, 0.0, HeldOutMetrics(self.cfg.eval.metrics)
         was_training = module.training
@@ -50,7 +50,7 @@ class HeldOutLoss:
                         ids = data.held_out_ids(first, batch, B, gen.batch_offset, gen.batch_offset + gen.share)
                         seeds = data.sample_seeds(self.cfg.train.seed, ids, [data.HELD_OUT_EPOCH] * len(ids))
                         x, y = (t.to(self.device, non_blocking=True) for t in rows.batch(ids, seeds, training=False))
-                    total += float(executor.run(plan, step, x, y, PhaseHook(), trace=False, metrics=metrics).loss_sum)
+                    total += float(executor.run(forward, step, x, y, PhaseHook(), trace=False, metrics=metrics).loss_sum)
         finally:
             module.train(was_training)
         return total, self.cfg.eval.batches * gen.share, metrics

@@ -24,7 +24,7 @@ from raytrain.driver.connect import run_root
 from raytrain.driver.data_check import check_data, check_metrics, split_held_out
 from raytrain.driver.loggers import check_loggers
 from raytrain.driver.model_check import (build_model_once, check_model_takes_samples, check_ties, model_facts,
-                                         needs_build, plan_layout)
+                                         needs_build, model_layout)
 from raytrain.models.layers import FACTORY_RETURNS
 from raytrain.models.user_code import API_MODEL, import_user_module, register_api_model
 
@@ -34,14 +34,14 @@ ChooseLayout = Callable[[Config, ModelFacts, list], Config]
 
 def prepare(cfg: Config, choose_layout: Optional[ChooseLayout] = None, dataset: Any = None,
             eval_dataset: Any = None, model: Optional[Callable] = None) -> PreparedRun:
-    """Check ``cfg`` against this machine and plan the run; a ValueError naming the key when it cannot run.
+    """Check ``cfg`` against this machine and prepare the run; a ValueError naming the key when it cannot run.
     With parallel.auto, ``choose_layout`` picks the layout once the data and the model are checked.
     ``dataset``, ``eval_dataset``: the Python API's data objects (a map-style torch Dataset or a Ray
     Dataset); ``model``: its model function (model.factory's contract)."""
     cfg, model_code = _with_api_model(cfg, model)
     check_inputs(cfg)
     if cfg.model.hf is not None:
-        from raytrain.models.hf_plan import resolve_cut, with_hf_architecture
+        from raytrain.models.hf_prepare import resolve_cut, with_hf_architecture
 
         cfg = resolve_cut(with_hf_architecture(cfg))
     checked = check_data(cfg, dataset, eval_dataset)
@@ -54,10 +54,10 @@ def prepare(cfg: Config, choose_layout: Optional[ChooseLayout] = None, dataset: 
         assert choose_layout is not None, "parallel.auto needs a layout chooser (raytrain.train passes one)"
         cfg = choose_layout(cfg, facts, layers)
     if cfg.model.hf is not None:
-        from raytrain.models.hf_plan import check_tensor_parallel
+        from raytrain.models.hf_prepare import check_tensor_parallel
 
         check_tensor_parallel(cfg, layers)
-    layout = plan_layout(cfg, layers, checked.example)
+    layout = model_layout(cfg, layers, checked.example)
     check_ties(cfg, facts, layout)
     if cfg.model.factory is not None:
         check_model_takes_samples(cfg, layers, spec.loss_fn, checked.example(), layout, checked.target_range)
