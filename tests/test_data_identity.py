@@ -185,7 +185,7 @@ def test_the_coordinator_records_the_runs_data_in_every_manifest(tmp_path, async
     cfg = fake_config(tmp_path, "parallel.dp=2", "checkpoint.every=3", f"checkpoint.async_save={async_save}".lower())
     record = {"num_samples": 1000, "files": [{"path": "a.parquet", "bytes": 10, "samples": 1000, "fingerprint": "f"}]}
     prepared = dataclasses.replace(fake_prepared(cfg), data_identity=record)
-    Coordinator(prepared, Reservation(None, 0, ()), group=FakeWorkerGroup(1, initial=2)).run(store=None)
+    Coordinator(prepared, Reservation(None, 0, ()), worker_group=FakeWorkerGroup(1, initial=2)).run(store=None)
     saved = checkpoint.list_checkpoints(cfg.checkpoint.dir)
     assert [s for s, _ in saved] == [3, 6]
     assert all(checkpoint.read_manifest(d)["data"] == record for _, d in saved)

@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
-from raytrain import data
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh, StoreAddress
 from raytrain.config.prepared import Slot, WorkerSpec
@@ -50,7 +49,6 @@ from raytrain.reports import BackgroundSave, EvalReport, JoinReport, ShardReport
 from raytrain.reports.oom import reraise_out_of_memory
 from raytrain.optim.optimizer import apply_step, make_optimizer
 from raytrain.worker.saving import ShardSaves
-from raytrain.worker.activations import TensorShape
 from raytrain.worker.executor import ScheduleExecutor
 from raytrain.worker.generation import Generation, form_generation
 from raytrain.worker.gradsync import clip_global_norm
@@ -58,6 +56,7 @@ from raytrain.worker.groups import Groups, abort_groups, destroy_groups
 from raytrain.worker.phases import PhaseHook, phase_hook
 from raytrain.worker.stage_eval import HeldOutLoss
 from raytrain.worker.stage_layers import Grads, stage_layers
+from raytrain.worker.stage_samples import StageSamples
 from raytrain.worker.stage_state import StageBuffers, StageState
 from raytrain.worker.ties import TiedParameters
 
@@ -77,7 +76,6 @@ class Stage:
         self.cfg = cfg
         self.leaving = leaving  # whether this worker was told to leave (raytrain.worker.drain): its vote says so,
         # unless the step holds it (its replacement is starting: raytrain.control.drain)
-        self.source, self.num_samples = source, num_samples
         torch.set_num_threads(cfg.resources.cpus_per_worker)
         self.device = torch.device("cuda", 0) if cfg.resources.use_gpu else torch.device("cpu")
         if cfg.resources.use_gpu:
@@ -95,9 +93,7 @@ class Stage:
         written = [w and t for w, t in zip(held.written or [True] * len(held.names), self.ties.written(len(held.names)))]
         self.state = StageState(self.ties.global_names(held.names), self.params, self.optimizer, self.device,
                                 cfg.train.fused_optimizer, held.rows, held.slices, written, buffers)
-        self.dataset: Optional[data.Dataset] = None  # opened on the first join (first and last stages)
-        inputs = source.sample.inputs  # what the first stage's layers take
-        self.sample_inputs = TensorShape(inputs.shape, getattr(torch, inputs.dtype))
+        self.samples = StageSamples(cfg, source, num_samples, self.device)
         self.held_out = HeldOutLoss(cfg, source, num_samples, self.device)
         self.committed = 0  # steps applied so far; the next step to run
         self.prepared: Optional[int] = None  # a step whose gradients are reduced but not yet applied
@@ -126,10 +122,9 @@ class Stage:
             self.hook("join", self.committed)
         self.gen = form_generation(self.cfg, rank, mesh, shares, store, generation,
                                    lambda chunk, example: self.executor.output_of(chunk, example), self.device,
-                                   self.sample_inputs, on_groups=lambda groups: self._on_groups(groups, mesh, rank),
+                                   self.samples.inputs, on_groups=lambda groups: self._on_groups(groups, mesh, rank),
                                    tie_workers=self.ties.worker_sets)
-        if self.dataset is None and (self.gen.is_first or self.gen.is_last):  # it reads inputs or targets
-            self.dataset = data.open_dataset(self.source.train, self.cfg)  # files open as steps reach them
+        self.samples.open_for(self.gen)
         return JoinReport(rank=rank, committed=self.committed, pid=os.getpid(), node=os.uname().nodename,
                           params=sum(p.numel() for p in self.params))
 
@@ -223,15 +218,20 @@ class Stage:
             report.wall_s += time.perf_counter() - t0
             report.ok = True
         except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
-            reraise_out_of_memory(e)  # not a peer's failure: this worker leaves the run (raytrain.worker.actor)
-            report.error = f"{type(e).__name__}: {str(e)[:300]}"
-            e.__traceback__ = None  # its frames hold the step's buffers, and through them the groups
-            # Close our connections now: peers blocked on us (not on the dead worker) fail at once
-            # instead of waiting out elastic.detect_timeout_s. State stays; groups re-form on join.
-            self.leave()
+            report.error = self._collective_failed(e)
         report.committed, report.prepared = self.committed, self.prepared
         report.aborted = step_gen is not None and step_gen.number in self.aborted
         return report
+
+    def _collective_failed(self, error: RuntimeError) -> str:
+        """What a step or an evaluation whose collective failed reports; this worker leaves its groups.
+        A worker that ran out of memory instead leaves the run (raytrain.worker.actor)."""
+        reraise_out_of_memory(error)
+        error.__traceback__ = None  # its frames hold the step's buffers, and through them the groups
+        # Close our connections now: peers blocked on us (not on the dead worker) fail at once
+        # instead of waiting out elastic.detect_timeout_s. State stays; groups re-form on join.
+        self.leave()
+        return f"{type(error).__name__}: {str(error)[:300]}"
 
     def skip_step(self, step: int) -> int:
         """Count ``step`` as done without applying it (its vote found a non-finite value)."""
@@ -245,14 +245,7 @@ class Stage:
         Fills in ``report``'s timings and values."""
         gen, cfg = self.gen, self.cfg
         t_start = time.perf_counter()
-        begin, end = data.step_positions(step, cfg.train.global_batch, gen.batch_offset, gen.batch_offset + gen.share)
-        origin = cfg.data.order_origin
-        ids = data.sample_ids(cfg.train.seed, self.num_samples, begin, end, origin)
-        x = y = None
-        self.hook("data", step)
-        if self.dataset is not None:
-            seeds = data.sample_seeds(cfg.train.seed, ids, data.position_epochs(self.num_samples, begin, end, origin))
-            x, y = (t.to(self.device, non_blocking=True) for t in self.dataset.batch(ids, seeds))
+        ids, x, y = self.samples.of_step(step, gen, self.hook)
         report.data_s = time.perf_counter() - t_start
         self.grads.zero()
         self.layers.comm_log = [] if trace else None  # FSDP2's all-gathers and reduce-scatters go into the trace
@@ -287,18 +280,10 @@ class Stage:
             return report
         self.hook("eval", self.committed)
         try:
-            loss_sum, rows, metrics = self.held_out.loss_sum(self.executor, self.gen, self.committed, self.dataset)
+            return self.held_out.evaluate(self.executor, self.gen, self.committed, self.samples.dataset, report)
         except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
-            reraise_out_of_memory(e)  # not a peer's failure: this worker leaves the run (raytrain.worker.actor)
-            report.error = f"{type(e).__name__}: {str(e)[:300]}"
-            e.__traceback__ = None
-            self.leave()
+            report.error = self._collective_failed(e)
             return report
-        if self.gen.is_last and self.gen.tp_index == 0:
-            report.loss_sum, report.rows = loss_sum, rows
-            report.metric_sums, report.metric_counts = metrics.sums, metrics.counts
-        report.ok = True
-        return report
 
     # --- state ----------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import torch
 
 from raytrain import data
 from raytrain.config import Config
+from raytrain.reports import EvalReport
 from raytrain.worker.executor import ScheduleExecutor
 from raytrain.worker.generation import Generation, for_evaluation
 from raytrain.worker.metrics import HeldOutMetrics
@@ -54,6 +55,17 @@ class HeldOutLoss:
         finally:
             module.train(was_training)
         return total, self.cfg.eval.batches * gen.share, metrics
+
+    def evaluate(self, executor: ScheduleExecutor, gen: Generation, step: int, train_rows: Optional[data.Dataset],
+                 report: EvalReport) -> EvalReport:
+        """``report`` filled in with this worker's share of the held-out loss (``loss_sum``) and eval.metrics (a
+        last stage's, of tp rank 0: the other tp ranks compute the same); RuntimeError for a failed collective."""
+        loss_sum, rows, metrics = self.loss_sum(executor, gen, step, train_rows)
+        if gen.is_last and gen.tp_index == 0:
+            report.loss_sum, report.rows = loss_sum, rows
+            report.metric_sums, report.metric_counts = metrics.sums, metrics.counts
+        report.ok = True
+        return report
 
     def _rows(self, gen: Generation, train_rows: Optional[data.Dataset]) -> Optional[data.Dataset]:
         """The dataset the held-out rows are read from (first and last stages only; None elsewhere)."""
