@@ -10,7 +10,8 @@ from raytrain.tune.autolayout import candidate_layouts, layout_of, splits_by_tp,
 from tests.factories import Scale
 from tests.helpers import assert_same_params, reference_state
 def _layouts(workers, layers, *overrides):
-    cfg = load_config(None, ["parallel.auto=true", *overrides])
+    """The candidates without tp (one worker per node: tp's candidates have their own test)."""
+    cfg = load_config(None, ["parallel.auto=true", "resources.placement_strategy=STRICT_SPREAD", *overrides])
     return [(l["parallel.dp"], l.get("parallel.fsdp", 1), l["parallel.pp"], l["parallel.microbatches"],
              l.get("parallel.schedule")) for l in candidate_layouts(cfg, workers, layers)]
 
@@ -28,10 +29,11 @@ def test_candidates_use_every_worker_and_fit_batch_and_layers():
 
 
 def test_tp_candidates_stay_on_one_node_and_need_a_plan_that_splits_the_model():
-    # tp is the innermost axis; a tp group needs STRICT_PACK, else no candidate has tp > 1
-    assert all(l.get("parallel.tp", 1) == 1 for l in
-               candidate_layouts(load_config(None, ["parallel.auto=true"]), 4, 4))
-    cfg = load_config(None, ["parallel.auto=true", "resources.placement_strategy=STRICT_PACK", "train.global_batch=8"])
+    # tp is the innermost axis and each tp group stays on one node: one worker per node (STRICT_SPREAD)
+    # leaves no candidate with tp > 1
+    assert all(l.get("parallel.tp", 1) == 1 for l in candidate_layouts(
+        load_config(None, ["parallel.auto=true", "resources.placement_strategy=STRICT_SPREAD"]), 4, 4))
+    cfg = load_config(None, ["parallel.auto=true", "train.global_batch=8"])
     grids = {(l["parallel.dp"], l.get("parallel.fsdp", 1), l.get("parallel.tp", 1), l["parallel.pp"])
              for l in candidate_layouts(cfg, 4, 4)}
     assert {(2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1), (1, 1, 2, 2)} <= grids
@@ -60,7 +62,8 @@ def test_chunked_schedules_are_probed_with_two_chunks_per_worker_where_the_layer
     assert {l["parallel.schedule"] for l in candidate_layouts(cfg, 2, 3) if l["parallel.pp"] == 2} == {"1f1b"}
     # a base config set to zbv still gets every grid, each candidate with its own chunk count
     based = load_config(None, ["parallel.auto=true", "train.global_batch=8", "parallel.schedule=zbv",
-                               "parallel.auto_microbatches=[2]", "parallel.auto_schedules=[1f1b, zbv]"])
+                               "parallel.auto_microbatches=[2]", "parallel.auto_schedules=[1f1b, zbv]",
+                               "resources.placement_strategy=STRICT_SPREAD"])  # no tp=2 grid among them
     found = [(l["parallel.pp"], l.get("parallel.schedule"), l["parallel.virtual_stages"]) for l in candidate_layouts(based, 2, 4)]
     assert found == [(1, None, 1), (1, None, 1), (2, "1f1b", 1), (2, "zbv", 2)]
 

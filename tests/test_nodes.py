@@ -14,7 +14,7 @@ import pytest
 from raytrain import checkpoint, data, train
 from raytrain.api import prepare
 from raytrain.control.coordinator import CapacityLost
-from tests.helpers import (LONG_RUN_LR, WhenPaused, assert_replicas_identical, assert_same_params,
+from tests.helpers import (LONG_RUN_LR, TEST_RAY_CPUS, WhenPaused, assert_replicas_identical, assert_same_params,
                            hold_at_the_notice_until_its_replacement_starts, hold_until_a_new_worker_starts, pid_alive,
                            reference_state, stage_worker_pids)
 
@@ -31,6 +31,66 @@ def add_node(ray_cluster):
 @pytest.fixture
 def worker_node(add_node):
     return add_node()
+
+
+@pytest.fixture
+def two_nodes_of_two_cpus(ray_cluster):
+    """Two 2-CPU nodes the run has to itself: another job holds every CPU of the head first."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    head = placement_group([{"CPU": float(TEST_RAY_CPUS)}])  # before the nodes exist: it lands on the head
+    assert head.wait(timeout_seconds=30)
+    nodes = [ray_cluster.add_node(num_cpus=2) for _ in range(2)]
+    ray_cluster.wait_for_nodes()
+    yield nodes
+    remove_placement_group(head)
+    for node in nodes:
+        if node in ray_cluster.worker_nodes:
+            ray_cluster.remove_node(node, allow_graceful=False)
+
+
+def _tp_groups_share_a_node(started: dict) -> dict[str, str]:
+    """From the run's started event: the node of each tp group (``replica r shard f stage s``), asserting that both
+    of its tp ranks run there."""
+    nodes: dict[str, set] = {}
+    for place, node in started["placement"].items():
+        nodes.setdefault(place.rsplit(" tp ", 1)[0], set()).add(node)
+    assert all(len(n) == 1 for n in nodes.values()), started["placement"]
+    return {group: next(iter(n)) for group, n in nodes.items()}
+
+
+def test_dp2_tp2_over_two_nodes_keeps_each_tp_group_on_one_and_a_lost_node_takes_only_its_replica(
+        ray_cluster, two_nodes_of_two_cpus, make_config, fast_driver_poll):
+    # Each replica is one tp group, packed on a node of its own (the nodes hold two workers each); no
+    # placement setting asks for it. The node that goes takes its replica: dp=1 finishes on the other.
+    cfg = make_config("parallel.dp=2", "parallel.tp=2", "elastic.min_dp=1", "train.steps=30", LONG_RUN_LR,
+                      "run.record_samples=true", "elastic.capacity_wait_s=5")
+    lost = []
+
+    def on_rows(rows):
+        if not lost and any(r.get("step", 0) >= 3 and "loss" in r for r in rows):
+            ray_cluster.remove_node(two_nodes_of_two_cpus[1], allow_graceful=False)
+            lost.append(True)
+
+    result = train(cfg, on_rows=on_rows)
+    placed = _tp_groups_share_a_node(next(e for e in result.events if e["event"] == "started"))
+    assert placed["replica 0 shard 0 stage 0"] != placed["replica 1 shard 0 stage 0"], placed
+    repair = next(e for e in result.events if e["event"] == "repair")
+    assert lost and repair["new_layout"] == "dp=1 tp=2 pp=1", repair  # the whole replica went with its node
+    assert all(place.startswith("replica 1 ") for place in repair["lost"]), repair
+    assert result.committed_steps == list(range(30))
+    ids = [i for r in result.metrics for i in r["sample_ids"]]
+    assert len(ids) == len(set(ids)) == 30 * 8  # each sample once
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
+def test_tp2_pp2_over_two_nodes_keeps_each_stages_tp_group_on_one_and_equals_one_process(
+        ray_cluster, two_nodes_of_two_cpus, make_config):
+    cfg = make_config("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "train.steps=4")
+    result = train(cfg)
+    placed = _tp_groups_share_a_node(next(e for e in result.events if e["event"] == "started"))
+    assert placed["replica 0 shard 0 stage 0"] != placed["replica 0 shard 0 stage 1"], placed  # two workers per node
+    assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
 
 
 def test_node_lost_then_added_grows_back_to_max_dp(ray_cluster, worker_node, make_config, fast_driver_poll):

@@ -53,3 +53,18 @@ def test_a_layout_larger_than_the_embedded_ray_is_refused_at_once(tmp_path, data
     last = out.stderr.strip().splitlines()[-1]
     assert "64 CPU (it has" in last and "cannot grow" in last and "RAY_ADDRESS" in last, last
     assert "Traceback" not in out.stderr
+
+
+def test_a_tp_group_larger_than_any_node_is_refused_before_any_actor(make_config, monkeypatch):
+    from raytrain.driver import placement
+
+    nodes = [{"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": True, "Resources": {"CPU": 3.0}},
+             {"Alive": False, "Resources": {"CPU": 64.0}}]
+    monkeypatch.setattr(placement.ray, "nodes", lambda: nodes)
+    with pytest.raises(ValueError, match=r"parallel.tp=4 needs its 4 workers on one node .* the largest node of the "
+                                         r"cluster holds 3 \(CPU per worker: 1\); lower parallel.tp, or add nodes"):
+        placement.check_tp_fits_a_node(make_config("parallel.tp=4", "model.n_head=4"))
+    placement.check_tp_fits_a_node(make_config("parallel.tp=2"))  # fits the node of 3
+    with pytest.raises(ValueError, match=r"resources.placement_strategy=STRICT_PACK puts a replica's 4 workers on one node"):
+        placement.check_tp_fits_a_node(make_config("parallel.dp=2", "parallel.pp=2", "parallel.tp=2",
+                                                   "resources.placement_strategy=STRICT_PACK"))

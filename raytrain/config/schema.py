@@ -192,8 +192,7 @@ class ParallelConfig:
         if self.split_points is not None:
             self._check_split_points()
         require(self.tp == 1 or not self.auto, "parallel.auto", True,
-                "chooses parallel.tp itself among its candidates (with resources.placement_strategy=STRICT_PACK): "
-                "leave parallel.tp=1")
+                "chooses parallel.tp itself among its candidates: leave parallel.tp=1")
         require(not (self.auto and self.split_points is not None), "parallel.auto", True,
                 "it chooses pp, so parallel.split_points cannot be set; drop one of them")
         self._check_auto()
@@ -481,8 +480,10 @@ class ResourcesConfig:
     """A worker silent for longer than this in one step is killed and repaired like a lost worker (it
     counts against elastic.max_failures), so a hung worker never hangs the run."""
     placement_strategy: str = "PACK"
-    """Ray placement-group strategy for the workers: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD
-    (one worker per node, so a node's loss costs one worker)."""
+    """How each replica's workers are placed (raytrain.driver.placement): a tp group always stays on one node;
+    PACK (default) packs a replica without tp where it fits and lets it span nodes, SPREAD spreads it,
+    STRICT_PACK keeps each whole replica on one node, STRICT_SPREAD puts each worker of a replica without tp
+    on a node of its own (a node's loss costs one worker)."""
     check_memory: bool = True
     """Refuse, before any actor starts, a layout whose estimated memory per worker (raytrain.models.memory)
     exceeds what a worker has on the cluster's largest node (with resources.use_gpu, one GPU's memory); false
@@ -614,9 +615,9 @@ class Config:
         require(not sequence or m.seq_len % tp == 0, "parallel.tp", tp,
                 f"does not divide model.seq_len={m.seq_len}: with parallel.sequence_parallel each tp rank holds "
                 "seq_len / tp of every sample's tokens; use a tp that divides it, or sequence_parallel=false")
-        require(self.resources.placement_strategy == "STRICT_PACK", "resources.placement_strategy",
-                self.resources.placement_strategy, f"parallel.tp={tp} needs its workers on one node (a tp group "
-                "talks on every layer); set resources.placement_strategy=STRICT_PACK")
+        require(self.resources.placement_strategy != "STRICT_SPREAD", "resources.placement_strategy",
+                self.resources.placement_strategy, f"parallel.tp={tp} keeps each tp group on one node (it talks on "
+                "every layer), which STRICT_SPREAD (one worker per node) forbids; unset it, or use SPREAD")
 
     def _check_batch_division(self):
         """The global batch divides over dp x fsdp data-parallel workers, each one's share over its micro-batches."""

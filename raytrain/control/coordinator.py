@@ -107,7 +107,7 @@ class Coordinator:
         self.checkpoints = Checkpoints(worker_group, self.ledger, config, prepared.stage_layers, prepared.data_identity)
         self.original_pids: list[int] = []
         self._stop_reason: Optional[str] = None
-        self.crew.spawn_first(reservation.placement, reservation.first_bundle)  # they start while the driver finishes
+        self.crew.spawn_first(reservation)  # they start while the driver finishes
 
     # --- driver-facing ----------------------------------------------------------------------------
 
@@ -202,7 +202,7 @@ class Coordinator:
         self.ledger.emit({"event": "started", "layout": self.cfg.layout().label, "replicas": self.membership.dp,
                           "standby": [m.pid for m in self.membership.spares],
                           "generation": self.crew.generation, "pids": self.original_pids,
-                          "coordinator_pid": os.getpid()})
+                          "coordinator_pid": os.getpid(), "placement": self.crew.placement()})
         return Running()
 
     # --- running ----------------------------------------------------------------------------------

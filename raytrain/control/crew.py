@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any, Optional
 
 from raytrain.config.layout import Layout
-from raytrain.config.mesh import StoreAddress
+from raytrain.config.mesh import StoreAddress, place_of
 from raytrain.control.membership import Member, Membership
 from raytrain.control.protocol import SETUP_TIMEOUT_S, WorkerGroup, WorkersLost, lost_members, spawn_in_granted
 from raytrain.data.order import even_shares
@@ -36,14 +36,58 @@ class ReplacementState(str, Enum):
 
 
 @dataclass(frozen=True)
-class Reservation:
-    """Where a run's workers start: bundles ``first_bundle``.. of ``placement`` (a placement group the driver
-    reserved, or a Tune trial's), and ``growth``, one placement group per replica beyond parallel.dp that
-    the cluster may grant later (the driver requested them)."""
+class ReplicaPlacement:
+    """Where one replica's workers go: its placement groups (one for the whole replica, or one per tp group,
+    each of which Ray keeps on one node) and, for each of its slots in ``Membership.slots`` order, which group
+    and bundle hosts it."""
 
-    placement: Any
+    groups: tuple
+    bundles: tuple[tuple[int, int], ...]
+    """(index into ``groups``, bundle index) of each slot."""
+
+    @classmethod
+    def of(cls, placement: Any, slots: int, first_bundle: int = 0) -> "ReplicaPlacement":
+        """``placement`` as it is (a ReplicaPlacement), or a replica's ``slots`` bundles from ``first_bundle``
+        on in one placement group (a Tune trial's, a test's)."""
+        if isinstance(placement, ReplicaPlacement):
+            return placement
+        return cls((placement,), tuple((0, first_bundle + i) for i in range(slots)))
+
+    def where(self, slot: int) -> tuple[Any, int]:
+        """(placement group, bundle) of slot ``slot``."""
+        group, bundle = self.bundles[slot]
+        return self.groups[group], bundle
+
+    def ready(self) -> Any:
+        """One token that resolves once every group of the replica is granted."""
+        if len(self.groups) == 1:
+            return self.groups[0].ready()
+        import ray
+
+        return ray.remote(num_cpus=0)(_granted).remote(*[g.ready() for g in self.groups])
+
+
+def _granted(*ready) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Where a run's workers start: ``replicas``, the starting replicas' placements (the driver reserved
+    them, each placed by axis: raytrain.driver.placement), or else bundles ``first_bundle``.. of one
+    ``placement`` (a Tune trial's); and ``growth``, one replica's placement (or placement group) each beyond
+    parallel.dp that the cluster may grant later (the driver requested them)."""
+
+    placement: Any = None
     first_bundle: int = 0
     growth: tuple = ()
+    replicas: tuple = ()
+
+    def starting(self, dp: int, slots: int) -> list[ReplicaPlacement]:
+        """The placement of each of the ``dp`` starting replicas of ``slots`` workers."""
+        if self.replicas:
+            return [ReplicaPlacement.of(r, slots) for r in self.replicas]
+        return [ReplicaPlacement.of(self.placement, slots, self.first_bundle + r * slots) for r in range(dp)]
 
 
 class Crew:
@@ -60,18 +104,21 @@ class Crew:
         self.membership = Membership(layout.pp, fsdp=layout.fsdp, tp=layout.tp)
         self.faults = list(faults)
         """Fault-injection specs still to fire (elastic.faults), handed to every join."""
-        self.unused_placements = [(pg, pg.ready()) for pg in extra_placements]
+        slots = len(self.membership.slots)
+        growth = [ReplicaPlacement.of(pg, slots) for pg in extra_placements]
+        self.unused_placements = [(rp, rp.ready()) for rp in growth]
         self.store: Optional[StoreAddress] = None  # set by the coordinator's run: the driver hosts it
         self.generation = -1
 
     # --- starting -------------------------------------------------------------------------------
 
-    def spawn_first(self, placement, first_bundle: int) -> None:
-        """Start the configured replicas' workers in ``placement`` from ``first_bundle`` on, and those of
-        the replicas beyond them that the cluster can hold now. They start in the background."""
+    def spawn_first(self, reservation: Reservation) -> None:
+        """Start the configured replicas' workers where ``reservation`` places them, and those of the replicas
+        beyond them that the cluster can hold now. They start in the background."""
         slots = self.membership.slots
-        members = [self.worker_group.spawn(s, placement, first_bundle + r * len(slots) + i, shard=f, tp=t)
-                   for r in range(self.layout.dp) for i, (f, s, t) in enumerate(slots)]
+        members = [self.worker_group.spawn(s, *replica.where(i), shard=f, tp=t)
+                   for replica in reservation.starting(self.layout.dp, len(slots))
+                   for i, (f, s, t) in enumerate(slots)]
         members += spawn_in_granted(self.worker_group, self.unused_placements, slots, timeout=GRANT_AT_START_S)
         self.membership.add_pending(members)
 
@@ -94,13 +141,20 @@ class Crew:
         (members behind take their slot's state from one that is at it)."""
         self.generation += 1
         mesh, ranked = self.membership.mesh(), self.membership.ranked()
-        self.worker_group.join(ranked, mesh, even_shares(self.global_batch, mesh.dp), self.store, self.generation,
-                               self.faults)
+        joined = self.worker_group.join(ranked, mesh, even_shares(self.global_batch, mesh.dp), self.store,
+                                        self.generation, self.faults)
+        for (_, m), report in zip(ranked, joined):
+            m.node = report.node
         if any(m.committed != step for _, m in ranked):
             sources = self.membership.sources(step)
             assert len(sources) == len(self.membership.slots), "a slot without an up-to-date member must reload a checkpoint first"
             self.worker_group.sync_state([(m, sources[m.slot]) for _, m in ranked])
             self.membership.set_committed(step)
+
+    def placement(self) -> dict[str, str]:
+        """Which node each worker of the generation is on: its place (``replica 0 stage 1 tp 0``) -> the node."""
+        mesh = self.membership.mesh()
+        return {place_of(mesh.label(rank)): m.node for rank, m in self.membership.ranked()}
 
     def label(self) -> str:
         """The live grid's label: dp changes with repairs and growth."""

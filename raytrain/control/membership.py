@@ -35,6 +35,8 @@ class Member:
     """Set when the worker was lost to memory (killed for it, or its allocation failed): an ``oom`` event."""
     hung: Optional[float] = None
     """Set when the worker was killed for its silence: the seconds since its last heartbeat."""
+    node: str = ""
+    """The node it runs on (Ray's node id), as its last join said."""
 
     @property
     def slot(self) -> tuple[int, int, int]:

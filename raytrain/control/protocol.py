@@ -169,10 +169,11 @@ def lost_members(worker_group: WorkerGroup, outcomes: list[Outcome]) -> list[Mem
 
 def spawn_in_granted(worker_group: WorkerGroup, placements: list, slots: list[tuple[int, int, int]],
                      timeout: float) -> list[Member]:
-    """Start one replica's workers (one per (shard, stage, tp) slot) in every placement group of ``placements``
-    that the cluster has granted within ``timeout``; those leave ``placements``."""
+    """Start one replica's workers (one per (shard, stage, tp) slot) in every replica placement of ``placements``
+    (raytrain.control.crew.ReplicaPlacement, with its ready token) that the cluster has granted within
+    ``timeout``; those leave ``placements``."""
     members = []
-    for pg, ready in worker_group.granted(placements, timeout):
-        placements.remove((pg, ready))
-        members += [worker_group.spawn(s, pg, i, shard=f, tp=t) for i, (f, s, t) in enumerate(slots)]
+    for replica, ready in worker_group.granted(placements, timeout):
+        placements.remove((replica, ready))
+        members += [worker_group.spawn(s, *replica.where(i), shard=f, tp=t) for i, (f, s, t) in enumerate(slots)]
     return members

@@ -219,7 +219,7 @@ class RayWorkerGroup(WorkerGroup):
                 member.placement, placement_group_bundle_index=member.bundle)).remote(member.pid)
 
     def granted(self, requests: list[tuple[Any, Any]], timeout: float) -> list[tuple[Any, Any]]:
-        """The (placement group, ready ref) requests Ray has granted within ``timeout``."""
+        """The (replica placement, ready ref) requests Ray has granted within ``timeout``."""
         if not requests:
             return []
         ready, _ = ray.wait([r for _, r in requests], num_returns=len(requests), timeout=timeout)

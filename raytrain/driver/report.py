@@ -59,8 +59,10 @@ class RunReporter:
             self._metrics.write(json.dumps(row) + "\n")
             if "event" in row:
                 self.events.append(row)
+                if row["event"] == "started" and row.get("placement"):
+                    self._print(f"[raytrain] placed: {where_placed(row['placement'])}")
                 # a failure is reported once, by the caller; goodput by add_goodput
-                if row["event"] not in ("started", "failed", "goodput"):
+                elif row["event"] not in ("started", "failed", "goodput"):
                     self._print(f"[raytrain] {row['event']}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k != "event"))
             else:
                 self.steps.append(row)
@@ -211,3 +213,15 @@ def _plot_metrics(ax, measured: list[dict]) -> None:
         right.plot([r["step"] for r in measured], [r[name] for r in measured], style, lw=1.2, ms=4, label=name)
     right.set_ylabel(", ".join(names))
     right.legend(loc="upper right")
+
+
+def where_placed(placement: dict[str, str]) -> str:
+    """Which workers each node holds, one node after the other (a node by the first 8 digits of its id):
+    ``node 5f3a0c1e: replica 0 stage 0 tp 0, replica 0 stage 0 tp 1; node 9b2d...: ...``."""
+    by_node: dict[str, list[str]] = {}
+    for place, node in placement.items():
+        by_node.setdefault(node, []).append(place)
+    if len(by_node) == 1:
+        node, places = next(iter(by_node.items()))
+        return f"all {len(places)} worker(s) on node {node[:8] or '?'}"
+    return "; ".join(f"node {node[:8] or '?'}: {', '.join(places)}" for node, places in by_node.items())

@@ -28,7 +28,7 @@ from raytrain.control.workergroup import killed_by_ray_monitor, remove_replaceme
 from raytrain.driver.connect import cluster_reachable, embedded, ensure_ray, while_reachable
 from raytrain.driver.lease import Lease
 from raytrain.driver.memory import check_run_memory
-from raytrain.driver.placement import request, reserve
+from raytrain.driver.placement import check_tp_fits_a_node, request, reserve
 from raytrain.driver.prepare import remove_if_empty
 from raytrain.driver.rendezvous import RendezvousStore, preload_torch_distributed
 from raytrain.driver.report import RunReporter, evaluated
@@ -107,6 +107,8 @@ def run(prepared: PreparedRun, stream=sys.stderr, on_rows: Optional[Callable[[li
     cfg, stages = prepared.cfg, prepared.layout.stage_ranges
     ensure_ray()
     try:
+        if placement is None:  # a Tune trial's placement group is Tune's to make
+            check_tp_fits_a_node(cfg)
         check_run_memory(cfg, prepared.layout, prepared.model)
     except ValueError:  # exit 2, and the run that claimed its directory leaves nothing behind
         remove_if_empty(prepared.run_dir)
@@ -219,16 +221,18 @@ def _run_coordinators(prepared: PreparedRun, placement, reporter: RunReporter, o
 
 
 def _placements(cfg, placement, groups: list) -> Reservation:
-    """The run's placement group and first bundle (a Tune trial's ``placement``, or reserved here) and the
-    placement groups asked for beyond it (replicas up to elastic.max_dp, standby replicas), granted
-    whenever capacity appears; those reserved here go into ``groups`` as they are made, to be removed."""
-    pg, first_bundle = placement if placement is not None else (reserve(cfg, fixed_cluster=embedded()), 0)
-    groups += [pg] if placement is None else []
-    extra = (cfg.elastic.max_dp or cfg.parallel.dp) - cfg.parallel.dp if placement is None else 0
-    extra += cfg.elastic.standby if placement is None else 0  # standby replicas beyond them
-    growth = [request(cfg, 1) for _ in range(extra)]
-    groups += growth
-    return Reservation(pg, first_bundle, tuple(growth))
+    """Where the run's workers start: a Tune trial's ``placement`` (its placement group, first bundle), or the
+    starting replicas reserved here by axis (raytrain.driver.placement); and the replicas asked for beyond
+    them (up to elastic.max_dp, and standby replicas), granted whenever capacity appears. The placement groups
+    reserved here go into ``groups`` as they are made, to be removed."""
+    if placement is not None:  # a Tune trial runs in what Tune reserved for it: nothing is asked elsewhere
+        return Reservation(*placement)
+    replicas = reserve(cfg, fixed_cluster=embedded())
+    groups += [g for r in replicas for g in r.groups]
+    extra = (cfg.elastic.max_dp or cfg.parallel.dp) - cfg.parallel.dp + cfg.elastic.standby
+    growth = [request(cfg) for _ in range(extra)]
+    groups += [g for r in growth for g in r.groups]
+    return Reservation(growth=tuple(growth), replicas=tuple(replicas))
 
 
 def _stopped_without_coordinator(cfg, reporter: RunReporter, reason: str, resume: Optional[str]) -> RunSummary:

@@ -33,6 +33,7 @@ class JoinReport:
     """Steps this worker has applied: the generation brings every member to the same step."""
     pid: int = 0
     node: str = ""
+    """The node it runs on: Ray's node id (its host name outside Ray)."""
     params: int = 0
     """Parameters this worker holds (its stage, or its shard of the stage)."""
 

@@ -71,5 +71,6 @@ def trial_resources(cfg: Config) -> tune.PlacementGroupFactory:
     world = Layout.of(cfg.parallel).world_size
     # An empty head bundle: Tune then places the trial driver without resources, and the placement
     # group holds exactly the workers' bundles (indices 0..world-1).
-    return tune.PlacementGroupFactory([{}] + [worker_bundle(cfg)] * world,
-                                     strategy=cfg.resources.placement_strategy)
+    # One placement group per trial: with tp > 1 it stays on one node, so that every tp group does.
+    strategy = "STRICT_PACK" if cfg.parallel.tp > 1 else cfg.resources.placement_strategy
+    return tune.PlacementGroupFactory([{}] + [worker_bundle(cfg)] * world, strategy=strategy)

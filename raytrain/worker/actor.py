@@ -84,7 +84,9 @@ class StageWorker:
 
     @leaves_when_out_of_memory
     def join(self, rank, mesh, shares, store, generation, faults) -> JoinReport:
-        return self.stage.join(rank, mesh, shares, store, generation, faults)
+        report = self.stage.join(rank, mesh, shares, store, generation, faults)
+        report.node = ray.get_runtime_context().get_node_id()  # the node Ray knows, not the host's name
+        return report
 
     def leave(self) -> None:
         self.stage.leave()
