@@ -4,8 +4,8 @@ Each replica has placement groups of its own (the starting replicas too): a tp g
 shard's, tp workers, which talk on every layer) is one STRICT_PACK group, on one node; a replica without tp
 is one group of resources.placement_strategy (PACK unless set), so its pipeline stages and fsdp shards, and
 the replicas themselves, go wherever the cluster has room. resources.placement_strategy overrides it:
-STRICT_PACK keeps each whole replica on one node, SPREAD and STRICT_SPREAD spread a replica without tp
-over nodes. No layout needs the setting.
+STRICT_PACK keeps each whole replica on one node; SPREAD and STRICT_SPREAD spread the workers of a layout
+without tp over nodes, the starting replicas' too (one group holds them all). No layout needs the setting.
 
 The run reserves ``parallel.dp`` replicas before any worker starts (and fails after
 ``resources.placement_wait_s`` with what was asked and what the cluster has). Replicas beyond that, up to
@@ -54,8 +54,8 @@ def reserve(cfg: Config, fixed_cluster: bool = False) -> list[ReplicaPlacement]:
     cluster is refused at once instead of after the wait."""
     if fixed_cluster:
         _refuse_what_never_fits(cfg)
-    replicas = [request(cfg) for _ in range(cfg.parallel.dp)]
-    groups = [g for r in replicas for g in r.groups]
+    replicas = _request_starting(cfg)
+    groups = placement_groups(replicas)
     deadline = time.monotonic() + cfg.resources.placement_wait_s  # one wait for them all, not one each
     if not all(g.wait(timeout_seconds=max(0.0, deadline - time.monotonic())) for g in groups):
         for g in groups:
@@ -72,6 +72,23 @@ def reserve(cfg: Config, fixed_cluster: bool = False) -> list[ReplicaPlacement]:
             "resources, or add nodes"
         )
     return replicas
+
+
+def placement_groups(replicas: list[ReplicaPlacement]) -> list:
+    """Each placement group the ``replicas`` use, once (replicas may share one)."""
+    return list({id(g): g for r in replicas for g in r.groups}.values())
+
+
+def _request_starting(cfg: Config) -> list[ReplicaPlacement]:
+    """The starting replicas' requests: one each, except that SPREAD and STRICT_SPREAD without tp spread the
+    replicas too, so those share one placement group of every starting worker (replica r's from bundle r x
+    slots on)."""
+    if cfg.parallel.tp == 1 and cfg.resources.placement_strategy in ("SPREAD", "STRICT_SPREAD"):
+        slots = cfg.layout().with_dp(1).world_size
+        bundles = [worker_bundle(cfg) for _ in range(cfg.layout().world_size)]
+        group = placement_group(bundles, strategy=cfg.resources.placement_strategy)
+        return [ReplicaPlacement.of(group, slots, r * slots) for r in range(cfg.parallel.dp)]
+    return [request(cfg) for _ in range(cfg.parallel.dp)]
 
 
 def _placed_how(cfg: Config) -> str:

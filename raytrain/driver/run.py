@@ -28,7 +28,7 @@ from raytrain.control.workergroup import killed_by_ray_monitor, remove_replaceme
 from raytrain.driver.connect import cluster_reachable, embedded, ensure_ray, while_reachable
 from raytrain.driver.lease import Lease
 from raytrain.driver.memory import check_run_memory
-from raytrain.driver.placement import check_tp_fits_a_node, request, reserve
+from raytrain.driver.placement import check_tp_fits_a_node, placement_groups, request, reserve
 from raytrain.driver.prepare import remove_if_empty
 from raytrain.driver.rendezvous import RendezvousStore, preload_torch_distributed
 from raytrain.driver.report import RunReporter, evaluated
@@ -228,10 +228,10 @@ def _placements(cfg, placement, groups: list) -> Reservation:
     if placement is not None:  # a Tune trial runs in what Tune reserved for it: nothing is asked elsewhere
         return Reservation(*placement)
     replicas = reserve(cfg, fixed_cluster=embedded())
-    groups += [g for r in replicas for g in r.groups]
+    groups += placement_groups(replicas)
     extra = (cfg.elastic.max_dp or cfg.parallel.dp) - cfg.parallel.dp + cfg.elastic.standby
     growth = [request(cfg) for _ in range(extra)]
-    groups += [g for r in growth for g in r.groups]
+    groups += placement_groups(growth)
     return Reservation(growth=tuple(growth), replicas=tuple(replicas))
 
 
