@@ -481,9 +481,9 @@ class ResourcesConfig:
     counts against elastic.max_failures), so a hung worker never hangs the run."""
     placement_strategy: str = "PACK"
     """How each replica's workers are placed (raytrain.driver.placement): a tp group always stays on one node;
-    PACK (default) packs a replica without tp where it fits and lets it span nodes, SPREAD spreads it,
-    STRICT_PACK keeps each whole replica on one node, STRICT_SPREAD puts each worker of a replica without tp
-    on a node of its own (a node's loss costs one worker)."""
+    PACK (default) packs a replica without tp where it fits and lets it span nodes, STRICT_PACK keeps each
+    whole replica on one node; without tp, SPREAD spreads the workers (the starting replicas' together) and
+    STRICT_SPREAD puts each on a node of its own (a node's loss costs one worker)."""
     check_memory: bool = True
     """Refuse, before any actor starts, a layout whose estimated memory per worker (raytrain.models.memory)
     exceeds what a worker has on the cluster's largest node (with resources.use_gpu, one GPU's memory); false
