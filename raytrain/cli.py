@@ -147,7 +147,6 @@ def _export(args, out: TextIO) -> int:
 def _sweep(args, out: TextIO) -> int:
     from raytrain import tune as rt_tune
     from raytrain.driver.placement import ResourcesUnavailable
-    from raytrain.driver.run import ensure_ray  # importing the driver starts its background import of torch
     from raytrain.driver.signals import exit_code
 
     stop, where = rt_tune.SweepStop(sys.stderr), None
@@ -156,6 +155,9 @@ def _sweep(args, out: TextIO) -> int:
             with warnings_on_one_line():
                 sweep = rt_tune.named(rt_tune.load_sweep_config(args.config, args.overrides))
             where = rt_tune.resumable_dir(args.resume) if args.resume else rt_tune.planned_dir(sweep)
+            # checked: now the driver (its import starts a background import of torch) and Ray
+            from raytrain.driver.run import ensure_ray
+
             ensure_ray()  # here, not in run_sweep, so that the handlers go back on top of Ray's
             stop.install()
             stop.resume_command = _resume_command(args, where)

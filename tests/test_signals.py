@@ -168,19 +168,19 @@ def _expire(proc) -> None:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("how", ["timeout", "kill -TERM -PGID"])
-def test_sigterm_to_the_process_group_of_an_embedded_ray_run_stops_it_at_a_step_boundary(tmp_path, data_cache, how):
-    """``timeout -s TERM`` and ``kill -TERM -PGID`` signal the driver's whole process group (``timeout`` the
-    driver first, then the group: often two SIGTERMs microseconds apart), with the embedded Ray started
-    beside it and no checkpoint.every: the run still stops at a step boundary after a checkpoint, and its
-    summary is the one line of stdout. ``timeout --preserve-status`` passes on the driver's 143 (without
-    it, timeout exits 124)."""
-    wrapper = ("timeout", "--preserve-status", "-s", "TERM", "600") if how == "timeout" else ()
+def test_sigterm_to_the_process_group_of_an_embedded_ray_run_stops_it_at_a_step_boundary(tmp_path, data_cache):
+    """``timeout -s TERM`` signals the driver and then its whole process group (two SIGTERMs, often
+    microseconds apart: ``kill -TERM -PGID``, Kubernetes and Slurm send the second alone), with the
+    embedded Ray started beside it and no checkpoint.every: the run still stops at a step boundary after a
+    checkpoint, and its summary is the one line of stdout. ``timeout --preserve-status`` passes on the
+    driver's 143 (without it, timeout exits 124). experiments/stress_signals.py repeats it, and the group
+    signal alone, 20 times."""
+    wrapper = ("timeout", "--preserve-status", "-s", "TERM", "600")
     proc = _start_cli(None, tmp_path, data_cache, "--set", "checkpoint.every=0", env=NO_RAY, wrapper=wrapper)
     try:
         workers = _wait_for_training(tmp_path, proc)
         sent = time.monotonic()
-        _expire(proc) if how == "timeout" else os.killpg(proc.pid, signal.SIGTERM)
+        _expire(proc)
         out, err = proc.communicate(timeout=90)
         took = time.monotonic() - sent
     finally:
@@ -205,12 +205,13 @@ def _driver_core_log(pid: int) -> str:
     return f"{logs[-1]}:\n{logs[-1].read_text(errors='replace')[-3000:]}" if logs else "no core-driver log"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_repeated_a_moment_later_aborts_with_a_summary_naming_the_last_checkpoint(
-        ray_cluster, tmp_path, data_cache, sig):
+        ray_cluster, tmp_path, data_cache):
     """A worker frozen in step 10 (the ``pause`` fault) holds the stop short of its step boundary, so the
     second signal, 1.5 s after the first, finds the run still stopping: it aborts at once, and stdout's last
-    line still says so and names the last checkpoint committed (step 8's)."""
+    line still says so and names the last checkpoint committed (step 8's). SIGINT here (a person's second
+    Ctrl-C); SIGTERM takes the same path (``judge`` above)."""
+    sig = signal.SIGINT
     proc = _start_cli(ray_cluster, tmp_path, data_cache, "--set", "checkpoint.every=2",
                       "--set", "elastic.faults=['0:0@9:pause']")
     try:

@@ -15,30 +15,40 @@ run reporting to Tune), ``runner`` (``run_sweep``: new or resumed, its scheduler
 a sweep's experiment lives; what ``--resume`` may name), ``signals`` (``SweepStop``: a signal stops a
 sweep so that it can resume), ``results`` (rows per trial, the table, CSV and plot, a stopped sweep's
 progress), ``stall`` (the bound on a sweep no trial of which can run), ``autolayout`` (``parallel.auto``
-probes). This package re-exports their public names (``rt_tune.run_sweep``, ...).
+probes). This package re-exports their public names lazily (``rt_tune.run_sweep``, ...), so that a sweep file
+or a ``--resume`` path is checked before Ray Tune and torch are imported.
 """
 
-from raytrain.tune.experiment import experiment_dir, named, planned_dir, resumable_dir
-from raytrain.tune.fit import check_layouts, trial_resources
-from raytrain.tune.results import TrialRow, format_table, progress_lines, summarize, trial_statuses, write_reports
-from raytrain.tune.runner import TrialLog, run_sweep
-from raytrain.tune.signals import SweepStop
-from raytrain.tune.space import expected_trials, layout_combinations, param_space, trial_config
-from raytrain.tune.stall import SweepStalled
-from raytrain.tune.sweep_config import LAYOUT_KEYS, LAYOUTS, METRICS, SCHEDULERS, SweepConfig, load_sweep_config
-from raytrain.tune.trainable import raytrain_trainable
+from __future__ import annotations
 
-_TrialLog = TrialLog
+import importlib
+
+_EXPORTS = {
+    "experiment": ("experiment_dir", "named", "planned_dir", "resumable_dir"),
+    "fit": ("check_layouts", "trial_resources"),
+    "results": ("TrialRow", "format_table", "progress_lines", "summarize", "trial_statuses", "write_reports"),
+    "runner": ("TrialLog", "run_sweep"),
+    "signals": ("SweepStop",),
+    "space": ("expected_trials", "layout_combinations", "param_space", "trial_config"),
+    "stall": ("SweepStalled",),
+    "sweep_config": ("LAYOUT_KEYS", "LAYOUTS", "METRICS", "SCHEDULERS", "SweepConfig", "load_sweep_config"),
+    "trainable": ("raytrain_trainable",),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_ALIASES = {"_TrialLog": "TrialLog"}
 """TrialLog as sweeps saved by an older raytrain name it: Tune unpickles a sweep's callbacks on ``--resume``."""
 
-__all__ = [
-    "experiment_dir", "named", "planned_dir", "resumable_dir",
-    "check_layouts", "trial_resources",
-    "TrialRow", "format_table", "progress_lines", "summarize", "trial_statuses", "write_reports",
-    "TrialLog", "run_sweep",
-    "SweepStop",
-    "expected_trials", "layout_combinations", "param_space", "trial_config",
-    "SweepStalled",
-    "LAYOUT_KEYS", "LAYOUTS", "METRICS", "SCHEDULERS", "SweepConfig", "load_sweep_config",
-    "raytrain_trainable",
-]
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    """``raytrain.tune.<name>``: the public name of the module that defines it, imported on first use."""
+    name = _ALIASES.get(name, name)
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'raytrain.tune' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"raytrain.tune.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -7,10 +7,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-
-from ray import tune
+from typing import TYPE_CHECKING
 
 from raytrain.tune.sweep_config import SweepConfig
+
+if TYPE_CHECKING:
+    from ray import tune
 
 
 def named(sweep: SweepConfig) -> SweepConfig:
@@ -43,6 +45,8 @@ def experiment_dir(path: str) -> str:
 
 def resumable_dir(path: str) -> str:
     """The experiment directory ``--resume path`` names, or a one-line ValueError saying what to pass."""
+    from ray import tune  # here: the CLI checks --resume before it imports Ray Tune's trainers and torch
+
     where = experiment_dir(path)
     if tune.Tuner.can_restore(where):
         _check_tuner_state(path, where)
@@ -58,9 +62,11 @@ def resumable_dir(path: str) -> str:
     raise ValueError(f"--resume {path}: {where} {what}; {fix}")
 
 
-def restore(path: str, where: str, trainable) -> tune.Tuner:
+def restore(path: str, where: str, trainable) -> "tune.Tuner":
     """Tune's tuner of the experiment at ``where`` (``resumable_dir(path)``), to run its unfinished and
     errored trials; a state Tune cannot load is a one-line ValueError, not Tune's traceback."""
+    from ray import tune
+
     try:
         return tune.Tuner.restore(where, trainable, resume_unfinished=True, resume_errored=True)
     except Exception as e:  # a damaged experiment state
