@@ -1,5 +1,5 @@
 """Tiny Hugging Face causal LMs (FAMILIES, and the families tensor parallelism and the conversion mapping
-add: Qwen3, Gemma 3, Mixtral, GPT-NeoX, DeepSeek-V2, Granite SWA), written to a directory as ``save_pretrained`` does."""
+add: Qwen3, Gemma 3, Mixtral, GPT-NeoX, DeepSeek-V2, Granite SWA, Qwen2-MoE, Starcoder2), written to a directory as ``save_pretrained`` does."""
 
 import logging
 
@@ -67,6 +67,11 @@ def hf_config(family: str, tied: bool = False, layers: int = 2):
         return T.MiMoV2FlashConfig(**common, sliding_window=8, head_dim=8, v_head_dim=4, moe_intermediate_size=16,
                                    n_routed_experts=4, num_experts_per_tok=2)
     # OLMo: norms without parameters, in its layers and before its head
+    if family == "qwen2_moe":  # experts and a gated shared expert in every layer
+        return T.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                shared_expert_intermediate_size=16)
+    if family == "starcoder2":  # biased projections, a plain (not gated) MLP, LayerNorm
+        return T.Starcoder2Config(**common, residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0)
     return {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "olmo": T.OlmoConfig}[family](**common)
 
 

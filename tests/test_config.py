@@ -207,6 +207,7 @@ BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give 
     ("train.global_batch=0", ">= 1"),
     ("train.lr=-1", ">= 0"),
     ("train.weight_decay=-0.1", ">= 0"),
+    ("train.adam_eps=0", "AdamW needs > 0"),
     ("train.fused_optimizer=maybe", "true or false"),
     ("train.seed=-1", "0..2**32-1"),
     ("train.grad_clip=-1", ">= 0"),

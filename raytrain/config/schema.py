@@ -101,6 +101,9 @@ class TrainConfig:
     """AdamW learning rate (0: the parameters stay as they are)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adam_eps: float = 1e-8
+    """AdamW's eps, added to the root of the second moment: an update is lr * m / (sqrt(v) + eps).
+    Larger (1e-6 .. 1e-5) damps the steps of parameters whose gradients are tiny, as bf16 runs often want."""
     fused_optimizer: bool = True
     """AdamW's fused kernel: one pass over each parameter instead of a chain of tensor ops (on CPU
     its step is 3-6x faster). The same update up to float rounding; false uses torch's default."""
@@ -133,6 +136,7 @@ class TrainConfig:
         require(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "use >= 0 (0: no warm-up)")
         require(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr, f"use 0..train.lr ({self.lr:g})")
         require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "AdamW needs >= 0 (0: no decay)")
+        require(self.adam_eps > 0, "train.adam_eps", self.adam_eps, "AdamW needs > 0 (its default: 1e-8)")
         require(0 <= self.seed <= MAX_SEED, "train.seed", self.seed, "use an integer in 0..2**32-1")
 
 

@@ -12,7 +12,7 @@ from raytrain.optim.lr_schedule import learning_rate
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], train: TrainConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay,
+    return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay, eps=train.adam_eps,
                              fused=True if train.fused_optimizer else None)
 
 
