@@ -350,6 +350,22 @@ def test_a_standby_replica_takes_a_lost_workers_place_at_once(tmp_path):
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 
+def test_a_standby_without_a_free_slot_is_said_and_starts_when_its_slot_is_granted(tmp_path):
+    # elastic.standby=1 on a cluster without room for it: the run says so at the start and trains at
+    # dp=2; the standby's placement granted later starts a worker, which waits for a loss to take its slot
+    def grant_after_start(coordinator, group):
+        group.granted_tokens.add("standby")
+
+    coordinator, _, summary, rows = run(tmp_path, "elastic.standby=1", "elastic.grow_poll_s=0.001",
+                                        extra=(FakePlacement("standby"),), on_start=grant_after_start)
+    assert events(rows, "started")[0]["standby"] == []
+    (waiting,) = events(rows, "standby_waiting")
+    assert (waiting["standby"], waiting["started"]) == (1, 0) and "no free slot" in waiting["reason"]
+    assert events(rows, "capacity") and not events(rows, "grow")
+    assert len(coordinator.membership.members()) == 2 and len(coordinator.membership.pending) == 1
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
 def test_a_worker_told_to_leave_trains_on_for_as_long_as_its_replacement_takes_to_start(tmp_path):
     # told in step 2, noticed once step 3 was sent ahead; its replacement is up only once 4 more steps
     # (4-7) were sent: the told worker trains through them at dp=2, and goes at the end of step 7

@@ -203,6 +203,12 @@ class Coordinator:
                           "standby": [m.pid for m in self.membership.spares],
                           "generation": self.crew.generation, "pids": self.original_pids,
                           "coordinator_pid": os.getpid(), "placement": self.crew.placement()})
+        waiting = self.cfg.elastic.standby - (self.membership.formable() if self.membership.spares else 0)
+        if waiting > 0:
+            self.ledger.emit({"event": "standby_waiting", "standby": self.cfg.elastic.standby,
+                              "started": self.cfg.elastic.standby - waiting,
+                              "reason": "no free slot for a standby replica: the run trains without it, and starts "
+                                        "it when the cluster grants its resources (a capacity event)"})
         return Running()
 
     # --- running ----------------------------------------------------------------------------------

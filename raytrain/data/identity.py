@@ -13,31 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from raytrain.data import shards
 from raytrain.data.samples import DataSource, Objects
-from raytrain.data.shards import Files
+from raytrain.data.shards import Files, Fingerprint
 
 SCHEME = "edges-v1"
 """Names how ``fingerprint`` reads a file; fingerprints of another scheme are not compared by content."""
 EDGE_BYTES = 1 << 20
 """Bytes hashed at each end of a file (a file of up to twice this is hashed whole)."""
 PARQUET_MAGIC = b"PAR1"
-
-
-@dataclass(frozen=True)
-class Fingerprint:
-    """A data file's size and a hash of its content's ends: what its decoded cache is keyed by, and what a
-    checkpoint records of it."""
-
-    size: int
-    digest: str
-    """``<SCHEME>:<hex>``."""
-
-    def __str__(self) -> str:
-        return f"{self.size}:{self.digest}"
 
 
 def fingerprint(path: str) -> Fingerprint:

@@ -19,9 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-import numpy as np
-
-from raytrain.data.shards import Files
+from raytrain.data.shards import Files, NumberedParts
 
 
 @dataclass(frozen=True)
@@ -69,7 +67,7 @@ class Objects:
 
 
 @dataclass(frozen=True)
-class Blocks:
+class Blocks(NumberedParts):
     """A Ray Dataset materialised into Ray's object store: its blocks (each a dict of column -> numpy array)
     in the dataset's order, numbered as their concatenation, as files are (``Files``)."""
 
@@ -77,18 +75,6 @@ class Blocks:
     """ObjectRef of each block."""
     samples: tuple[int, ...]
     """Rows of each block."""
-
-    @property
-    def offsets(self) -> np.ndarray:
-        return np.cumsum([0, *self.samples], dtype=np.int64)
-
-    @property
-    def total(self) -> int:
-        return int(sum(self.samples))
-
-    def locate(self, ids: np.ndarray) -> np.ndarray:
-        """The block index of each global sample id."""
-        return np.searchsorted(self.offsets, np.asarray(ids, dtype=np.int64), side="right") - 1
 
 
 Samples = Union[Files, Objects, Blocks]

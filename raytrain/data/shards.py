@@ -32,14 +32,11 @@ import os
 import posixpath
 import stat
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 from urllib.parse import unquote, urlparse
 
 import numpy as np
 import pyarrow.fs as pafs
-
-if TYPE_CHECKING:
-    from raytrain.data.identity import Fingerprint
 
 JSON_LINES_SUFFIXES = (".jsonl", ".json")
 HIDDEN_PREFIXES = (".", "_")
@@ -48,7 +45,43 @@ GLOB_CHARS = "*?["
 
 
 @dataclass(frozen=True)
-class Files:
+class Fingerprint:
+    """A data file's size and a hash of its content's ends (raytrain.data.identity makes it): what its
+    decoded cache is keyed by, and what a checkpoint records of it."""
+
+    size: int
+    digest: str
+    """``<SCHEME>:<hex>``."""
+
+    def __str__(self) -> str:
+        return f"{self.size}:{self.digest}"
+
+
+class NumberedParts:
+    """Parts (files, a Ray Dataset's blocks) whose samples are numbered as their concatenation: the
+    subclass holds ``samples``, the rows of each part in order."""
+
+    samples: tuple[int, ...]
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Global id of each part's first sample, and the total last (one value more than the parts)."""
+        return np.cumsum([0, *self.samples], dtype=np.int64)
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.samples))
+
+    def locate(self, ids: np.ndarray) -> np.ndarray:
+        """The part index of each global sample id."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.total):
+            raise IndexError(f"sample ids {int(ids.min())}..{int(ids.max())} outside [0, {self.total})")
+        return np.searchsorted(self.offsets, ids, side="right") - 1
+
+
+@dataclass(frozen=True)
+class Files(NumberedParts):
     """One dataset's files in order, with the samples each holds (windows of model.seq_len + 1 tokens,
     or text's packed rows), as prepare counted them."""
 
@@ -62,21 +95,6 @@ class Files:
         assert len(self.paths) == len(self.samples) > 0, (self.paths, self.samples)
         assert len(self.fingerprints) in (0, len(self.paths)), (self.paths, self.fingerprints)
 
-    @property
-    def offsets(self) -> np.ndarray:
-        """Global id of each file's first sample, and the total last (len(paths) + 1 values)."""
-        return np.cumsum([0, *self.samples], dtype=np.int64)
-
-    @property
-    def total(self) -> int:
-        return int(sum(self.samples))
-
-    def locate(self, ids: np.ndarray) -> np.ndarray:
-        """The file index of each global sample id."""
-        ids = np.asarray(ids, dtype=np.int64)
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.total):
-            raise IndexError(f"sample ids {int(ids.min())}..{int(ids.max())} outside [0, {self.total})")
-        return np.searchsorted(self.offsets, ids, side="right") - 1
 
 
 def one_file(path: str, samples: int) -> Files:
