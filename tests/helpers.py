@@ -114,7 +114,7 @@ class FakeWorkerGroup(WorkerGroup):
         replacements = sum(1 for w in self.workers[self.initial:] if w.started)
         worker.started = self.spawned <= self.initial or self.capacity is None or replacements < self.capacity
         self.workers.append(worker)
-        return Member(worker, stage, placement, bundle, ready=worker, shard=shard, tp=tp)
+        return Member(worker, stage, placement, bundle, ready=worker, shard=shard, tp=tp, beat_id=self.spawned)
 
     def spawn_elsewhere(self, stage: int, shard: int = 0, tp: int = 0) -> Member:
         self.elsewhere += 1

@@ -366,6 +366,37 @@ def test_a_standby_without_a_free_slot_is_said_and_starts_when_its_slot_is_grant
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 
 
+class StandbyToldToLeave(FakeWorkerGroup):
+    """When step ``at`` is sent, the standby's heartbeat says it was told to leave (as a SIGTERM's would)."""
+
+    def __init__(self, at: int, **kwargs):
+        super().__init__(1, **kwargs)
+        self.at, self.coordinator, self.told = at, None, []
+
+    def send_step(self, members, step, trace, hold=False):
+        if step == self.at and not self.told:
+            spares = self.coordinator.membership.spares
+            self.told = [m.pid for m in spares]
+            for m in spares:
+                self.coordinator.beat(m.beat_id, leaving=True)
+        return super().send_step(members, step, trace, hold)
+
+
+def test_a_standby_told_to_leave_goes_at_once_and_another_starts_in_its_place(tmp_path):
+    # a standby runs no steps, so its heartbeat carries the notice: it is let go at the next boundary,
+    # with an event, and a worker starts on its bundle, instead of its taking a slot only to leave it
+    group = StandbyToldToLeave(2, initial=3)
+    group.granted_tokens.add("standby")
+    coordinator, group, summary, rows = run(tmp_path, "elastic.standby=1", group=group,
+                                            extra=(FakePlacement("standby"),),
+                                            on_start=lambda coordinator, group: setattr(group, "coordinator", coordinator))
+    (left,) = events(rows, "standby_left")
+    assert left["pids"] == group.told and len(group.told) == 1 and left["step"] in (2, 3)
+    assert group.spawned == 4 and not any(w.alive for w in group.workers if w.pid in group.told)
+    assert summary.failures == 0 and summary.committed_steps == list(range(6))
+    assert_every_live_worker_applied_each_step_once(coordinator, 6)
+
+
 def test_a_worker_told_to_leave_trains_on_for_as_long_as_its_replacement_takes_to_start(tmp_path):
     # told in step 2, noticed once step 3 was sent ahead; its replacement is up only once 4 more steps
     # (4-7) were sent: the told worker trains through them at dp=2, and goes at the end of step 7

@@ -117,10 +117,10 @@ class Coordinator:
         return self.ledger.take_rows()
 
     @ray.method(enable_task_events=False)  # every worker calls it every second
-    def beat(self, pid: int) -> Optional[int]:
-        """A worker's proof that it is alive (raytrain.control.liveness), from a thread of its own; the answer
-        is the newest generation whose groups its survivors must abort (None: none)."""
-        return self.heartbeats.beat(pid)
+    def beat(self, beat_id: int, leaving: bool = False) -> Optional[int]:
+        """A worker's proof that it is alive (raytrain.control.liveness), from a thread of its own, and whether it
+        was told to leave; the answer is the newest generation whose groups its survivors must abort (None: none)."""
+        return self.heartbeats.beat(beat_id, leaving)
 
     @ray.method(enable_task_events=False)
     def request_stop(self, reason: str) -> None:
@@ -199,16 +199,9 @@ class Coordinator:
             self.ledger.emit({"event": "resumed", "from": self.resume_from, "step": step})
         self.ledger.step = self.ledger.first_step = step
         self.crew.form_generation(step)
-        self.ledger.emit({"event": "started", "layout": self.cfg.layout().label, "replicas": self.membership.dp,
-                          "standby": [m.pid for m in self.membership.spares],
-                          "generation": self.crew.generation, "pids": self.original_pids,
-                          "coordinator_pid": os.getpid(), "placement": self.crew.placement()})
-        waiting = self.cfg.elastic.standby - (self.membership.formable() if self.membership.spares else 0)
-        if waiting > 0:
-            self.ledger.emit({"event": "standby_waiting", "standby": self.cfg.elastic.standby,
-                              "started": self.cfg.elastic.standby - waiting,
-                              "reason": "no free slot for a standby replica: the run trains without it, and starts "
-                                        "it when the cluster grants its resources (a capacity event)"})
+        self.ledger.emit(started_event(self.cfg, self.crew, self.original_pids))
+        if self.crew.standby_started() < self.cfg.elastic.standby:
+            self.ledger.emit(standby_waiting(self.cfg.elastic.standby, self.crew.standby_started()))
         return Running()
 
     # --- running ----------------------------------------------------------------------------------
@@ -217,6 +210,8 @@ class Coordinator:
         ledger = self.ledger
         if ledger.step >= self.cfg.train.steps:
             return Finished()
+        if self.heartbeats.leaving:
+            self.drains.let_standbys_go(self.heartbeats.told_to_leave())
         if self.in_flight is None:
             if self.stopping:
                 return Stopping()
@@ -354,6 +349,20 @@ def nonfinite_loss(step: int, loss, norm, decision: Decision, last_checkpoint: O
     return NonFiniteLoss(f"step {step + 1}: the loss ({loss}) or the gradient norm ({norm}) is not finite, so the "
                          f"step was applied on no worker; {decision.reason}; {last} with a lower train.lr or "
                          "train.grad_clip, or set train.skip_nonfinite to skip such steps")
+
+
+def started_event(cfg: Config, crew: Crew, pids: list[int]) -> dict:
+    """The run's first event: its layout, its replicas' workers and where they run, its standbys."""
+    return {"event": "started", "layout": cfg.layout().label, "replicas": crew.membership.dp,
+            "standby": [m.pid for m in crew.membership.spares], "generation": crew.generation, "pids": pids,
+            "coordinator_pid": os.getpid(), "placement": crew.placement()}
+
+
+def standby_waiting(asked: int, started: int) -> dict:
+    """The event of a run that started with fewer standby replicas than elastic.standby asked for."""
+    return {"event": "standby_waiting", "standby": asked, "started": started,
+            "reason": "no free slot for a standby replica: the run trains without it, and starts it when the cluster "
+                      "grants its resources (a capacity event)"}
 
 
 SHARDED_CPU_MALLOC = "glibc.malloc.mmap_threshold=1048576:glibc.malloc.hugetlb=1"

@@ -176,6 +176,20 @@ class Crew:
                                      for m in respawn])
         self.worker_group.send_leave(self.membership.spares)
 
+    def replace_leaving_standbys(self, told: set[int]) -> list[int]:
+        """End the spares whose beats (their beat ids: ``told``) said they were told to leave, each starting a
+        worker on its bundle in its place; their pids (raytrain.control.drain.Drains.let_standbys_go)."""
+        leaving = [m for m in self.membership.spares if m.beat_id in told]
+        for m in leaving:
+            self.worker_group.kill(m)
+        if leaving:
+            self.replace(leaving)
+        return [m.pid for m in leaving]
+
+    def standby_started(self) -> int:
+        """Standby replicas the spares could form now."""
+        return self.membership.formable() if self.membership.spares else 0
+
     def start_replacement(self, leaving: Member) -> Member:
         """Start a worker for ``leaving``'s slot in a placement group of its own while ``leaving`` still
         holds its bundle (it was told to leave); it waits in ``pending``."""

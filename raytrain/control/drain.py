@@ -96,6 +96,16 @@ class Drains:
                               "why": r.draining.why, "reason": "told to leave: it trains on while a replacement "
                               "starts, and goes once that is up (elastic.replace_at_notice)"})
 
+    def let_standbys_go(self, told: set[int]) -> None:
+        """The standbys among the workers whose beats said they were told to leave (``told``: beat ids) go
+        now, each replaced on its bundle, with a ``standby_left`` event: a standby runs no steps to report
+        its notice in, and let go now it never takes a slot only to leave it."""
+        left = self.crew.replace_leaving_standbys(told)
+        if left:
+            self.ledger.emit({"event": "standby_left", "step": self.ledger.step, "pids": left,
+                              "reason": "a standby was told to leave (SIGTERM, or its node draining): it goes now, "
+                                        "and another starts in its place"})
+
     def leaving_at_next_boundary(self, step_s: float) -> bool:
         """Whether the noted members go at the next boundary: a vote made it theirs, one has no replacement
         starting (its start failed: cancelled), every member of the run is leaving, every replacement is

@@ -15,28 +15,39 @@ import time
 from typing import Optional
 
 class Heartbeats:
-    """The last beat of each worker process, by pid (written by the coordinator's beat calls, read by the
-    thread that waits for replies)."""
+    """The last beat of each worker, by its beat id (``Member.beat_id``: unique in the run, where pids repeat
+    across nodes), written by the coordinator's beat calls, read by the thread that waits for replies."""
 
     def __init__(self):
         self._last: dict[int, float] = {}
         self._lock = threading.Lock()
         self.aborted: Optional[int] = None
         """The newest generation a member of which was lost: its survivors abort their groups of it."""
+        self.leaving: set[int] = set()
+        """Beat ids of workers whose beats said they were told to leave (SIGTERM, their node draining), not
+        yet looked at (``told_to_leave``)."""
 
-    def beat(self, pid: int) -> Optional[int]:
-        """Record the beat; the newest generation to abort (None: none)."""
+    def beat(self, beat_id: int, leaving: bool = False) -> Optional[int]:
+        """Record the beat (and a notice to leave); the newest generation to abort (None: none)."""
         with self._lock:
-            self._last[pid] = time.monotonic()
+            self._last[beat_id] = time.monotonic()
+            if leaving:
+                self.leaving.add(beat_id)
         return self.aborted
+
+    def told_to_leave(self) -> set[int]:
+        """The beat ids that said they were told to leave since the last call (each says so once a second)."""
+        with self._lock:
+            told, self.leaving = self.leaving, set()
+        return told
 
     def abort(self, generation: int) -> None:
         """Tell every survivor of ``generation`` (at its next beat) to abort its process groups of it."""
         self.aborted = generation if self.aborted is None else max(self.aborted, generation)
 
-    def silent_s(self, pid: Optional[int]) -> float:
+    def silent_s(self, beat_id: Optional[int]) -> float:
         """Seconds since the worker's last beat; 0 for one that never beat (it is starting: the calls'
         own timeouts bound it)."""
         with self._lock:
-            last = self._last.get(pid) if pid is not None else None
+            last = self._last.get(beat_id) if beat_id is not None else None
         return 0.0 if last is None else time.monotonic() - last

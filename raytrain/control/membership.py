@@ -37,6 +37,8 @@ class Member:
     """Set when the worker was killed for its silence: the seconds since its last heartbeat."""
     node: str = ""
     """The node it runs on (Ray's node id), as its last join said."""
+    beat_id: Optional[int] = None
+    """Its name in its heartbeats (raytrain.control.liveness), given by the worker group that started it."""
 
     @property
     def slot(self) -> tuple[int, int, int]:

@@ -41,17 +41,20 @@ class RayWorkerGroup(WorkerGroup):
         self.generation: Optional[int] = None  # the generation last joined
         self.placement_prefix = placement_prefix
         self._placement_numbers = itertools.count()  # never reused: Ray refuses a second live group of a name
+        self._beat_ids = itertools.count(1)
+        """Each worker's name in its heartbeats: unique in the run, where pids repeat across nodes."""
         self.own_placements: list = []
         """Placement groups of spawn_elsewhere's workers, removed by close (a placement group lives as
         long as the job that made it, which outlives the run when the driver embeds it; should this
         coordinator die first, the driver removes them by their names: remove_replacement_placements)."""
 
     def spawn(self, stage: int, placement, bundle: int, shard: int = 0, tp: int = 0) -> Member:
+        beat_id = next(self._beat_ids)
         handle = self.worker_cls.options(
             **self.options,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle),
-        ).remote(self.spec, Slot(stage, shard, tp))
-        return Member(handle, stage, placement, bundle, ready=handle.pid.remote(), shard=shard, tp=tp)
+        ).remote(self.spec, Slot(stage, shard, tp), beat_id)
+        return Member(handle, stage, placement, bundle, ready=handle.pid.remote(), shard=shard, tp=tp, beat_id=beat_id)
 
     def spawn_elsewhere(self, stage: int, shard: int = 0, tp: int = 0) -> Member:
         bundle = {"CPU": self.options["num_cpus"]}
@@ -238,7 +241,7 @@ class Hung:
 
     def found(self, members: list[Member]) -> list[tuple[Member, float]]:
         """Of ``members``, those silent too long, with their seconds of silence."""
-        silent = [(m, self.heartbeats.silent_s(m.pid)) for m in members]
+        silent = [(m, self.heartbeats.silent_s(m.beat_id)) for m in members]
         return [(m, s) for m, s in silent if s > self.detect_timeout_s]
 
 

@@ -64,12 +64,13 @@ def leaves_when_out_of_memory(method):
 
 
 class StageWorker:
-    def __init__(self, spec: WorkerSpec, slot: Slot):
+    def __init__(self, spec: WorkerSpec, slot: Slot, beat_id: int = 0):
         from raytrain.worker.heartbeat import Heartbeat
 
         # beating from the start: a worker that hangs while it starts is found as one that hangs in a step
         self.heartbeat = None if spec.heartbeat_to is None else Heartbeat(
-            spec.heartbeat_to, on_abort=lambda generation: self.stage.abort(generation) if hasattr(self, "stage") else None)
+            spec.heartbeat_to, beat_id, on_abort=lambda generation: self.stage.abort(generation) if hasattr(self, "stage") else None,
+            leaving=lambda: hasattr(self, "drain") and self.drain.notice is not None)
         import_torch_uncollected()
         from raytrain.worker.drain import DrainWatch
         from raytrain.worker.stage import Stage

@@ -9,7 +9,7 @@ its timeout."""
 
 from __future__ import annotations
 
-import os
+import sys
 import threading
 from typing import Any, Callable
 
@@ -17,27 +17,35 @@ from raytrain.config.prepared import HEARTBEAT_S
 
 
 class Heartbeat:
-    """Calls ``target.beat(pid)`` (the coordinator's) every HEARTBEAT_S until ``stop``, and ``on_abort(n)``
-    whenever its answer names a generation ``n`` to abort; an unreachable coordinator (it is gone: this
-    worker goes with it) is not an error."""
+    """Calls ``target.beat(beat_id, leaving())`` (the coordinator's) every HEARTBEAT_S until ``stop``, and
+    ``on_abort(n)`` whenever its answer names a generation ``n`` to abort; an unreachable coordinator (it is
+    gone: this worker goes with it) is not an error. ``leaving``: whether this worker was told to leave (a
+    standby runs no steps, so its beat is how the coordinator hears of it)."""
 
-    def __init__(self, target: Any, on_abort: Callable[[int], None] = lambda generation: None):
-        self._target, self._on_abort, self._stopped = target, on_abort, threading.Event()
+    def __init__(self, target: Any, beat_id: int, on_abort: Callable[[int], None] = lambda generation: None,
+                 leaving: Callable[[], bool] = lambda: False):
+        self._target, self._beat_id, self._on_abort, self._leaving = target, beat_id, on_abort, leaving
+        self._stopped = threading.Event()
         threading.Thread(target=self._beat, daemon=True, name="raytrain-heartbeat").start()
 
     def _beat(self) -> None:
         import ray
 
-        pid, answer = os.getpid(), None
+        answer = None
         while not self._stopped.is_set():
+            aborted = None
             try:
                 if answer is not None and ray.wait([answer], timeout=0)[0]:
                     aborted = ray.get(answer)
-                    if aborted is not None:
-                        self._on_abort(aborted)
-                answer = self._target.beat.remote(pid)
-            except Exception:  # noqa: BLE001 -- the coordinator is gone; this process ends with it
+                answer = self._target.beat.remote(self._beat_id, self._leaving())
+            except ray.exceptions.RayError:  # the coordinator is gone; this process ends with it
                 answer = None
+            if aborted is not None:
+                try:
+                    self._on_abort(aborted)
+                except Exception as e:  # noqa: BLE001 -- in this worker's log; the next beat goes out all the same
+                    print(f"raytrain: aborting the process groups of generation {aborted} failed: {e!r}",
+                          file=sys.stderr, flush=True)
             self._stopped.wait(HEARTBEAT_S)
 
     def stop(self) -> None:
