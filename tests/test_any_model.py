@@ -178,6 +178,7 @@ def _rows(path, **columns) -> str:
 def test_bad_rows_are_refused_by_name(make_config, tmp_path):
     good = _rows(tmp_path / "good.parquet", x=pa.array([[0.0] * 4] * 32, type=pa.list_(pa.float32(), 4)),
                  y=pa.array([0, 1] * 16))
+    _rows(tmp_path / "held.parquet", x=pa.array([[1.0] * 4] * 64, type=pa.list_(pa.float32(), 4)), y=pa.array([1, 0] * 32))
     cases = [
         (("data.inputs=pixels", "data.targets=y", f"data.path={good}"), r"data.inputs names column 'pixels', which "
          r"data.path=.*good.parquet.* lacks \(columns: \['x', 'y'\]\)"),
@@ -188,6 +189,8 @@ def test_bad_rows_are_refused_by_name(make_config, tmp_path):
          r"data.transform='tests.test_any_model:no_such_fn': module 'tests.test_any_model' has no function 'no_such_fn'"),
         (("data.inputs=x", "data.targets=y", f"data.path={good}", "data.transform=tests.test_any_model:returns_one"),
          r"data.transform='tests.test_any_model:returns_one' cannot make samples.*must return \(inputs, targets\)"),
+        (("data.inputs=x", "data.targets=y", f"data.path={good}", f"data.eval_path={good.replace('good', 'held')}",
+          "train.global_batch=64"), r"the training data has 32 rows, fewer than train.global_batch=64 \(its held-out"),
     ]
     for overrides, words in cases:
         with pytest.raises(ValueError, match=words):

@@ -94,6 +94,9 @@ def test_sweep_config_errors_name_the_key(tmp_path, base):
     path.write_text(yaml.safe_dump({**base, "space": {"train.lr": [0.1]}, "sweep": {"schedular": "asha"}}))
     with pytest.raises(ValueError, match="sweep.schedular"):
         rt_tune.load_sweep_config(str(path))
+    path.write_text(yaml.safe_dump({**base, "space": {"train.lr": [0.1]}}))
+    with pytest.raises(ValueError, match="unknown sweep setting 'sweep.shceduler'"):  # given with --set
+        rt_tune.load_sweep_config(str(path), ["sweep.shceduler=asha"])
 
 
 def test_a_sweep_reads_the_renamed_wait_keys_under_their_old_names(tmp_path, base):

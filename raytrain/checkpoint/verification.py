@@ -176,7 +176,7 @@ def _layout_problems(manifest: dict[str, Any]) -> list[str]:
         return []
     stages, pp = layout["stage_layers"], layout.get("pp")
     found = [] if len(stages) == pp else [f"its layout has pp={pp} but {len(stages)} stages of layers"]
-    layers = sorted(i for worker in stages for chunk in worker for i in chunk)
+    layers = sorted(i for worker in stages for i in _layer_ids(worker))
     if layers != list(range(len(layers))):
         found.append("its stages' layers are not each of the model's layers once")
     parallel = (manifest.get("config") or {}).get("parallel", {})
@@ -188,3 +188,8 @@ def _layout_problems(manifest: dict[str, Any]) -> list[str]:
         if named is None or int(named.group(1)) >= len(stages) or int(named.group(2) or 0) >= parts:
             found.append(f"it lists {entry['file']!r}, which no stage and part of its layout writes")
     return found
+
+
+def _layer_ids(worker: list) -> list[int]:
+    """A pipeline worker's layer ids: per model chunk since virtual stages, one flat list in older manifests."""
+    return [i for chunk in worker for i in (chunk if isinstance(chunk, list) else [chunk])]

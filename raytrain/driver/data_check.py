@@ -138,6 +138,9 @@ def split_held_out(cfg: Config, source: DataSource) -> tuple[int, int]:
         held = source.held_out.total
         name = f"data.eval_path={d.eval_path!r}" if d.eval_path is not None else "the held-out dataset"
         where, fix = f"{name} has {held} rows", "add rows to it"
+        if rows < B:
+            raise ValueError(f"the training data has {rows} rows, fewer than train.global_batch={B} (its held-out rows "
+                             f"are {name}'s); add rows, or lower train.global_batch")
     else:
         held = data.held_out_count(rows, d.eval_fraction)
         where = f"data.eval_fraction={d.eval_fraction:g} holds out the last {held} of the {rows} rows"

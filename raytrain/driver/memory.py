@@ -26,11 +26,13 @@ LARGEST_SUGGESTED_DEGREE = 64
 """How far the suggestion of an fsdp or pp degree that fits looks."""
 
 
-KNOWN_DEVICE_GIB = {"H200": 141, "H100": 80, "GH200": 96, "A100": 40, "A100-80G": 80, "A10G": 24, "L4": 24,
-                    "L40S": 48, "T4": 16, "V100": 16, "P100": 16, "P4": 8, "K80": 12, "MI300x": 192, "MI250x": 128,
-                    "MI250": 128, "MI210": 64, "MI100": 32}
-"""Device memory (GiB) by Ray's accelerator_type name. Where one name covers several sizes (A100 40/80 GB,
-V100 16/32 GB) the smaller is taken: a refusal must never turn away a layout that fits by the card's name."""
+KNOWN_DEVICE_GIB = {"H200": 140.4, "H100": 79.6, "GH200": 94.5, "A100": 39.5, "A100-80G": 79.2, "A10G": 22.5,
+                    "L4": 22.5, "L40S": 45.0, "T4": 15.0, "V100": 15.8, "P100": 15.9, "P4": 7.4, "K80": 11.2,
+                    "MI300x": 192, "MI250x": 128, "MI250": 128, "MI210": 64, "MI100": 32}
+"""Device memory (GiB, 2**30 bytes) by Ray's accelerator_type name: the total a device reports (nvidia-smi's
+MiB / 1024; an "80 GB" H100 has 81559 MiB, a "24 GB" L4 23034 MiB), not the marketing gigabytes. Where one
+name covers several sizes (A100 40/80 GB, V100 16/32 GB) the smaller is taken: a refusal must never turn away
+a layout that fits by the card's name."""
 
 
 def worker_memory_bytes(cfg: Config) -> Optional[float]:
@@ -139,6 +141,7 @@ def _what_fits(cfg: Config, layout: Layout, layer_params: list[int], limit: floa
                 fits.append(f"parallel.{key}={degree}")
                 break
     if not fits:
-        return ("no parallel.fsdp or parallel.pp up to the model's limits fits: use nodes with more memory per "
-                "CPU slot (GPUs with more memory), a larger resources.cpus_per_worker, or a smaller model")
+        more = ("GPUs with more memory" if cfg.resources.use_gpu else
+                "nodes with more memory per CPU slot, a larger resources.cpus_per_worker")
+        return f"no parallel.fsdp or parallel.pp up to the model's limits fits: use {more}, or a smaller model"
     return " or ".join(fits) + " would fit" + (" (with parallel.schedule=1f1b, virtual_stages=1)" if chunked else "")

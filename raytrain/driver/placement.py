@@ -107,11 +107,13 @@ def check_tp_fits_a_node(cfg: Config) -> None:
     need, unit = worker_bundle(cfg), "GPU" if cfg.resources.use_gpu else "CPU"
     holds = max((int(node["Resources"].get(unit, 0) // need[unit]) for node in ray.nodes() if node["Alive"]), default=0)
     if holds < tp:
-        what = (f"parallel.tp={tp} needs its {tp} workers on one node (a tp group talks on every layer)"
-                if tp == cfg.parallel.tp else f"resources.placement_strategy=STRICT_PACK puts a replica's {tp} "
-                "workers on one node")
+        packed = tp != cfg.parallel.tp
+        what = (f"resources.placement_strategy=STRICT_PACK puts a replica's {tp} workers on one node" if packed else
+                f"parallel.tp={tp} needs its {tp} workers on one node (a tp group talks on every layer)")
+        fix = ("drop resources.placement_strategy=STRICT_PACK (a tp group stays on one node without it), lower "
+               "parallel.pp / parallel.fsdp / parallel.tp" if packed else "lower parallel.tp")
         raise ValueError(f"{what}, and the largest node of the cluster holds {holds} ({unit} per worker: "
-                         f"{need[unit]:g}); lower parallel.tp, or add nodes with more {unit}s")
+                         f"{need[unit]:g}); {fix}, or add nodes with more {unit}s")
 
 
 def _refuse_what_never_fits(cfg: Config) -> None:

@@ -1,8 +1,7 @@
 """``parallel.auto``: probe the feasible layouts with short Tune trials and train with the fastest.
 
 The candidates are every dp x fsdp x tp x pp layout of the cluster's workers that the config can run
-(tp > 1 only where its workers stay on one node, resources.placement_strategy=STRICT_PACK, and the
-model's tp plan splits its layers so).
+(tp > 1 only where a tp group fits on one node, and the model's tp plan splits its layers so).
 One whose estimated memory per worker (raytrain.models.memory: the fullest worker's training state,
 gathered layer and activations) exceeds a worker's memory is not probed, and the probe table says so; a layout that fails its probe (out of device memory, for one) is never chosen. The probes are a
 normal raytrain sweep (``raytrain.tune``), kept under ``<run.dir>/auto-layout`` for inspection;

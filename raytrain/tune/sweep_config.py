@@ -107,10 +107,6 @@ def load_sweep_config(path: str, overrides: Optional[list[str]] = None) -> Sweep
     if not space:
         raise ValueError(f"{path}: a sweep config needs a 'space:' section (config key -> values)")
     settings = raw.pop("sweep", {}) or {}
-    known = set(SweepConfig.__dataclass_fields__) - {"base", "space", "extra"}
-    for key in settings:
-        if key not in known:
-            raise ValueError(f"{path}: unknown sweep setting 'sweep.{key}' (valid: {', '.join(sorted(known))})")
     base = raw
     for key, value in parse_overrides(overrides):
         section, _, name = key.partition(".")
@@ -118,5 +114,9 @@ def load_sweep_config(path: str, overrides: Optional[list[str]] = None) -> Sweep
             settings[name] = value
         else:
             base.setdefault(section, {})[name] = value
+    known = set(SweepConfig.__dataclass_fields__) - {"base", "space", "extra"}
+    for key in settings:  # the file's and --set's alike
+        if key not in known:
+            raise ValueError(f"{path}: unknown sweep setting 'sweep.{key}' (valid: {', '.join(sorted(known))})")
     build_config(flatten_sections(base, path))  # the base alone must be valid; its errors name the file
     return SweepConfig(base=base, space=space, **settings)
