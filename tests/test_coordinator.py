@@ -367,32 +367,35 @@ def test_a_standby_without_a_free_slot_is_said_and_starts_when_its_slot_is_grant
 
 
 class StandbyToldToLeave(FakeWorkerGroup):
-    """When step ``at`` is sent, the standby's heartbeat says it was told to leave (as a SIGTERM's would)."""
+    """When step ``at`` is sent, the standby's heartbeat says it was told to leave, and ``why``."""
 
-    def __init__(self, at: int, **kwargs):
+    def __init__(self, at: int, why: str, **kwargs):
         super().__init__(1, **kwargs)
-        self.at, self.coordinator, self.told = at, None, []
+        self.at, self.why, self.coordinator, self.told = at, why, None, []
 
     def send_step(self, members, step, trace, hold=False):
         if step == self.at and not self.told:
             spares = self.coordinator.membership.spares
             self.told = [m.pid for m in spares]
             for m in spares:
-                self.coordinator.beat(m.beat_id, leaving=True)
+                self.coordinator.beat(m.beat_id, leaving=self.why)
         return super().send_step(members, step, trace, hold)
 
 
-def test_a_standby_told_to_leave_goes_at_once_and_another_starts_in_its_place(tmp_path):
+@pytest.mark.parametrize("why, elsewhere", [("SIGTERM", 0), ("node drain", 1)])
+def test_a_standby_told_to_leave_goes_at_once_and_another_starts_in_its_place(tmp_path, why, elsewhere):
     # a standby runs no steps, so its heartbeat carries the notice: it is let go at the next boundary,
-    # with an event, and a worker starts on its bundle, instead of its taking a slot only to leave it
-    group = StandbyToldToLeave(2, initial=3)
+    # with an event, instead of taking a slot only to leave it; another starts on its bundle, or in a
+    # placement group of its own when the standby's node drains (its bundle is there)
+    group = StandbyToldToLeave(2, why, initial=3)
     group.granted_tokens.add("standby")
     coordinator, group, summary, rows = run(tmp_path, "elastic.standby=1", group=group,
                                             extra=(FakePlacement("standby"),),
                                             on_start=lambda coordinator, group: setattr(group, "coordinator", coordinator))
     (left,) = events(rows, "standby_left")
     assert left["pids"] == group.told and len(group.told) == 1 and left["step"] in (2, 3)
-    assert group.spawned == 4 and not any(w.alive for w in group.workers if w.pid in group.told)
+    assert group.spawned == 4 and group.elsewhere == elsewhere
+    assert not any(w.alive for w in group.workers if w.pid in group.told)
     assert summary.failures == 0 and summary.committed_steps == list(range(6))
     assert_every_live_worker_applied_each_step_once(coordinator, 6)
 

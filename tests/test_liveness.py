@@ -21,8 +21,8 @@ def test_a_beat_is_answered_with_the_newest_generation_to_abort_and_silence_is_c
     beats.abort(3)
     beats.abort(2)  # an older loss reported late: the newest stays
     assert beats.beat(41) == 3 and beats.silent_s(41) < 0.04
-    beats.beat(42, leaving=True)  # a worker told to leave says so in every beat
-    assert beats.told_to_leave() == {42} and beats.told_to_leave() == set()
+    beats.beat(42, leaving="SIGTERM")  # a worker told to leave says so, and why, in every beat
+    assert beats.told_to_leave() == {42: "SIGTERM"} and beats.told_to_leave() == {}
 
 
 def test_a_stage_aborts_the_groups_of_the_generation_named_and_of_no_later_one(make_config, monkeypatch):
@@ -64,13 +64,13 @@ def test_the_heartbeat_thread_says_whether_it_leaves_and_hands_the_answer_to_abo
             return self.told
 
     coordinator, got, done = Coordinator.remote(), [], threading.Event()
-    beat = Heartbeat(coordinator, 5, on_abort=lambda generation: got.append(generation) or done.set(), leaving=lambda: True)
+    beat = Heartbeat(coordinator, 5, on_abort=lambda generation: got.append(generation) or done.set(), leaving=lambda: "node drain")
     try:
         assert done.wait(10), "no abort within 10 s of the coordinator's answer"
     finally:
         beat.stop()
     assert got[0] == 7
-    assert ray.get(coordinator.beats.remote(), timeout=30)[0] == (5, True)  # its beat id, not a pid
+    assert ray.get(coordinator.beats.remote(), timeout=30)[0] == (5, "node drain")  # its beat id, not a pid
 
 
 def test_gpu_workers_keep_their_process_when_nccl_fails_and_cpu_workers_get_no_nccl_settings(make_config):

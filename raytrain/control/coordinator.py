@@ -117,9 +117,9 @@ class Coordinator:
         return self.ledger.take_rows()
 
     @ray.method(enable_task_events=False)  # every worker calls it every second
-    def beat(self, beat_id: int, leaving: bool = False) -> Optional[int]:
-        """A worker's proof that it is alive (raytrain.control.liveness), from a thread of its own, and whether it
-        was told to leave; the answer is the newest generation whose groups its survivors must abort (None: none)."""
+    def beat(self, beat_id: int, leaving: Optional[str] = None) -> Optional[int]:
+        """A worker's proof that it is alive (raytrain.control.liveness), from a thread of its own, and why it was
+        told to leave if it was; the answer is the newest generation whose groups its survivors must abort."""
         return self.heartbeats.beat(beat_id, leaving)
 
     @ray.method(enable_task_events=False)

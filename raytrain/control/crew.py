@@ -176,14 +176,19 @@ class Crew:
                                      for m in respawn])
         self.worker_group.send_leave(self.membership.spares)
 
-    def replace_leaving_standbys(self, told: set[int]) -> list[int]:
-        """End the spares whose beats (their beat ids: ``told``) said they were told to leave, each starting a
-        worker on its bundle in its place; their pids (raytrain.control.drain.Drains.let_standbys_go)."""
+    def replace_leaving_standbys(self, told: dict[int, str]) -> list[int]:
+        """End the spares whose beats said they were told to leave (``told``: why, by beat id), each starting a
+        worker in its place: on its bundle after a SIGTERM, in a placement group of its own when its node
+        drains (its bundle is on that node); their pids (raytrain.control.drain.Drains.let_standbys_go)."""
         leaving = [m for m in self.membership.spares if m.beat_id in told]
+        if not leaving:
+            return []
         for m in leaving:
             self.worker_group.kill(m)
-        if leaving:
-            self.replace(leaving)
+        same_bundle = [m for m in leaving if told[m.beat_id] != "node drain"]
+        self.replace(leaving, respawn=same_bundle)
+        self.membership.add_pending([self.worker_group.spawn_elsewhere(m.stage, shard=m.shard, tp=m.tp)
+                                     for m in leaving if m not in same_bundle])
         return [m.pid for m in leaving]
 
     def standby_started(self) -> int:

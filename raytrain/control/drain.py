@@ -96,10 +96,10 @@ class Drains:
                               "why": r.draining.why, "reason": "told to leave: it trains on while a replacement "
                               "starts, and goes once that is up (elastic.replace_at_notice)"})
 
-    def let_standbys_go(self, told: set[int]) -> None:
-        """The standbys among the workers whose beats said they were told to leave (``told``: beat ids) go
-        now, each replaced on its bundle, with a ``standby_left`` event: a standby runs no steps to report
-        its notice in, and let go now it never takes a slot only to leave it."""
+    def let_standbys_go(self, told: dict[int, str]) -> None:
+        """The standbys among the workers whose beats said they were told to leave (``told``: why, by beat id)
+        go now, each replaced (Crew.replace_leaving_standbys), with a ``standby_left`` event: a standby runs no
+        steps to report its notice in, and let go now it never takes a slot only to leave it."""
         left = self.crew.replace_leaving_standbys(told)
         if left:
             self.ledger.emit({"event": "standby_left", "step": self.ledger.step, "pids": left,

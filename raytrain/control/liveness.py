@@ -23,22 +23,24 @@ class Heartbeats:
         self._lock = threading.Lock()
         self.aborted: Optional[int] = None
         """The newest generation a member of which was lost: its survivors abort their groups of it."""
-        self.leaving: set[int] = set()
-        """Beat ids of workers whose beats said they were told to leave (SIGTERM, their node draining), not
-        yet looked at (``told_to_leave``)."""
+        self.leaving: dict[int, str] = {}
+        """Why each worker whose beats said it was told to leave was told ("SIGTERM", "node drain"), by beat id,
+        until looked at (``told_to_leave``)."""
 
-    def beat(self, beat_id: int, leaving: bool = False) -> Optional[int]:
-        """Record the beat (and a notice to leave); the newest generation to abort (None: none)."""
+    def beat(self, beat_id: int, leaving: Optional[str] = None) -> Optional[int]:
+        """Record the beat (and why the worker was told to leave, if it was); the newest generation to abort
+        (None: none)."""
         with self._lock:
             self._last[beat_id] = time.monotonic()
             if leaving:
-                self.leaving.add(beat_id)
+                self.leaving[beat_id] = leaving
         return self.aborted
 
-    def told_to_leave(self) -> set[int]:
-        """The beat ids that said they were told to leave since the last call (each says so once a second)."""
+    def told_to_leave(self) -> dict[int, str]:
+        """The beat ids that said they were told to leave since the last call (each says so once a second),
+        with why."""
         with self._lock:
-            told, self.leaving = self.leaving, set()
+            told, self.leaving = self.leaving, {}
         return told
 
     def abort(self, generation: int) -> None:

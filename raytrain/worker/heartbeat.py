@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from raytrain.config.prepared import HEARTBEAT_S
 
@@ -19,11 +19,11 @@ from raytrain.config.prepared import HEARTBEAT_S
 class Heartbeat:
     """Calls ``target.beat(beat_id, leaving())`` (the coordinator's) every HEARTBEAT_S until ``stop``, and
     ``on_abort(n)`` whenever its answer names a generation ``n`` to abort; an unreachable coordinator (it is
-    gone: this worker goes with it) is not an error. ``leaving``: whether this worker was told to leave (a
-    standby runs no steps, so its beat is how the coordinator hears of it)."""
+    gone: this worker goes with it) is not an error. ``leaving``: why this worker was told to leave ("SIGTERM",
+    "node drain"), None if it was not (a standby runs no steps, so its beat is how the coordinator hears of it)."""
 
     def __init__(self, target: Any, beat_id: int, on_abort: Callable[[int], None] = lambda generation: None,
-                 leaving: Callable[[], bool] = lambda: False):
+                 leaving: Callable[[], Optional[str]] = lambda: None):
         self._target, self._beat_id, self._on_abort, self._leaving = target, beat_id, on_abort, leaving
         self._stopped = threading.Event()
         threading.Thread(target=self._beat, daemon=True, name="raytrain-heartbeat").start()
