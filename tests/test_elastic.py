@@ -10,7 +10,7 @@ import pytest
 
 from raytrain import checkpoint, train
 from raytrain.control.coordinator import may_send_ahead
-from tests.helpers import (TEST_RAY_CPUS, WhenPaused, assert_replicas_identical, assert_same_params,
+from tests.helpers import (LONG_RUN_LR, TEST_RAY_CPUS, WhenPaused, assert_replicas_identical, assert_same_params,
                            hold_at_the_notice_until_its_replacement_starts, hold_until_a_new_worker_starts, pid_alive,
                            reference_state)
 from tests.test_loggers import tensorboard_scalars
@@ -280,6 +280,27 @@ def test_a_standby_worker_takes_a_killed_workers_place_without_waiting_for_a_sta
     assert [r["dp"] for r in result.metrics] == [2] * 8
     _assert_exactly_once(result, 8, 8)
     assert_same_params(checkpoint.load_state_dict(result.checkpoint), reference_state(cfg))
+
+
+def test_a_standby_sent_sigterm_is_let_go_at_once_and_another_starts_in_its_place(ray_session, make_config,
+                                                                                 fast_driver_poll):
+    # a standby runs no steps: its heartbeat carries the notice, and the run lets it go with an event
+    # instead of keeping a standby that leaves when its grace period ends (or after taking a slot)
+    steps = 600  # a few seconds: the notice reaches the coordinator with the standby's next beat (each second)
+    cfg = make_config("parallel.dp=1", "elastic.standby=1", f"train.steps={steps}", LONG_RUN_LR, "run.trace_steps=0")
+    told = {}
+
+    def on_rows(rows):
+        for row in rows:
+            if row.get("event") == "started":
+                told["pid"] = row["standby"][0]
+                os.kill(told["pid"], signal.SIGTERM)
+
+    result = train(cfg, on_rows=on_rows)
+    (left,) = [e for e in result.events if e["event"] == "standby_left"]
+    assert left["pids"] == [told["pid"]] and not pid_alive(told["pid"]), left
+    assert not [e for e in result.events if e["event"] in ("repair", "drain")] and result.failures == 0
+    assert result.committed_steps == list(range(steps)) and result.final_pids == result.worker_pids[:1]
 
 
 def test_dp2_tp2_a_tp_worker_killed_from_outside_takes_its_replica_which_is_replaced(ray_session, make_config,
