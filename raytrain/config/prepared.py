@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     from raytrain.config import Config
     from raytrain.config.layout import Layout
-    from raytrain.data.samples import DataSource
 
 
 HEARTBEAT_S = 1.0
@@ -72,8 +71,9 @@ class WorkerSpec:
     """What every worker of a run starts from."""
 
     cfg: Config
-    source: DataSource
-    """The samples it reads (the first and last stages), and their shape."""
+    source: Any
+    """The samples it reads (the first and last stages), and their shape: a raytrain.data.samples.DataSource
+    (named, not imported: config sits below data)."""
     num_samples: int
     """Training samples: the sample order permutes ids 0..num_samples-1."""
     stage_layers: list[list[list[int]]]
@@ -103,8 +103,8 @@ class PreparedRun:
     """The config with its defaults filled in: run.name and checkpoint.dir are set."""
     layout: Layout
     """The layout, with the model's layer count and each stage's layers."""
-    source: DataSource
-    """The samples the run reads, each counted, and the shape of one."""
+    source: Any
+    """The samples the run reads, each counted, and the shape of one (a raytrain.data.samples.DataSource)."""
     num_samples: int
     """Training samples, all files together, after those data.eval_fraction holds out."""
     model: ModelFacts
