@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from raytrain import checkpoint
-from raytrain.driver.signals import SAME_SIGNAL_WINDOW_S, Aborted, StopOnSignal, Verdict, judge
+from raytrain.driver.signals import (SAME_SIGNAL_WINDOW_S, STILL_STOPPING_S, Aborted, StillStopping, StopOnSignal,
+                                     Verdict, judge)
 from tests.helpers import pid_alive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,6 +101,26 @@ def test_two_signals_microseconds_apart_are_one_stop_and_one_a_moment_later_abor
         reader = stop._reader
     assert signal.getsignal(signal.SIGTERM) is before
     assert not reader.is_alive(), "the reader thread outlived its StopOnSignal"
+
+
+def test_a_stop_that_waits_long_for_its_step_boundary_says_what_it_waits_for():
+    # a frozen worker holds the step the stop waits for: every STILL_STOPPING_S without a step ending, one line
+    now, stream = [100.0], io.StringIO()
+    still = StillStopping("SIGTERM", 60, stream, clock=lambda: now[0])
+    still.check(7)
+    now[0] += STILL_STOPPING_S - 1
+    still.check(7)
+    assert stream.getvalue() == ""
+    now[0] += 1
+    still.check(7)
+    assert stream.getvalue() == ("[raytrain] SIGTERM: still stopping after 15 s: step 8 has not ended; a worker silent "
+                                 "for elastic.detect_timeout_s=60 s is declared hung and the run then stops at the "
+                                 "step boundary; send SIGTERM again to abort now\n")
+    now[0] += 5
+    still.check(8)  # a step ended: the wait starts again, and nothing is said
+    now[0] += STILL_STOPPING_S - 1
+    still.check(8)
+    assert stream.getvalue().count("still stopping") == 1
 
 
 _REPORTING = textwrap.dedent("""

@@ -32,7 +32,7 @@ from raytrain.driver.placement import check_tp_fits_a_node, placement_groups, re
 from raytrain.driver.prepare import remove_if_empty
 from raytrain.driver.rendezvous import RendezvousStore, preload_torch_distributed
 from raytrain.driver.report import RunReporter, evaluated
-from raytrain.driver.signals import Aborted, StopOnSignal
+from raytrain.driver.signals import Aborted, StillStopping, StopOnSignal
 from raytrain.reports import RunSummary
 from raytrain.reports.oom import FIT_ADVICE
 from raytrain.worker.actor import StageWorker
@@ -189,7 +189,7 @@ def _run_coordinators(prepared: PreparedRun, placement, reporter: RunReporter, o
             ).remote(dataclasses.replace(prepared, cfg=cfg, resume=resume), reservation, worker_cls=StageWorker)
             try:
                 store = rendezvous.address(host, namespace=f"coordinator{restarts}")
-                summary = _drive(coordinator, store, reporter, on_rows, stop)
+                summary = _drive(coordinator, store, reporter, on_rows, stop, cfg.elastic.detect_timeout_s)
                 if summary.time_book:
                     goodput = Goodput.of(summary.time_book, time.perf_counter() - launched, created - first_created)
                     reporter.add_goodput(goodput)
@@ -261,9 +261,10 @@ def coordinator_out_of_memory(error: Exception, last_checkpoint: Optional[str]) 
                            f"elastic.coordinator_restarts used up; {kept}; the node is short of memory: {FIT_ADVICE}")
 
 
-def _drive(coordinator, store, reporter: RunReporter, on_rows, stop) -> RunSummary:
+def _drive(coordinator, store, reporter: RunReporter, on_rows, stop, detect_timeout_s: float) -> RunSummary:
     """Run the coordinator to completion, forwarding its metric rows as they come (also the rows
-    it produced before it failed) and a stop request when a signal arrived."""
+    it produced before it failed) and a stop request when a signal arrived (then saying, while no step
+    ends, what the stop waits for)."""
 
     def collect(timeout=None):
         rows = ray.get(coordinator.poll.remote(), timeout=timeout)
@@ -272,13 +273,15 @@ def _drive(coordinator, store, reporter: RunReporter, on_rows, stop) -> RunSumma
             on_rows(rows)
 
     run_ref = coordinator.run.remote(store)
-    asked_to_stop = False
+    stopping: Optional[StillStopping] = None
     try:
         while not ray.wait([run_ref], timeout=POLL_INTERVAL_S)[0]:
-            if stop.reason is not None and not asked_to_stop:
+            if stop.reason is not None and stopping is None:
                 coordinator.request_stop.remote(stop.reason)
-                asked_to_stop = True
+                stopping = StillStopping(stop.reason, detect_timeout_s)
             collect()
+            if stopping is not None:
+                stopping.check(len(reporter.steps))
         summary = ray.get(run_ref)
     finally:
         try:

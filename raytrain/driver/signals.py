@@ -167,6 +167,36 @@ class StopOnSignal:
             raise Aborted(self.aborted)
 
 
+STILL_STOPPING_S = 15.0
+"""While a stop waits for its step boundary, how often the driver says what it waits for."""
+
+
+class StillStopping:
+    """After a stop signal, a line every STILL_STOPPING_S while no step has ended since: the step the stop waits
+    for, and what ends a step that never does (a worker silent for elastic.detect_timeout_s is declared hung;
+    the signal again aborts at once). A frozen worker otherwise leaves the person looking at a quiet terminal."""
+
+    def __init__(self, reason: str, detect_timeout_s: float, stream: TextIO = sys.stderr,
+                 clock: Callable[[], float] = time.monotonic):
+        self.reason, self.detect_timeout_s, self.stream, self.clock = reason, detect_timeout_s, stream, clock
+        self._since = self._said = clock()
+        self._steps: Optional[int] = None
+
+    def check(self, steps: int) -> None:
+        """``steps``: the steps committed so far; a new one restarts the wait."""
+        now = self.clock()
+        if steps != self._steps:
+            self._steps, self._since, self._said = steps, now, now
+            return
+        if now - self._said >= STILL_STOPPING_S:
+            self._said = now
+            self.stream.write(f"[raytrain] {self.reason}: still stopping after {now - self._since:.0f} s: step "
+                              f"{steps + 1} has not ended; a worker silent for elastic.detect_timeout_s="
+                              f"{self.detect_timeout_s:g} s is declared hung and the run then stops at the step "
+                              f"boundary; send {self.reason} again to abort now\n")
+            self.stream.flush()
+
+
 class ProcessSignals:
     """For the CLI's process, outside a run (where StopOnSignal takes over and then gives these handlers
     back): a stop signal never ends it with a traceback, nor before its summary line is out.
