@@ -276,3 +276,13 @@ def test_weights_raytrain_cannot_read_are_refused_not_ignored(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="pytorch_model.bin.*does not read.*save_pretrained"):
         prepare(load_config(None, [f"model.hf={tmp_path}", f"run.dir={tmp_path}/runs"]))
+
+
+def test_building_a_model_of_many_layers_is_said_first(capsys):
+    from raytrain.models.hf_model import MANY_LAYERS
+    from tests.hf_models import hf_config
+
+    meta_model(hf_config("llama", layers=2))
+    assert capsys.readouterr().err == ""
+    meta_model(hf_config("llama", layers=MANY_LAYERS))  # about a second: a config of 20,000 took minutes, silently
+    assert f"building the structure of its {MANY_LAYERS} layers (no weights yet" in capsys.readouterr().err
