@@ -69,7 +69,8 @@ class StageWorker:
 
         # beating from the start: a worker that hangs while it starts is found as one that hangs in a step
         self.heartbeat = None if spec.heartbeat_to is None else Heartbeat(
-            spec.heartbeat_to, beat_id, on_abort=lambda generation: self.stage.abort(generation) if hasattr(self, "stage") else None,
+            spec.heartbeat_to, beat_id,
+            on_abort=lambda generation: self.stage.abort(generation) if hasattr(self, "stage") else None,
             leaving=lambda: self.drain.notice.why if hasattr(self, "drain") and self.drain.notice else None)
         import_torch_uncollected()
         from raytrain.worker.drain import DrainWatch
