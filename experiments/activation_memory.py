@@ -27,7 +27,7 @@ def main() -> None:
 
     from raytrain.config import ModelConfig
     from raytrain.models.layers import full_model
-    from raytrain.models.memory import Widths, _activations
+    from raytrain.models.memory import Widths, activation_bytes
 
     n_layer, d_model, n_head, seq_len, batch = (int(a) for a in sys.argv[1:6])
     torch.set_num_threads(1)
@@ -48,7 +48,7 @@ def main() -> None:
     before = peak_bytes()
     step(batch)
     measured = peak_bytes() - before
-    estimated = _activations(Widths(d_model, n_head, seq_len, 256), batch, n_layer + 2, False, True, 1)
+    estimated = activation_bytes(Widths(d_model, n_head, seq_len, 256), batch, n_layer + 2, False, True, 1)
     per_block = measured / (batch * seq_len * n_layer * d_model * 4)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, batch {batch} x {seq_len}: "
           f"activations measured {measured / 2**30:.2f} GiB, estimated {estimated / 2**30:.2f} GiB "

@@ -160,7 +160,8 @@ def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, m
         live = _live_microbatches(pp, index, microbatches, schedule, virtual_stages, split)
         last = any(end == len(layer_params) for _, end in held)  # it computes the logits
         layers = max(end - first for first, end in held)
-        activations = _activations(widths, micro_batch, layers, recompute, last, live, logits_part) if widths else 0.0
+        activations = (activation_bytes(widths, micro_batch, layers, recompute, last, live, logits_part)
+                       if widths else 0.0)
         snapshot = SNAPSHOT_BYTES_PER_PARAM * sum(params) / fsdp if async_save and device is None else 0.0  # host, on GPU
         extra = device.extra(sum(params), state + unsharded + activations) if device else 0.0
         candidate = WorkerMemory(state, unsharded, activations, snapshot, extra)
@@ -186,7 +187,7 @@ def _live_microbatches(pp: int, stage: int, microbatches: int, schedule: str, vi
     return microbatches if schedule == "gpipe" else min(microbatches, pp - stage)
 
 
-def _activations(w: Widths, micro_batch: int, layers: int, recompute: bool, last: bool, live: int,
+def activation_bytes(w: Widths, micro_batch: int, layers: int, recompute: bool, last: bool, live: int,
                  logits_part: int = 1) -> float:
     """fp32 bytes that ``live`` micro-batches leave for backward in ``layers`` transformer layers (the
     embedding and the head count as layers: a slight overestimate); a worker holds 1 / ``logits_part`` of
