@@ -80,3 +80,38 @@ def test_gpu_workers_keep_their_process_when_nccl_fails_and_cpu_workers_get_no_n
     assert gpu["runtime_env"]["env_vars"] == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
     assert gpu["num_gpus"] == 1 and NCCL_SURVIVES_ERRORS["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     assert "runtime_env" not in _worker_options(make_config())
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("loss", ["failed reply", "death"])
+def test_a_survivor_waiting_out_its_group_timeout_after_a_loss_is_not_killed_when_the_step_timeout_ends_first(
+        ray_session, loss):
+    # resources.step_timeout_s (here 1 s) may end before elastic.detect_timeout_s: a survivor blocked in a
+    # collective with a lost peer returns only when its group times out, and beats until then. A loss gives
+    # the replies settle_s (detect_timeout_s and a margin) after it, so it is collected, not killed as hung.
+    from raytrain.control.membership import Member
+    from raytrain.control.workergroup import RayWorkerGroup
+    from raytrain.reports import StepReport
+
+    @ray.remote(num_cpus=0)
+    class Peer:
+        def step(self, seconds, ok, die=False):
+            if die:
+                import os
+                os._exit(1)
+            time.sleep(seconds)
+            return StepReport(rank=0, step=0, ok=ok, committed=0)
+
+    peers = [Peer.remote() for _ in range(2)]
+    members = [Member(p, 0, None, 0) for p in peers]
+    ray.get([p.step.remote(0, True) for p in peers], timeout=60)  # both started
+    first = peers[0].step.remote(0.1, False, die=loss == "death")
+    survivor = peers[1].step.remote(3.0, False)  # its group's timeout frees it after 3 s
+    group = RayWorkerGroup(Peer, {"num_cpus": 0}, spec=None)
+    started = time.monotonic()
+    outcomes = group.collect(members, [first, survivor], timeout=1.0, settle_s=6.0)
+    assert not outcomes[1].silent and outcomes[1].value.ok is False, "the survivor was given up on at the step timeout"
+    assert outcomes[0].dead == (loss == "death")
+    assert 2.5 < time.monotonic() - started < 6.0  # collected when it returned, well before settle_s ran out
+    for p in peers:
+        ray.kill(p)

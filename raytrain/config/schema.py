@@ -482,7 +482,9 @@ class ResourcesConfig:
     before failing. Formerly resources.wait_s, still read with a DeprecationWarning."""
     step_timeout_s: float = 300.0
     """A worker silent for longer than this in one step is killed and repaired like a lost worker (it
-    counts against elastic.max_failures), so a hung worker never hangs the run."""
+    counts against elastic.max_failures), so a hung worker never hangs the run. Once a worker is lost, its
+    survivors have at least elastic.detect_timeout_s + 5 s from the loss (a collective blocked on the lost
+    peer returns at its group's timeout)."""
     placement_strategy: str = "PACK"
     """How each replica's workers are placed (raytrain.driver.placement): a tp group always stays on one node;
     PACK (default) packs a replica without tp where it fits and lets it span nodes, STRICT_PACK keeps each

@@ -248,7 +248,12 @@ class Hung:
 def _wait_settled(refs: list, timeout: float, settle_s: Optional[float],
                   on_poll: Callable[[list, list], None] = lambda ready, pending: None) -> list:
     """The refs ready within ``timeout``, or (with ``settle_s``) within ``settle_s`` of the first failed reply;
-    ``on_poll(ready refs, pending refs)`` every POLL_S meanwhile (the silent are killed there)."""
+    ``on_poll(ready refs, pending refs)`` every POLL_S meanwhile (the silent are killed there).
+
+    With ``settle_s``, a loss (a failed reply or a dead worker) also extends the wait to ``settle_s`` after it:
+    a survivor blocked in a collective with the lost peer returns only when its group times out
+    (elastic.detect_timeout_s; gloo's abort cannot interrupt it), and is alive (it beats) until then, so
+    ``timeout`` (resources.step_timeout_s) running out first must not have it killed as hung."""
     deadline, failed_at, looked_at = time.monotonic() + timeout, None, set()
     while True:
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=min(POLL_S, timeout))
@@ -258,8 +263,12 @@ def _wait_settled(refs: list, timeout: float, settle_s: Optional[float],
         on_poll(ready, pending)
         new = [ref for ref in ready if ref not in looked_at]
         looked_at.update(new)
-        if settle_s is not None and failed_at is None and any(_failed(ref) for ref in new):
+        if settle_s is None or not new:
+            continue
+        if failed_at is None and any(_failed(ref) for ref in new):
             failed_at = now
+        if failed_at == now or any(_died(ref) for ref in new):
+            deadline = max(deadline, now + settle_s)
 
 
 def _died(ref) -> bool:
