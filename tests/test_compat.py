@@ -69,3 +69,14 @@ def test_the_processes_ray_init_starts_can_be_put_in_a_session_of_their_own():
         child.kill()
         child.wait(timeout=30)
     assert services.ConsolePopen is original
+
+
+def test_compile_callbacks_mark_where_compiling_starts_and_ends():
+    import torch
+
+    from raytrain.compat import on_compile
+
+    marks = []
+    on_compile(lambda: marks.append("start"), lambda: marks.append("end"))
+    torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+    assert marks[:2] == ["start", "end"]

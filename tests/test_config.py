@@ -216,6 +216,7 @@ BAD_VALUE_PER_KEY = [  # (override, a fragment of the fix the message must give 
     ("train.warmup_steps=-1", ">= 0"),
     ("train.min_lr=1", "0..train.lr"),
     ("train.activation_checkpointing=maybe", "true or false"),
+    ("train.compile=sometimes", "true or false"),
     ("parallel.dp=0", ">= 1"),
     ("parallel.fsdp=0", ">= 1"),
     ("parallel.tp=0", ">= 1"),

@@ -64,3 +64,10 @@ def test_a_coordinators_accounts_cover_its_run(tmp_path):
     badput = book["badput_s"]
     assert badput["work_redone"] >= steps[2] and badput["re_forming"] > 0 and badput["state_transfer"] > 0
     assert badput["checkpoint"] > 0 and badput["start_up"] > 0
+
+
+def test_the_time_a_step_spent_compiling_is_start_up_not_goodput():
+    book = TimeBook(Clock())
+    book.committed(0, 5.0, data_s=0.5, compile_s=4.0)  # train.compile: the first step compiles the layers
+    book.committed(1, 0.5, compile_s=0.0)
+    assert book.badput_s["start_up"] == 4.0 and book.badput_s["data"] == 0.5 and book.good_s == 1.0

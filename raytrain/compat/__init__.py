@@ -72,3 +72,13 @@ def ray_processes_in_a_session_of_their_own() -> Iterator[None]:
         yield
     finally:
         services.ConsolePopen = original
+
+
+def on_compile(started, ended) -> None:
+    """Call ``started()`` and ``ended()`` around each compilation of torch.compile (Dynamo's graph and
+    Inductor's kernels, forward and, when it runs first, backward). Dynamo's compile callbacks are the only
+    hook that marks where compiling begins and ends; torch.compiler has no public one."""
+    import torch._dynamo.callback as callback
+
+    callback.on_compile_start(lambda args: started())
+    callback.on_compile_end(lambda args: ended())

@@ -120,6 +120,10 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Keep only each layer's input in forward and recompute the layer in backward (torch's
     non-reentrant checkpoint): the same parameters for less activation memory and more compute."""
+    compile: bool = False
+    """Compile each layer with torch.compile (nn.Module.compile: names, hooks and checkpoints unchanged), after
+    activation checkpointing and before FSDP2 or tensor parallelism wrap it (torchtitan's order); every stage
+    chunk under pp. The first step's compile time is start-up badput. On CPU it needs a C++ compiler."""
     skip_nonfinite: int = 0
     """Steps whose loss or gradient norm is not finite that the run may skip (not apply) before it
     stops; 0 stops at the first, naming the step and the last good checkpoint."""

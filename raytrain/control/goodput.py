@@ -3,9 +3,9 @@ and badput, the rest, by cause (Google's ML Goodput; Meta's effective training t
 
 The coordinator charges every second of its own life to one account: each state's handler its time
 to the state's cause (evaluating to ``evaluation``, a save to ``checkpoint``, a repair or a grow to
-``re_forming``), a committed step its time to goodput but for the wait for its batch (``data``). A
-repair charges the wait for replacements (``waiting_for_capacity``) and a reload from the
-checkpoint (``state_transfer``) apart; a reload moves the steps it undoes from goodput to
+``re_forming``), a committed step its time to goodput but for the wait for its batch (``data``) and
+for compiling its layers (train.compile: ``start_up``). A repair charges the wait for replacements
+(``waiting_for_capacity``) and a reload from the checkpoint (``state_transfer``) apart; a reload moves the steps it undoes from goodput to
 ``work_redone``. A step lost with a worker is charged as work redone up to a typical step's time
 and as ``detection`` beyond it (the time to notice the loss). The driver adds the time before the
 coordinator's clock started (placement, the coordinator's start) to ``start_up``, and the life of
@@ -56,13 +56,17 @@ class TimeBook:
         self.badput_s[cause] += seconds
         self._charged += seconds
 
-    def committed(self, step: int, seconds: float, data_s: float = 0.0) -> None:
-        """A step ran to its commit in ``seconds``, ``data_s`` of them waiting for its batch."""
+    def committed(self, step: int, seconds: float, data_s: float = 0.0, compile_s: float = 0.0) -> None:
+        """A step ran to its commit in ``seconds``, ``data_s`` of them waiting for its batch and ``compile_s``
+        compiling its layers (train.compile: start-up work done in the first step)."""
         data = min(max(data_s, 0.0), seconds)
+        compiling = min(max(compile_s, 0.0), seconds - data)
         self.charge("data", data)
-        self._good_by_step[step] = seconds - data
-        self.good_s += seconds - data
-        self._charged += seconds - data
+        self.charge("start_up", compiling)
+        good = seconds - data - compiling
+        self._good_by_step[step] = good
+        self.good_s += good
+        self._charged += good
 
     def lost_step(self, seconds: float) -> None:
         """A step that ran ``seconds`` and lost a worker: redone work up to a typical step, then detection."""

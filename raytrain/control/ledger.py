@@ -37,7 +37,7 @@ class Ledger:
         """``step`` is done everywhere (applied, rolled forward, or ``skipped`` as not finite); its row waits."""
         self.committed_steps.append(step)
         if "step_s" in row:  # a step the workers ran to its commit (not rolled forward, not skipped)
-            self.time.committed(step, row["step_s"], row.get("data_s", 0.0))
+            self.time.committed(step, row["step_s"], row.get("data_s", 0.0), row.get("compile_s", 0.0))
         if skipped:
             self.skipped_steps.append(step)
         self.step, self.waiting_row = step + 1, row

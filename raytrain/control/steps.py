@@ -161,6 +161,7 @@ def aggregate_step(step: int, results: list[StepReport], wall_s: float, cfg: Con
         "samples_per_s": B / wall_s,
         "worker_step_s": max(r.wall_s for r in results),
         "data_s": max(r.data_s for r in results),  # the slowest reader holds up its pipeline
+        "compile_s": max(r.compile_s for r in results),  # train.compile: every worker compiles at once
         "bubble": sum(bubbles) / len(bubbles),
         "peak_live_activations": {str(r.rank): r.peak_live for r in results},
         "peak_mem_mb": {str(r.rank): round(r.peak_mem_mb, 1) for r in results},

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 from typing import Any, Callable, Optional
 
@@ -188,9 +189,25 @@ def check_inputs(cfg: Config) -> None:
             shards.check_held_out_apart(train, held)
     data.check_cache_dir(cfg.data.cache_dir)
     check_loggers(cfg.run.loggers)
+    _check_compiler(cfg)
     for key in ("model.factory", "data.factory", "data.transform"):
         section, field = key.split(".")
         _check_function(key, getattr(getattr(cfg, section), field))
+
+
+CXX_COMPILERS = ("g++", "clang++", "c++")
+"""What torch.compile's Inductor looks for, after $CXX, to build its C++ kernels on CPU."""
+
+
+def _check_compiler(cfg: Config) -> None:
+    """train.compile on CPU needs a C++ compiler (Inductor builds C++ kernels; on GPUs it writes Triton)."""
+    if not cfg.train.compile or cfg.resources.use_gpu:
+        return
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else list(CXX_COMPILERS)
+    if not any(shutil.which(c) for c in candidates):
+        raise ValueError(f"train.compile=true: a CPU run needs a C++ compiler (torch.compile's Inductor builds C++ "
+                         f"kernels) and none of {', '.join(candidates)} is on PATH: install one (apt-get install g++), "
+                         "point $CXX at one, or set train.compile=false")
 
 
 def _check_function(key: str, spec: Optional[str]) -> None:

@@ -56,6 +56,8 @@ class StepReport:
     wall_s: float = 0.0
     data_s: float = 0.0
     """Of ``wall_s``, the time reading this worker's batch (first and last stages read it)."""
+    compile_s: float = 0.0
+    """Of ``wall_s``, the time torch.compile spent compiling this worker's layers (train.compile)."""
     pipeline_s: float = 0.0
     """Time from the step's start to the end of this worker's pipeline work (its span in the bubble)."""
     peak_live: int = 0

@@ -107,12 +107,13 @@ class ScheduleExecutor:
 
     def output_of(self, chunk: int, example: Activation) -> Activation:
         """Chunk ``chunk``'s output for ``example``, without gradients, in eval mode (to learn its shape:
-        a batch norm updates no statistics, a dropout draws no random numbers)."""
+        a batch norm updates no statistics, a dropout draws no random numbers), eagerly (compiled layers,
+        train.compile, are not compiled for it)."""
         module = self.chunks[chunk]
         was_training = module.training
         module.eval()
         try:
-            with torch.no_grad(), self.autocast():
+            with torch.no_grad(), self.autocast(), torch.compiler.set_stance("force_eager"):
                 return module(example)
         finally:
             module.train(was_training)

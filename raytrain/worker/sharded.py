@@ -41,10 +41,11 @@ from raytrain.checkpoint.assemble import slices_entry
 from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
-from raytrain.models.layers import Recomputed, persistent_buffer_names
+from raytrain.models.layers import persistent_buffer_names
 from raytrain.models.tensor_plan import rows_of_stack
 from raytrain.pipeline.actions import WEIGHT
 from raytrain.pipeline.schedule import build_schedule
+from raytrain.worker.compiling import as_run
 from raytrain.worker.groups import Groups
 from raytrain.worker.tensor_parallel import local_part, parallelize_layers
 from raytrain.worker.gradsync import squared_norms_by_split, sum_over_tp
@@ -150,8 +151,7 @@ class ShardedLayers:
         if self.tp > 1:  # 2-D: split each layer over tp first, then shard the tp parts
             layers = parallelize_layers(layers, grid["tp"], self.cfg.parallel.sequence_parallel)
             grid = grid["replicate", "shard"] if mesh.dp > 1 else grid["shard"]
-        if self.cfg.train.activation_checkpointing:
-            layers = [Recomputed(layer) for layer in layers]
+        layers = as_run(layers, self.cfg.train)
         self.chunks = [_fully_shard_stage(chunk, grid, self) for chunk in _chunked(layers, self.chunk_lengths)]
         module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
         dparams = adopt(module, self.device, self.buffers, self.params, optimizer)

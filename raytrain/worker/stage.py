@@ -49,6 +49,7 @@ from raytrain.reports import BackgroundSave, EvalReport, JoinReport, ShardReport
 from raytrain.reports.oom import reraise_out_of_memory
 from raytrain.optim.optimizer import apply_step, make_optimizer
 from raytrain.worker.saving import ShardSaves
+from raytrain.worker.compiling import compile_clock
 from raytrain.worker.executor import ScheduleExecutor
 from raytrain.worker.generation import Generation, form_generation
 from raytrain.worker.gradsync import clip_global_norm
@@ -105,6 +106,7 @@ class Stage:
         self.saves = ShardSaves(self.state, stage, self.layers.part)
         self.joins = 0  # join attempts so far, successful or not
         self.aborted: set[int] = set()  # generations whose groups this worker aborted
+        self.compile_clock = compile_clock(cfg.train)
 
     # --- membership ------------------------------------------------------------------------------
 
@@ -182,6 +184,7 @@ class Stage:
         self.saves.writer.release()  # a background save's write runs beside this step
         report = self._run_step(step, trace, hold)
         report.saved = self.saves.writer.finished()
+        report.compile_s = self.compile_clock.take()
         return report
 
     def _run_step(self, step: int, trace: bool, hold: bool) -> StepReport:

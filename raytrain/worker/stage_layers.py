@@ -17,7 +17,8 @@ from torch import nn
 
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
-from raytrain.models.layers import Recomputed, build_model, persistent_buffer_names
+from raytrain.models.layers import build_model, persistent_buffer_names
+from raytrain.worker.compiling import as_run
 from raytrain.worker.executor import cut_into_chunks
 from raytrain.worker.gradsync import GradientBuckets
 from raytrain.worker.groups import Groups
@@ -77,7 +78,7 @@ class ReplicatedLayers:
 
     def __init__(self, cfg: Config, layer_ids: list[int], chunk_lengths: list[int], device: torch.device):
         spec = build_model(cfg.model, cfg.train.seed, layer_ids)
-        layers = [Recomputed(layer) for layer in spec.layers] if cfg.train.activation_checkpointing else spec.layers
+        layers = as_run(spec.layers, cfg.train)
         self.module = nn.Sequential(*layers).to(device)  # parameters in the same order: names stay global
         self.chunks = cut_into_chunks(self.module, chunk_lengths)
         self.names, self.loss_fn = spec.param_names(), spec.loss_fn

@@ -43,10 +43,11 @@ from raytrain.checkpoint.assemble import slices_entry, stack_dim
 from raytrain.compat import clear_dtensor_sharding_cache
 from raytrain.config import Config
 from raytrain.config.mesh import Mesh
-from raytrain.models.layers import Recomputed, persistent_buffer_names
+from raytrain.models.layers import persistent_buffer_names
 from raytrain.models.tensor_plan import (EXPERT_SPLITS, PARAM_ROWS, SEQUENCE_REGION, SEQUENCE_REGIONS, SUMMED_EXPERTS,
                                          TAIL_GRAD_SUM, VOCAB_EMBEDDING, VOCAB_PARALLEL, Box, layer_plan,
                                          sequence_parallel, split_of)
+from raytrain.worker.compiling import as_run
 from raytrain.worker.executor import cut_into_chunks
 from raytrain.worker.groups import Groups
 from raytrain.worker.gradsync import all_reduce_flat, squared_norms_by_split, sum_over_tp
@@ -277,9 +278,7 @@ class TensorParallelLayers:
         assert mesh.tp == self.tp and mesh.tp_index(rank) == self.index, (mesh, rank, self.index)
         tp_mesh = DeviceMesh.from_group(groups.tp_group, self.device.type, mesh_dim_names=("tp",))
         layers = parallelize_layers(copy.deepcopy(self.meta_layers), tp_mesh, self.cfg.parallel.sequence_parallel)
-        if self.cfg.train.activation_checkpointing:
-            layers = [Recomputed(layer) for layer in layers]
-        module = nn.Sequential(*layers)
+        module = nn.Sequential(*as_run(layers, self.cfg.train))
         dparams = adopt(module, self.device, self.buffers, self.params, optimizer)
         self.module, self.chunks = module, cut_into_chunks(module, self.chunk_lengths)
         return TensorParallelGrads(dparams, self.params, self.split, groups.dp_group,
