@@ -1,6 +1,8 @@
 """One NVIDIA GPU: tokens/s, model FLOPs utilisation and peak device memory of raytrain at dp=1 against
 a plain torch loop over the same layers in the same script, for the built-in GPT and a Llama-shaped
-~1B Hugging Face model, bf16 autocast, activation checkpointing off and on.
+~1B Hugging Face model, bf16 autocast, activation checkpointing off and on, and train.compile off and on
+(the built-in GPT; the baseline compiles its layers the same way); beside each raytrain peak, the memory check's estimate
+for the run (raytrain.driver.memory.layout_memory: the figure a refusal rests on) and its ratio to the peak.
 
 Each case trains ``--steps`` steps; the first two are warm-up and not timed. raytrain's figure is the
 run's samples/s times model.seq_len (its metrics rows, one Ray worker on the GPU); the baseline runs
@@ -39,12 +41,13 @@ def llama_dir(root: str) -> str:
     return path
 
 
-def config(name: str, recompute: bool, batch: int, steps: int, root: str):
+def config(name: str, recompute: bool, compiled: bool, batch: int, steps: int, root: str):
     from raytrain.config import load_config
 
     extra = [f"model.hf={llama_dir(root)}"] if name == "llama-1b" else []
     return load_config(None, MODELS[name] + extra + [
         f"train.steps={steps}", f"train.global_batch={batch}", f"train.activation_checkpointing={str(recompute).lower()}",
+        f"train.compile={str(compiled).lower()}",
         "resources.use_gpu=true", "resources.bf16=true", "run.trace_steps=0", f"run.dir={root}",
         "checkpoint.every=0", f"checkpoint.dir={os.path.join(root, 'ckpt', name, str(recompute))}"])
 
@@ -66,6 +69,9 @@ def plain_torch(cfg, steps: int) -> tuple[float, float, float]:
 
     torch.cuda.reset_peak_memory_stats()
     model = full_model(cfg.model, cfg.train.seed).cuda()
+    if cfg.train.compile:
+        for layer in model:
+            layer.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=True)
     B, T = cfg.train.global_batch, cfg.model.seq_len
     tokens = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device="cuda")
@@ -93,14 +99,19 @@ def plain_torch(cfg, steps: int) -> tuple[float, float, float]:
     return rate, peak, fpt
 
 
-def raytrain_run(cfg) -> tuple[float, float]:
-    """(tokens/s of the steps after the first two, peak GiB) of a raytrain run at dp=1."""
+def raytrain_run(cfg) -> tuple[float, float, float]:
+    """(tokens/s of the steps after the first two, peak GiB, the memory check's estimate in GiB) of a
+    raytrain run at dp=1."""
     from raytrain import train
+    from raytrain.driver.memory import layout_memory
+    from raytrain.driver.prepare import prepare
 
+    prepared = prepare(cfg)
+    estimate = layout_memory(prepared.cfg, prepared.layout, list(prepared.model.layer_params)).total / 2**30
     result = train(cfg, stream=open(os.devnull, "w"))
     timed = result.metrics[2:]
     rate = cfg.train.global_batch * cfg.model.seq_len * len(timed) / sum(r["step_s"] for r in timed)
-    return rate, max(float(mb) for mb in result.metrics[-1]["peak_mem_mb"].values()) / 1024
+    return rate, max(float(mb) for mb in result.metrics[-1]["peak_mem_mb"].values()) / 1024, estimate
 
 
 def main() -> int:
@@ -124,17 +135,19 @@ def main() -> int:
 
     ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
     print(f"{name}, bf16 peak {peak:.0f} TFLOPs, torch {torch.__version__}, batch {args.batch}, {args.steps} steps")
-    print(f"{'model':<9} {'recompute':>9} {'torch tok/s':>12} {'MFU':>6} {'GiB':>6} "
-          f"{'raytrain tok/s':>15} {'MFU':>6} {'GiB':>6} {'ratio':>6}")
+    print(f"{'model':<9} {'recompute':>9} {'compile':>7} {'torch tok/s':>12} {'MFU':>6} {'GiB':>6} "
+          f"{'raytrain tok/s':>15} {'MFU':>6} {'GiB':>6} {'ratio':>6} {'estimate':>8} {'/peak':>6}")
     with tempfile.TemporaryDirectory() as root:
         for model in args.models:
-            for recompute in (False, True):
-                cfg = config(model, recompute, args.batch, args.steps, root)
+            # (recompute, compile): compiled on the built-in GPT only, to stay within 8 minutes
+            for recompute, compiled in [(False, False), (True, False)] + [(False, True)] * (model == "gpt"):
+                cfg = config(model, recompute, compiled, args.batch, args.steps, root)
                 base, base_gib, fpt = plain_torch(cfg, args.steps)
-                ours, ours_gib = raytrain_run(cfg)
+                ours, ours_gib, estimate = raytrain_run(cfg)
                 mfu = lambda rate: rate * fpt / (peak * 1e12)  # noqa: E731
-                print(f"{model:<9} {str(recompute):>9} {base:>12.0f} {mfu(base):>6.1%} {base_gib:>6.1f} "
-                      f"{ours:>15.0f} {mfu(ours):>6.1%} {ours_gib:>6.1f} {ours / base:>5.2f}x", flush=True)
+                print(f"{model:<9} {str(recompute):>9} {str(compiled):>7} {base:>12.0f} {mfu(base):>6.1%} "
+                      f"{base_gib:>6.1f} {ours:>15.0f} {mfu(ours):>6.1%} {ours_gib:>6.1f} {ours / base:>5.2f}x "
+                      f"{estimate:>8.1f} {estimate / ours_gib:>5.2f}x", flush=True)
     ray.shutdown()
     return 0
 
