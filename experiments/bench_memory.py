@@ -9,6 +9,9 @@ peak allocated memory on GPU), the largest against dp=2's, the state each worker
 (16 bytes per parameter it owns: fp32 value, gradient, two AdamW moments), samples/s against
 dp=2's, and how far each layout's final parameters are from dp=2's (the same math: ~1e-6).
 
+Beside the largest peak: the memory check's estimate for the layout's fullest worker
+(raytrain.driver.memory.layout_memory, the figure a refusal rests on) and its ratio to that peak.
+
 dp=2 x fsdp=2 runs 4 workers: on a machine with fewer than 4 cores its speed is not comparable.
 
     python experiments/bench_memory.py              # about 5 minutes on 2 cores
@@ -67,6 +70,17 @@ def state_mb_per_worker(name: str) -> list[float]:
     return [per_stage[s] for _ in range(layout.dp) for _ in range(layout.fsdp) for s in range(layout.pp)]
 
 
+def estimate_mb(name: str) -> float:
+    """The memory check's estimate for the layout's fullest worker, in MB."""
+    from raytrain.config import load_config
+    from raytrain.driver.memory import layout_memory
+    from raytrain.driver.prepare import prepare
+
+    cfg = load_config(None, MODEL + LAYOUTS[name] + ["train.global_batch=8", f"run.dir={tempfile.gettempdir()}"])
+    prepared = prepare(cfg)
+    return layout_memory(prepared.cfg, prepared.layout, list(prepared.model.layer_params)).total / 2**20
+
+
 def _layer_params(cfg) -> list[int]:
     import torch
 
@@ -104,14 +118,16 @@ def report(runs: dict[str, list[dict]], names: list[str]) -> None:
     median = {name: sorted(rs, key=lambda r: r["samples_per_s"])[len(rs) // 2] for name, rs in runs.items()}
     base = median.get("dp=2", median[names[0]])
     print(f"\n{'layout':<15} {'state MB/worker':>16} {'peak MB per worker':>26} {'largest':>8} {'vs dp=2':>8} "
-          f"{'samples/s':>10} {'vs dp=2':>8} {'params vs dp=2':>15}")
+          f"{'samples/s':>10} {'vs dp=2':>8} {'params vs dp=2':>15} {'estimate MB':>12} {'/peak':>6}")
     for name in names:
         r = median[name]
         state = " / ".join(f"{mb:.0f}" for mb in sorted(set(state_mb_per_worker(name)), reverse=True))
         peaks = " / ".join(f"{mb:.0f}" for mb in r["peaks"])
+        estimate = estimate_mb(name)
         print(f"{name:<15} {state:>16} {peaks:>26} {max(r['peaks']):>8.0f} "
               f"{max(r['peaks']) / max(base['peaks']):>7.2f}x {r['samples_per_s']:>10.2f} "
-              f"{r['samples_per_s'] / base['samples_per_s']:>7.2f}x {relative_difference(r['params'], base['params']):>15.1e}")
+              f"{r['samples_per_s'] / base['samples_per_s']:>7.2f}x {relative_difference(r['params'], base['params']):>15.1e} "
+              f"{estimate:>12.0f} {estimate / max(r['peaks']):>5.2f}x")
     for name in names:
         rates = " / ".join(f"{r['samples_per_s']:.2f}" for r in runs[name])
         largest = " / ".join(f"{max(r['peaks']):.0f}" for r in runs[name])

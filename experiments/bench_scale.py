@@ -12,7 +12,8 @@ Printed: samples/s of the steps after the first, each worker's peak resident mem
 step's figure includes everything before it) after step 2 (training), after step 3 (training and the
 save after step 2) and after the resumed step (loading and one step), the save's wall time and how long
 it stalled training (synchronous: the whole save; background: the snapshot, and any wait for the write),
-and step 3's time against step 4's. The final parameters of runs 1 and 2 are compared (the same math).
+and step 3's time against step 4's; beside the training peak, the memory check's estimate for the layout
+(raytrain.driver.memory.layout_memory, the figure a refusal rests on) and its ratio to the largest peak. The final parameters of runs 1 and 2 are compared (the same math).
 
     python experiments/bench_scale.py --n-layer 8 --d-model 1024        # 0.1B parameters, 1.6 GB of state
     python experiments/bench_scale.py --n-layer 15 --d-model 2048 --skip-async   # 0.75B: 12 GB (alone on the machine)
@@ -54,13 +55,25 @@ def peaks(row: dict) -> str:
     return " / ".join(f"{float(mb) / 1024:.2f}" for _, mb in sorted(row["peak_mem_mb"].items(), key=lambda kv: int(kv[0])))
 
 
+def estimate_gib(cfg) -> float:
+    """The memory check's estimate for the fullest worker of ``cfg``'s layout, in GiB."""
+    from raytrain.driver.memory import layout_memory
+    from raytrain.driver.prepare import prepare
+
+    prepared = prepare(cfg)
+    return layout_memory(prepared.cfg, prepared.layout, list(prepared.model.layer_params)).total / 2**30
+
+
 def describe(name: str, r: dict) -> None:
     result = r["result"]
     rows = {m["step"]: m for m in result.metrics}
     steady = [m for m in result.metrics if m["step"] > 1]
     rate = sum(r["cfg"].train.global_batch for _ in steady) / sum(m["step_s"] for m in steady)
     saves = [e for e in result.events if e["event"] == "checkpoint"]
-    print(f"\n{name}: {rate:.2f} samples/s (steps 2..); peak GiB per worker after step 2 (training) {peaks(rows[2])}")
+    largest = max(float(mb) for mb in rows[2]["peak_mem_mb"].values()) / 1024
+    estimate = estimate_gib(r["cfg"])
+    print(f"\n{name}: {rate:.2f} samples/s (steps 2..); peak GiB per worker after step 2 (training) {peaks(rows[2])}; "
+          f"estimate {estimate:.2f} GiB ({estimate / largest:.2f}x the largest)")
     if 3 in rows:
         after = f", step 4 {rows[4]['step_s']:.2f} s" if 4 in rows else ""
         print(f"  after step 3 (and the save after step 2): {peaks(rows[3])}; step 3 {rows[3]['step_s']:.2f} s{after}")

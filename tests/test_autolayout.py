@@ -6,6 +6,7 @@ import pytest
 from raytrain import checkpoint, train
 from raytrain.config import load_config
 from raytrain.driver.memory import layout_memory
+from raytrain.models.memory import PROCESS_BYTES
 from raytrain.tune.autolayout import candidate_layouts, layout_of, splits_by_tp, too_big
 from tests.factories import Scale
 from tests.helpers import assert_same_params, reference_state
@@ -74,10 +75,10 @@ def test_layouts_whose_state_does_not_fit_a_worker_are_not_probed():
     counts = [1000, 4000, 4000, 1000]  # parameters per layer: 160 kB of state in all
     layouts = [{"parallel.dp": 2, "parallel.pp": 1}, {"parallel.fsdp": 2, "parallel.pp": 1},
                {"parallel.pp": 2, "parallel.microbatches": 2}]
-    assert layout_memory(cfg, layout_of(layouts[0]), counts).total == 16 * 10_000
-    assert layout_memory(cfg, layout_of(layouts[1]), counts).total == 8 * 10_000 + 8 * 4000  # + the gathered layer
-    assert layout_memory(cfg, layout_of(layouts[2]), counts).total == 16 * 5_000
-    reasons = too_big(cfg, layouts, counts, worker_bytes=100_000)
+    tensors = [layout_memory(cfg, layout_of(layout), counts) for layout in layouts]
+    tensors = [m.total - m.process for m in tensors]  # beside the worker process (PROCESS_BYTES and its slack)
+    assert tensors == [16 * 10_000, 8 * 10_000 + 8 * 4000, 16 * 5_000]  # fsdp: + the gathered layer
+    reasons = too_big(cfg, layouts, counts, worker_bytes=PROCESS_BYTES + 100_000)
     assert list(reasons) == [0, 1] and "exceeds" in reasons[0] and "GiB" in reasons[0]
     assert too_big(cfg, layouts, counts, worker_bytes=None) == {}  # unknown (GPUs): probed, not estimated
 

@@ -13,18 +13,21 @@ Arithmetic on parameter counts and widths, no torch. The estimate of the fullest
   step until its reduction after the last weight half (8 bytes per parameter of the stage);
 - **activations**: what backward needs of each micro-batch it holds at once (GPipe: all of them;
   1F1B: at most pp - stage; without a pipeline: one; with virtual stages the schedule's own peak of chunk
-  activations, each counted at the worker's largest chunk), per transformer layer about 34 x tokens x width + 5 x heads x tokens x seq_len
-  values (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"), or
-  with activation checkpointing each layer's input plus one layer rebuilt in backward; the last
-  stage adds its logits and their gradient. Not estimated for a model.factory model, whose layers raytrain does not know;
+  activations, each counted at the worker's largest chunk), per transformer layer 18 fp32 values per token
+  and unit of width (measured: experiments/activation_memory.py finds 14-18 for the built-in GPT; no
+  seq_len x seq_len term, which scaled_dot_product_attention never keeps), or with activation checkpointing
+  each layer's input plus one layer rebuilt in backward; the last stage adds its logits and their gradient.
+  Not estimated for a model.factory model, whose layers raytrain does not know;
 - **snapshot**: with checkpoint.async_save, the host copy of its parameters and moments that a background
   save writes while training goes on (12 bytes per parameter it owns);
 - **device** (GPU runs only, ``device_costs``): the CUDA context and libraries' workspaces, NCCL's buffers
   when there are peers, with resources.bf16 a bf16 copy of every parameter its forward casts (2 bytes per
-  parameter of its stage), and the caching allocator's slack over all of it.
+  parameter of its stage), and the caching allocator's slack over all of it;
+- **process** (CPU runs only): the worker process itself, Python, Ray's core worker, torch and its libraries
+  before any tensor, and the host allocator's slack over the tensors (fitted to the measured peaks of
+  experiments/bench_memory.py and bench_scale.py: the estimate lands 0-15% above them).
 
-It is an estimate, not a bound: the allocator's slack, torch's own workspace and the libraries
-(about 400 MB per worker process on CPU) come on top.
+It is an estimate, not a bound: experiments/bench_memory.py prints it beside each layout's measured peak.
 """
 
 from __future__ import annotations
@@ -44,8 +47,13 @@ UNSHARDED_BYTES_PER_PARAM = 8
 """fp32 parameter and gradient of the layer FSDP2 has gathered."""
 ACCUMULATED_GRAD_BYTES_PER_PARAM = 4
 """fp32 unsharded gradient FSDP2 holds between micro-batches (gradient sync only after the last)."""
-ACTIVATION_VALUES_PER_TOKEN_WIDTH = 34
-"""Values a transformer layer saves for backward per token and unit of width (Korthikanti et al.)."""
+ACTIVATION_VALUES_PER_TOKEN_WIDTH = 18
+"""fp32 values a transformer layer leaves for backward per token and unit of width: measured 14-18 for the
+built-in GPT (experiments/activation_memory.py). Korthikanti et al.'s 34 counts bytes of 2-byte activations."""
+PROCESS_BYTES = 0.5 * 2**30
+"""A CPU worker's process before any tensor: Python, Ray's core worker, torch and its libraries (resident)."""
+HOST_ALLOCATOR_SLACK = 0.05
+"""The share a CPU worker's allocator holds beyond what its tensors use (fragmentation, freed pages kept)."""
 CUDA_RUNTIME_BYTES = 0.75 * 2**30
 """A GPU worker's CUDA context, cuBLAS and cuDNN workspaces, before any tensor."""
 NCCL_BYTES = 0.5 * 2**30
@@ -76,16 +84,19 @@ class WorkerMemory:
     snapshot: float = 0.0
     device: float = 0.0
     """What a GPU adds (``device_costs``); 0 on CPU."""
+    process: float = 0.0
+    """On CPU, the worker process before any tensor and its allocator's slack (on a GPU that is host memory)."""
 
     @property
     def total(self) -> float:
-        return self.state + self.unsharded + self.activations + self.snapshot + self.device
+        return self.state + self.unsharded + self.activations + self.snapshot + self.device + self.process
 
     def describe(self) -> str:
         """``5.21 GiB (state 4.80, gathered layer 0.25, activations 0.16)``"""
         parts = f"state {gib(self.state)}, gathered layer {gib(self.unsharded)}, activations {gib(self.activations)}"
         parts += f", checkpoint snapshot {gib(self.snapshot)}" if self.snapshot else ""
         parts += f", CUDA, NCCL, bf16 copies and allocator slack {gib(self.device)}" if self.device else ""
+        parts += f", process {gib(self.process)}" if self.process else ""
         return f"{gib(self.total)} GiB ({parts})"
 
 
@@ -164,7 +175,8 @@ def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, m
                        if widths else 0.0)
         snapshot = SNAPSHOT_BYTES_PER_PARAM * sum(params) / fsdp if async_save and device is None else 0.0  # host, on GPU
         extra = device.extra(sum(params), state + unsharded + activations) if device else 0.0
-        candidate = WorkerMemory(state, unsharded, activations, snapshot, extra)
+        process = PROCESS_BYTES + HOST_ALLOCATOR_SLACK * (state + unsharded + activations + snapshot) if device is None else 0.0
+        candidate = WorkerMemory(state, unsharded, activations, snapshot, extra, process)
         worst = candidate if candidate.total > worst.total else worst
     return worst
 
@@ -193,7 +205,7 @@ def activation_bytes(w: Widths, micro_batch: int, layers: int, recompute: bool, 
     embedding and the head count as layers: a slight overestimate); a worker holds 1 / ``logits_part`` of
     the logits (a head split by vocabulary)."""
     tokens = micro_batch * w.seq_len
-    full = ACTIVATION_VALUES_PER_TOKEN_WIDTH * tokens * w.width + 5 * w.heads * tokens * w.seq_len
+    full = ACTIVATION_VALUES_PER_TOKEN_WIDTH * tokens * w.width
     logits = 2 * tokens * w.vocab / logits_part if last else 0  # the logits and their gradient
     if recompute:  # each layer's input is kept; backward rebuilds one layer of one micro-batch at a time
         return 4.0 * (live * (layers * tokens * w.width + logits) + full)
