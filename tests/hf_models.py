@@ -1,5 +1,5 @@
 """Tiny Hugging Face causal LMs (FAMILIES, and the families tensor parallelism and the conversion mapping
-add: Qwen3, Gemma 3, Mixtral, GPT-NeoX, DeepSeek-V2, Granite SWA, Qwen2-MoE, Starcoder2), written to a directory as ``save_pretrained`` does."""
+add: Qwen3, Gemma 2, Gemma 3, Cohere, Mixtral, GPT-NeoX, DeepSeek-V2, Granite SWA, Qwen2-MoE, Starcoder2), written to a directory as ``save_pretrained`` does."""
 
 import logging
 
@@ -27,6 +27,10 @@ def hf_config(family: str, tied: bool = False, layers: int = 2):
     if family == "gemma3":  # a rotary per layer type (local for sliding layers), per-head q/k norms
         return T.Gemma3TextConfig(**common, head_dim=8, sliding_window=8,
                                   layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)])
+    if family == "gemma2":  # a soft cap on its attention logits and on its output logits, a sliding window
+        return T.Gemma2Config(**common, head_dim=8, sliding_window=8, final_logit_softcapping=1.0)
+    if family == "cohere":  # its logits multiplied by logit_scale (0.0625)
+        return T.CohereConfig(**common)
     if family == "mixtral":  # experts whose files hold w1/w2/w3 each, fused into gate_up_proj/down_proj in the model
         return T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     if family == "gemma4_moe":  # experts beside its MLP, called by the decoder layer itself; no per-layer inputs

@@ -254,6 +254,26 @@ def test_converted_families_train_under_pp2_to_the_single_process_parameters(mak
     assert_same_hf_params(model, reference_state(cfg))
 
 
+@pytest.mark.parametrize("family", ["gemma2", "cohere"])
+def test_families_that_cap_or_scale_their_logits_are_cut_with_it_and_pipeline(make_config, tmp_path, family):
+    # Gemma 2 caps its logits (cap * tanh(logits / cap); a cap of 1 here, so that it matters), Cohere
+    # multiplies them by logit_scale: the cut's head does too, so the cut is the model's own forward and
+    # pp=2 trains to the single-process parameters (before, Gemma 2 was refused by 9.2e-5, Cohere by 1.1).
+    import transformers
+
+    path = write_hf_model(tmp_path / "model", family)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    cfg = hf_config(make_config, path, *PP2)
+    assert prepare(cfg).cfg.model.hf_cut == "layers"
+    first, _ = build_hf_stage(path, "layers", 0, [0, 1])
+    last, _ = build_hf_stage(path, "layers", 0, [2, 3])
+    ids = torch.randint(0, 256, (2, 24))  # longer than Gemma 2's sliding window
+    with torch.no_grad():
+        assert torch.equal(nn.Sequential(*last)(nn.Sequential(*first)(ids)), model(input_ids=ids).logits)
+    trained, _ = run_stages(cfg, str(tmp_path / "run"))
+    assert_same_hf_params(trained, reference_state(cfg))
+
+
 def test_weights_missing_a_parameter_train_whole_and_refuse_a_pipeline(tmp_path):
     """A file tensor no conversion makes (here renamed by hand): transformers' own loading decides."""
     import safetensors.torch

@@ -279,7 +279,7 @@ class HFEmbedding(nn.Module):
         self.tp_plan[""] = ("sequence_scatter", 1)
         """Under parallel.tp the token table is split by vocabulary, unless the head shares it; with
         parallel.sequence_parallel each rank keeps its tokens of the output."""
-        self.multiplier = _granite(config, "embedding_multiplier")
+        self.multiplier = _family_scale(config, "granite", "embedding_multiplier")
         """Granite's families scale the embedded tokens."""
 
     def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
@@ -350,19 +350,30 @@ class HFHead(nn.Module):
             self.tp_plan["norm"] = ("sequence_parallel", 1)
         if not split:  # a whole head takes every rank's tokens (before the norm, if that cannot run on a part)
             self.tp_plan["head" if per_token else "norm"] = ("sequence_gather", 1)
-        self.logits_scaling = _granite(config, "logits_scaling")
+        self.logit_scale = _family_scale(config, "cohere", "logit_scale")
+        """Cohere's families multiply the logits by it."""
+        self.logits_scaling = _family_scale(config, "granite", "logits_scaling")
         """Granite's families divide the logits by it."""
+        self.softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
+        """Gemma 2's (and later Gemma's) cap: logits = cap * tanh(logits / cap). Element-wise, so it holds on a
+        head split by vocabulary too."""
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.norm(h_BTD))
-        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
-def _granite(config, key: str) -> float:
-    """A scale of Granite's families (1 for any other: the same keys mean other things elsewhere, and
-    model.hf_cut=auto finds a cut that misses them)."""
+def _family_scale(config, family: str, key: str) -> float:
+    """A logit scale that only ``family``'s models (by model_type prefix) mean so (1 for any other: the same
+    keys mean other things elsewhere, and model.hf_cut=auto finds a cut that misses them)."""
     text = config.get_text_config()
-    value = getattr(text, key, None) if str(getattr(text, "model_type", "")).startswith("granite") else None
+    value = getattr(text, key, None) if str(getattr(text, "model_type", "")).startswith(family) else None
     return 1.0 if value is None else float(value)
 
 
