@@ -1,8 +1,9 @@
 """One NVIDIA GPU: tokens/s, model FLOPs utilisation and peak device memory of raytrain at dp=1 against
 a plain torch loop over the same layers in the same script, for the built-in GPT and a Llama-shaped
-~1B Hugging Face model, bf16 autocast, activation checkpointing off and on, and train.compile off and on
-(the built-in GPT; the baseline compiles its layers the same way); beside each raytrain peak, the memory check's estimate
-for the run (raytrain.driver.memory.layout_memory: the figure a refusal rests on) and its ratio to the peak.
+~1B Hugging Face model, bf16 autocast, activation checkpointing off and on, and train.compile off and
+on (the built-in GPT; the baseline compiles its layers the same way); beside each raytrain peak, the
+memory check's estimate for the run (raytrain.driver.memory.layout_memory: the figure a refusal rests on)
+and its ratio to the peak.
 
 Each case trains ``--steps`` steps; the first two are warm-up and not timed. raytrain's figure is the
 run's samples/s times model.seq_len (its metrics rows, one Ray worker on the GPU); the baseline runs

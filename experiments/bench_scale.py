@@ -13,7 +13,8 @@ step's figure includes everything before it) after step 2 (training), after step
 save after step 2) and after the resumed step (loading and one step), the save's wall time and how long
 it stalled training (synchronous: the whole save; background: the snapshot, and any wait for the write),
 and step 3's time against step 4's; beside the training peak, the memory check's estimate for the layout
-(raytrain.driver.memory.layout_memory, the figure a refusal rests on) and its ratio to the largest peak. The final parameters of runs 1 and 2 are compared (the same math).
+(raytrain.driver.memory.layout_memory, the figure a refusal rests on) and its ratio to the largest peak.
+The final parameters of runs 1 and 2 are compared (the same math).
 
     python experiments/bench_scale.py --n-layer 8 --d-model 1024        # 0.1B parameters, 1.6 GB of state
     python experiments/bench_scale.py --n-layer 15 --d-model 2048 --skip-async   # 0.75B: 12 GB (alone on the machine)
@@ -39,22 +40,6 @@ def model_args(args) -> list[str]:
             f"model.seq_len={args.seq_len}", "model.vocab_size=256"]
 
 
-def run(args, workdir: str, name: str, layout: list[str], extra: list[str]) -> dict:
-    from raytrain import train
-    from raytrain.config import load_config
-
-    cfg = load_config(None, model_args(args) + layout + extra + [
-        "train.global_batch=8", "train.lr=1e-4", "run.trace_steps=0", f"run.dir={workdir}", f"run.name={name}",
-        "checkpoint.every=2", "checkpoint.keep=5", f"checkpoint.dir={os.path.join(workdir, name, 'ckpt')}",
-        "resources.step_timeout_s=1800", "resources.check_memory=false"])
-    print(f"running {name} ...", file=sys.stderr, flush=True)
-    return {"result": train(cfg, stream=open(os.devnull, "w")), "cfg": cfg}
-
-
-def peaks(row: dict) -> str:
-    return " / ".join(f"{float(mb) / 1024:.2f}" for _, mb in sorted(row["peak_mem_mb"].items(), key=lambda kv: int(kv[0])))
-
-
 def estimate_gib(cfg) -> float:
     """The memory check's estimate for the fullest worker of ``cfg``'s layout, in GiB."""
     from raytrain.driver.memory import layout_memory
@@ -64,6 +49,23 @@ def estimate_gib(cfg) -> float:
     return layout_memory(prepared.cfg, prepared.layout, list(prepared.model.layer_params)).total / 2**30
 
 
+def run(args, workdir: str, name: str, layout: list[str], extra: list[str]) -> dict:
+    from raytrain import train
+    from raytrain.config import load_config
+
+    cfg = load_config(None, model_args(args) + layout + extra + [
+        "train.global_batch=8", "train.lr=1e-4", "run.trace_steps=0", f"run.dir={workdir}", f"run.name={name}",
+        "checkpoint.every=2", "checkpoint.keep=5", f"checkpoint.dir={os.path.join(workdir, name, 'ckpt')}",
+        "resources.step_timeout_s=1800", "resources.check_memory=false"])
+    print(f"running {name} ...", file=sys.stderr, flush=True)
+    estimate = estimate_gib(cfg)  # before the run: its checkpoints would make prepare refuse a second look
+    return {"result": train(cfg, stream=open(os.devnull, "w")), "cfg": cfg, "estimate": estimate}
+
+
+def peaks(row: dict) -> str:
+    return " / ".join(f"{float(mb) / 1024:.2f}" for _, mb in sorted(row["peak_mem_mb"].items(), key=lambda kv: int(kv[0])))
+
+
 def describe(name: str, r: dict) -> None:
     result = r["result"]
     rows = {m["step"]: m for m in result.metrics}
@@ -71,7 +73,7 @@ def describe(name: str, r: dict) -> None:
     rate = sum(r["cfg"].train.global_batch for _ in steady) / sum(m["step_s"] for m in steady)
     saves = [e for e in result.events if e["event"] == "checkpoint"]
     largest = max(float(mb) for mb in rows[2]["peak_mem_mb"].values()) / 1024
-    estimate = estimate_gib(r["cfg"])
+    estimate = r["estimate"]
     print(f"\n{name}: {rate:.2f} samples/s (steps 2..); peak GiB per worker after step 2 (training) {peaks(rows[2])}; "
           f"estimate {estimate:.2f} GiB ({estimate / largest:.2f}x the largest)")
     if 3 in rows:

@@ -5,12 +5,12 @@ The coordinator charges every second of its own life to one account: each state'
 to the state's cause (evaluating to ``evaluation``, a save to ``checkpoint``, a repair or a grow to
 ``re_forming``), a committed step its time to goodput but for the wait for its batch (``data``) and
 for compiling its layers (train.compile: ``start_up``). A repair charges the wait for replacements
-(``waiting_for_capacity``) and a reload from the checkpoint (``state_transfer``) apart; a reload moves the steps it undoes from goodput to
-``work_redone``. A step lost with a worker is charged as work redone up to a typical step's time
-and as ``detection`` beyond it (the time to notice the loss). The driver adds the time before the
-coordinator's clock started (placement, the coordinator's start) to ``start_up``, and the life of
-coordinators that were lost to ``coordinator_restart``, so that goodput and badput sum to the wall
-time from the launch (``Goodput``).
+(``waiting_for_capacity``) and a reload from the checkpoint (``state_transfer``) apart; a reload moves
+the steps it undoes from goodput to ``work_redone``. A step lost with a worker is charged as work
+redone up to a typical step's time and as ``detection`` beyond it (the time to notice the loss). The
+driver adds the time before the coordinator's clock started (placement, the coordinator's start) to
+``start_up``, and the life of coordinators that were lost to ``coordinator_restart``, so that goodput
+and badput sum to the wall time from the launch (``Goodput``).
 
 Pure: no torch, no Ray.
 """

@@ -175,7 +175,8 @@ def estimate(layer_params: list[int], *, pp: int, fsdp: int, micro_batch: int, m
                        if widths else 0.0)
         snapshot = SNAPSHOT_BYTES_PER_PARAM * sum(params) / fsdp if async_save and device is None else 0.0  # host, on GPU
         extra = device.extra(sum(params), state + unsharded + activations) if device else 0.0
-        process = PROCESS_BYTES + HOST_ALLOCATOR_SLACK * (state + unsharded + activations + snapshot) if device is None else 0.0
+        tensors = state + unsharded + activations + snapshot
+        process = PROCESS_BYTES + HOST_ALLOCATOR_SLACK * tensors if device is None else 0.0  # a GPU's: host memory
         candidate = WorkerMemory(state, unsharded, activations, snapshot, extra, process)
         worst = candidate if candidate.total > worst.total else worst
     return worst
