@@ -1,5 +1,5 @@
 """Tiny Hugging Face causal LMs (FAMILIES, and the families tensor parallelism and the conversion mapping
-add: Qwen3, Gemma 2, Gemma 3, Cohere, Mixtral, GPT-NeoX, DeepSeek-V2, Granite SWA, Qwen2-MoE, Starcoder2), written to a directory as ``save_pretrained`` does."""
+add: Qwen3, Gemma 2, Gemma 3, Cohere, Falcon, Mixtral, GPT-NeoX, DeepSeek-V2, Granite SWA, Qwen2-MoE, Starcoder2), written to a directory as ``save_pretrained`` does."""
 
 import logging
 
@@ -31,6 +31,10 @@ def hf_config(family: str, tied: bool = False, layers: int = 2):
         return T.Gemma2Config(**common, head_dim=8, sliding_window=8, final_logit_softcapping=1.0)
     if family == "cohere":  # its logits multiplied by logit_scale (0.0625)
         return T.CohereConfig(**common)
+    if family in ("falcon", "falcon_alibi"):  # layers that take an alibi argument (None with a rotary)
+        return T.FalconConfig(vocab_size=256, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                              max_position_embeddings=64, tie_word_embeddings=tied, alibi=family == "falcon_alibi",
+                              new_decoder_architecture=True, num_kv_heads=2)
     if family == "mixtral":  # experts whose files hold w1/w2/w3 each, fused into gate_up_proj/down_proj in the model
         return T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     if family == "gemma4_moe":  # experts beside its MLP, called by the decoder layer itself; no per-layer inputs

@@ -254,11 +254,12 @@ def test_converted_families_train_under_pp2_to_the_single_process_parameters(mak
     assert_same_hf_params(model, reference_state(cfg))
 
 
-@pytest.mark.parametrize("family", ["gemma2", "cohere"])
-def test_families_that_cap_or_scale_their_logits_are_cut_with_it_and_pipeline(make_config, tmp_path, family):
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "falcon"])
+def test_families_whose_heads_or_layers_need_more_are_cut_with_it_and_pipeline(make_config, tmp_path, family):
     # Gemma 2 caps its logits (cap * tanh(logits / cap); a cap of 1 here, so that it matters), Cohere
-    # multiplies them by logit_scale: the cut's head does too, so the cut is the model's own forward and
-    # pp=2 trains to the single-process parameters (before, Gemma 2 was refused by 9.2e-5, Cohere by 1.1).
+    # multiplies them by logit_scale: the cut's head does too. A rotary Falcon's layers take an alibi argument
+    # (None). So the cut is the model's own forward and pp=2 trains to the single-process parameters (before,
+    # Gemma 2 was refused by 9.2e-5, Cohere by 1.1, Falcon for the argument it was not given).
     import transformers
 
     path = write_hf_model(tmp_path / "model", family)
@@ -272,6 +273,12 @@ def test_families_that_cap_or_scale_their_logits_are_cut_with_it_and_pipeline(ma
         assert torch.equal(nn.Sequential(*last)(nn.Sequential(*first)(ids)), model(input_ids=ids).logits)
     trained, _ = run_stages(cfg, str(tmp_path / "run"))
     assert_same_hf_params(trained, reference_state(cfg))
+
+
+def test_an_alibi_falcon_is_refused_for_a_pipeline_naming_alibi(tmp_path):
+    path = write_hf_model(tmp_path / "model", "falcon_alibi")
+    with pytest.raises(ValueError, match=r"FalconForCausalLM.*uses alibi.*parallel.pp=1"):
+        prepare(load_config(None, [f"model.hf={path}", "parallel.pp=2", f"run.dir={tmp_path}/runs"]))
 
 
 def test_weights_missing_a_parameter_train_whole_and_refuse_a_pipeline(tmp_path):

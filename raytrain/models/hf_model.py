@@ -303,6 +303,8 @@ class HFDecoderLayer(nn.Module):
         self.sliding = self.attention_type == "sliding_attention"
         self.rotary_by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         """Gemma 3's rotary holds one frequency table per layer type, and is told which one a layer uses."""
+        self.takes_alibi = "alibi" in inspect.signature(layer.forward).parameters
+        """Falcon's layers take an alibi bias; a rotary Falcon's (config.alibi false, cut_layers' only kind) is None."""
         self.tokens_split_by = 1
         """The tp ranks that hold a part of each sample's tokens each (parallel.sequence_parallel; set by
         raytrain.worker.tensor_parallel): positions, mask and rotary are those of the whole sequence."""
@@ -320,6 +322,8 @@ class HFDecoderLayer(nn.Module):
         if self.rotary is not None:
             by_type = {"layer_type": self.attention_type} if self.rotary_by_type else {}
             extras["position_embeddings"] = self.rotary(whole_BTD, pos, **by_type)
+        if self.takes_alibi:
+            extras["alibi"] = None
         out = self.layer(h_BTD, attention_mask=mask, position_ids=pos, use_cache=False, **extras)
         return out[0] if isinstance(out, tuple) else out
 
@@ -390,6 +394,9 @@ class WholeModel(nn.Module):
 
 def cut_layers(model: nn.Module) -> list[nn.Module]:
     """The model as pipeline layers (sharing the model's own modules, so its names stay reachable)."""
+    if getattr(model.config.get_text_config(), "alibi", False):
+        raise UncuttableModel(f"{describe(model.config)} uses alibi, whose bias its model's forward folds into the "
+                              "attention mask: the cut does not reproduce that")
     parts = find_parts(model)
     decoders = [HFDecoderLayer(layer, layer_rotary(parts.rotary, model.config, i), model.config, i)
                 for i, layer in enumerate(parts.layers)]
