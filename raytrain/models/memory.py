@@ -50,9 +50,9 @@ ACCUMULATED_GRAD_BYTES_PER_PARAM = 4
 ACTIVATION_VALUES_PER_TOKEN_WIDTH = 18
 """fp32 values a transformer layer leaves for backward per token and unit of width: measured 14-18 for the
 built-in GPT (experiments/activation_memory.py). Korthikanti et al.'s 34 counts bytes of 2-byte activations."""
-PROCESS_BYTES = 0.5 * 2**30
+PROCESS_BYTES = 0.45 * 2**30
 """A CPU worker's process before any tensor: Python, Ray's core worker, torch and its libraries (resident)."""
-HOST_ALLOCATOR_SLACK = 0.05
+HOST_ALLOCATOR_SLACK = 0.10
 """The share a CPU worker's allocator holds beyond what its tensors use (fragmentation, freed pages kept)."""
 CUDA_RUNTIME_BYTES = 0.75 * 2**30
 """A GPU worker's CUDA context, cuBLAS and cuDNN workspaces, before any tensor."""
