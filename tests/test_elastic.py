@@ -425,10 +425,10 @@ def test_a_frozen_worker_is_found_by_its_silent_heartbeat_killed_its_slot_freed_
     result = train(cfg)
     assert time.monotonic() - started < 150, "detection waited for resources.step_timeout_s"
     assert result.failures == 3
-    frozen = [p for p in result.worker_pids if p not in result.final_pids]
-    assert len(frozen) == 3 and not any(pid_alive(p) for p in frozen)
     repairs = [e for e in result.events if e["event"] == "repair"]
     assert [e["step"] for e in repairs] == [2, 4, 6], repairs
+    frozen = [h["pid"] for e in repairs for h in e["hung"]]  # the first a starting worker, then replacements
+    assert len(set(frozen)) == 3 and frozen[0] in result.worker_pids and not any(pid_alive(p) for p in frozen)
     rows = {r["step"]: r for r in result.metrics}
     for phase, repair in zip(freezes, repairs):
         assert [h["worker"] for h in repair["hung"]] == ["replica 1 shard 1 stage 0"], (phase, repair)

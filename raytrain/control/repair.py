@@ -308,6 +308,7 @@ class Repairs:
 
 def _hung(lost: list[Member], places: dict[int, str], detect_timeout_s: float) -> dict:
     """The repair event's word on the lost workers killed for their silence (``places``: a lost member's place
-    by its id): each one's place and seconds without a heartbeat, as the cause of the loss."""
-    silent = [{"worker": places.get(id(m), f"stage {m.stage}"), "silent_s": m.hung} for m in lost if m.hung is not None]
+    by its id): each one's place, pid and seconds without a heartbeat, as the cause of the loss."""
+    silent = [{"worker": places.get(id(m), f"stage {m.stage}"), "pid": m.pid, "silent_s": m.hung}
+              for m in lost if m.hung is not None]
     return {"hung": silent, "cause": f"no heartbeat for over elastic.detect_timeout_s={detect_timeout_s:g} s"} if silent else {}
