@@ -103,15 +103,16 @@ def test_a_survivor_waiting_out_its_group_timeout_after_a_loss_is_not_killed_whe
             return StepReport(rank=0, step=0, ok=ok, committed=0)
 
     peers = [Peer.remote() for _ in range(2)]
-    members = [Member(p, 0, None, 0) for p in peers]
-    ray.get([p.step.remote(0, True) for p in peers], timeout=60)  # both started
-    first = peers[0].step.remote(0.1, False, die=loss == "death")
-    survivor = peers[1].step.remote(3.0, False)  # its group's timeout frees it after 3 s
-    group = RayWorkerGroup(Peer, {"num_cpus": 0}, spec=None)
-    started = time.monotonic()
-    outcomes = group.collect(members, [first, survivor], timeout=1.0, settle_s=6.0)
+    try:
+        ray.get([p.step.remote(0, True) for p in peers], timeout=60)  # both started
+        first = peers[0].step.remote(0.1, False, die=loss == "death")
+        survivor = peers[1].step.remote(3.0, False)  # its group's timeout frees it after 3 s
+        group = RayWorkerGroup(Peer, {"num_cpus": 0}, spec=None)
+        started = time.monotonic()
+        outcomes = group.collect([Member(p, 0, None, 0) for p in peers], [first, survivor], timeout=1.0, settle_s=6.0)
+    finally:
+        for p in peers:
+            ray.kill(p)
     assert not outcomes[1].silent and outcomes[1].value.ok is False, "the survivor was given up on at the step timeout"
     assert outcomes[0].dead == (loss == "death")
     assert 2.5 < time.monotonic() - started < 6.0  # collected when it returned, well before settle_s ran out
-    for p in peers:
-        ray.kill(p)

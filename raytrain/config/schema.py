@@ -123,7 +123,8 @@ class TrainConfig:
     compile: bool = False
     """Compile each layer with torch.compile (nn.Module.compile: names, hooks and checkpoints unchanged), after
     activation checkpointing and before FSDP2 or tensor parallelism wrap it (torchtitan's order); every stage
-    chunk under pp. The first step's compile time is start-up badput. On CPU it needs a C++ compiler."""
+    chunk under pp; not with a schedule that splits backwards (zbv, dualpipev, parallel.split_backward). The
+    first step's compile time is start-up badput. On CPU it needs a C++ compiler."""
     skip_nonfinite: int = 0
     """Steps whose loss or gradient norm is not finite that the run may skip (not apply) before it
     stops; 0 stops at the first, naming the step and the last good checkpoint."""
@@ -579,11 +580,12 @@ class Config:
     def __post_init__(self):
         """Checks that span sections; the per-section checks ran in their own __post_init__."""
         p, t = self.parallel, self.train
-        require(not (t.activation_checkpointing and p.split_backward), "train.activation_checkpointing", True,
-                "recomputed layers cannot be split into input and weight halves: turn off parallel.split_backward")
-        require(not (t.activation_checkpointing and p.schedule in V_SCHEDULES and p.pp > 1),
-                "train.activation_checkpointing", True, "recomputed layers cannot be split into input and weight "
-                f"halves, and {p.schedule} splits backwards: use parallel.schedule=interleaved_1f1b")
+        for key, on, layers in (("train.activation_checkpointing", t.activation_checkpointing, "recomputed layers"),
+                                ("train.compile", t.compile, "compiled layers (one backward graph each)")):
+            require(not (on and p.split_backward), key, True,
+                    f"{layers} cannot be split into input and weight halves: turn off parallel.split_backward")
+            require(not (on and p.schedule in V_SCHEDULES and p.pp > 1), key, True, f"{layers} cannot be split into "
+                    f"input and weight halves, and {p.schedule} splits backwards: use parallel.schedule=interleaved_1f1b")
         self._check_batch_division()
         self._check_tensor_parallel()
         if self.model.factory is None and self.model.hf is None:
