@@ -148,6 +148,9 @@ from raytrain.control.workergroup import RayWorkerGroup
 
 @ray.remote(num_cpus=0)
 class Sleeper:
+    def __init__(self):
+        time.sleep(3)  # starting for longer than the monitor takes to kill it (it looks every 100 ms)
+
     def pid(self):
         return os.getpid()
     def nap(self, s):
