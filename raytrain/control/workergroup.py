@@ -205,7 +205,7 @@ class RayWorkerGroup(WorkerGroup):
         for m, silent_s in killed:
             m.hung = round(silent_s, 1)
             self.kill_hung(m)
-        if self.generation is not None and (killed or any(_died(ref) for ref in ready)):
+        if self.generation is not None and (killed or any(_loss_in(ref) == "died" for ref in ready)):
             self.hung.heartbeats.abort(self.generation)
 
     def kill(self, member: Member) -> None:
@@ -265,34 +265,28 @@ def _wait_settled(refs: list, timeout: float, settle_s: Optional[float],
         looked_at.update(new)
         if settle_s is None or not new:
             continue
-        if failed_at is None and any(_failed(ref) for ref in new):
+        losses = {_loss_in(ref) for ref in new}  # each reply read once: this runs for every step
+        first_failure = failed_at is None and "failed" in losses
+        if first_failure:
             failed_at = now
-        if failed_at == now or any(_died(ref) for ref in new):
+        if first_failure or "died" in losses:
             deadline = max(deadline, now + settle_s)
 
 
-def _died(ref) -> bool:
-    """Whether a ready reply is its actor's death (not a reply of its own)."""
-    try:
-        ray.get(ref, timeout=0)
-    except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError):
-        return True
-    except ray.exceptions.RayError:
-        return False
-    return False
-
-
-def _failed(ref) -> bool:
-    """Whether a reply is a worker's own report of a failed step (a collective that failed against a
-    peer). A dead worker's reply is not: its healthy peers may still be computing towards the
-    collective where they will notice, however long their step takes."""
+def _loss_in(ref) -> Optional[str]:
+    """What a ready reply says of a loss: ``failed``, a worker's own report of a failed step (a collective
+    that failed against a peer; or a worker out of memory, which left its groups: its peers fail now);
+    ``died``, its actor's death (its healthy peers may still be computing towards the collective where they
+    will notice, however long their step takes); None, neither."""
     try:
         value = ray.get(ref)
-    except ray.exceptions.RayTaskError as e:  # a worker out of memory left its groups: its peers fail now
-        return memory_loss(e, None) is not None
+    except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError):
+        return "died"
+    except ray.exceptions.RayTaskError as e:
+        return "failed" if memory_loss(e, None) is not None else None
     except ray.exceptions.RayError:
-        return False
-    return isinstance(value, StepReport) and not value.ok
+        return None
+    return "failed" if isinstance(value, StepReport) and not value.ok else None
 
 
 @ray.remote(num_cpus=0)
