@@ -93,23 +93,10 @@ def run_stages(cfg: Config, out_dir: str, rejoin_at: Optional[int] = None,
     os.makedirs(out_dir, exist_ok=True)
     rendezvous = RendezvousStore()
     store = rendezvous.address("127.0.0.1", namespace=os.path.basename(out_dir))
-    ctx = _forkserver()
-    procs = [ctx.Process(target=_run_worker, args=(prepared.worker_spec(), rank, mesh, store, out_dir, prepared.resume,
-                                                   rejoin_at, evaluate_after),
-                         daemon=True)
-             for rank in range(mesh.world_size)]
     try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=JOIN_TIMEOUT_S)
-        failed = {rank: p.exitcode for rank, p in enumerate(procs) if p.exitcode != 0}
-        assert not failed, f"forked stage workers failed (rank: exit code, None = still running): {failed}"
+        run_forked(_run_worker, [(prepared.worker_spec(), rank, mesh, store, out_dir, prepared.resume, rejoin_at,
+                                  evaluate_after) for rank in range(mesh.world_size)])
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
         rendezvous.close()
     pieces, peak_live = checkpoint.Assembler(None, checkpoint.new_tensors()), []
     for s in range(mesh.pp):
@@ -120,6 +107,25 @@ def run_stages(cfg: Config, out_dir: str, rejoin_at: Optional[int] = None,
             peak_live.append(json.load(f)["peak_live"])
     pieces.check(out_dir)
     return pieces.tensors()["model"], peak_live
+
+
+def run_forked(target, args_per_rank: list[tuple]) -> None:
+    """``target(*args)`` in one forked process per entry of ``args_per_rank``; fails unless every one
+    exits 0 within JOIN_TIMEOUT_S, and leaves none behind."""
+    ctx = _forkserver()
+    procs = [ctx.Process(target=target, args=args, daemon=True) for args in args_per_rank]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=JOIN_TIMEOUT_S)
+        failed = {rank: p.exitcode for rank, p in enumerate(procs) if p.exitcode != 0}
+        assert not failed, f"forked workers failed (rank: exit code, None = still running): {failed}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
 
 
 def held_out_losses(out_dir: str) -> dict[int, tuple[float, int]]:

@@ -92,7 +92,7 @@ class ScheduleExecutor:
             if i in gen.chunk_last_grad_actions:  # this chunk's last gradients: a sharded chunk reduces them
                 self.grads.arm_chunk(gen.chunk_last_grad_actions.index(i))
             if i == gen.last_grad_action:  # this action fills the step's last gradients: buckets reduce as they fill
-                self.grads.arm()
+                self.grads.arm(buf.loss_sum)
             self._handlers[action.kind](action, buf)
             if action.kind == ActionKind.WEIGHT and i in gen.chunk_last_grad_actions:
                 self.grads.chunk_weights_done(gen.chunk_last_grad_actions.index(i))

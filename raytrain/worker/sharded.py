@@ -215,6 +215,8 @@ class ShardedGrads:
     split backward's weight half, ``finish`` after it all, then the norm and scaling act on this
     shard's reduced gradients, which the optimizer's plain ``params`` see as their ``.grad``."""
 
+    carries_vote = False  # the step's vote is a world-wide collective of its own (raytrain.worker.stage)
+
     def __init__(self, roots: list[nn.Module], dparams: list[nn.Parameter], params: list[torch.Tensor],
                  split: Optional[list[bool]] = None,
                  summed_over_tp: tuple[list[bool], Optional[dist.ProcessGroup]] = ((), None),
@@ -253,7 +255,7 @@ class ShardedGrads:
         before that W (it is the chunk's last gradient action), so the root already reduces and reshards."""
         fully_shard.state(self.roots[chunk])._root_post_backward_final_callback()  # armed by arm_chunk before the W
 
-    def arm(self) -> None:
+    def arm(self, loss_sum: torch.Tensor) -> None:
         """Nothing more: each chunk's root was armed before its own last backward."""
 
     @staticmethod

@@ -13,7 +13,8 @@ its parameters and optimizer state in memory.
 
 Commit protocol (ARCHITECTURE.md, invariants: every step applied exactly once): a step's optimizer
 update happens only after every worker of the generation has reduced and clipped its gradients and
-said so in a world-wide vote. A worker whose vote failed keeps its prepared gradients; if any
+said so in a world-wide vote (in a purely data-parallel generation, summed with the gradients:
+raytrain.worker.gradsync). A worker whose vote failed keeps its prepared gradients; if any
 survivor committed, the vote had every worker's consent, and the coordinator rolls the others
 forward with ``commit_prepared``.
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import math
 import os
 import pickle
 import resource
@@ -38,7 +38,6 @@ import time
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from raytrain.config import Config
@@ -60,6 +59,7 @@ from raytrain.worker.stage_layers import Grads, stage_layers
 from raytrain.worker.stage_samples import StageSamples
 from raytrain.worker.stage_state import StageBuffers, StageState
 from raytrain.worker.ties import TiedParameters
+from raytrain.worker.vote import step_vote
 
 HookFactory = Callable[[list[str], int, int, int], PhaseHook]
 """(fault specs, replica, stage, shard) -> the hook of the worker at that slot."""
@@ -204,10 +204,10 @@ class Stage:
         step_gen = self.gen  # leave() drops it on a failure: the report still says whether it was aborted
         try:
             self.state.buffers.before_step(step)  # a step tried again starts from the statistics it started from
-            self._prepare(step, trace, report)
+            leaving = lambda: self.leaving() and not hold  # noqa: E731 -- asked at the vote, however it is cast
+            self._prepare(step, trace, report, leaving)
             self.prepared = step
-            finite, report.drain_after = world_vote(share_finite(report, self.grads), self.leaving() and not hold,
-                                                    self.device)
+            finite, report.drain_after = step_vote(self.grads, report, leaving, self.device)
             if not finite:
                 self.prepared = None
                 report.nonfinite, report.error = True, "a loss or gradient norm was not finite"
@@ -243,14 +243,16 @@ class Stage:
         self.committed = step + 1
         return self.committed
 
-    def _prepare(self, step: int, trace: bool, report: StepReport) -> None:
+    def _prepare(self, step: int, trace: bool, report: StepReport, leaving: Callable[[], bool]) -> None:
         """Forward and backward every micro-batch by the schedule, all-reduce and clip: all but the update.
-        Fills in ``report``'s timings and values."""
+        Fills in ``report``'s timings and values. ``leaving``: this worker's say in the vote."""
         gen, cfg = self.gen, self.cfg
         t_start = time.perf_counter()
         ids, x, y = self.samples.of_step(step, gen, self.hook)
         report.data_s = time.perf_counter() - t_start
         self.grads.zero()
+        if self.grads.carries_vote:
+            self.grads.open_vote(leaving)
         self.layers.comm_log = [] if trace else None  # FSDP2's all-gathers and reduce-scatters go into the trace
         buf = self.executor.run(gen, step, x, y, self.hook, trace)
         t_sync = time.perf_counter()
@@ -268,9 +270,7 @@ class Stage:
         if gen.is_last and gen.tp_index == 0:  # the other tp ranks computed the same loss
             report.loss_sum = float(buf.loss_sum)
         if trace:
-            events = buf.events + [("allreduce wait", t_sync, t_reduced), ("clip", t_reduced, t_end)]
-            events += self.layers.comm_log or []
-            report.events = [(name, a - t_start, b - t_start) for name, a, b in events]
+            report.events = step_events(buf.events, self.layers.comm_log, t_start, t_sync, t_reduced, t_end)
         if cfg.run.record_samples and gen.is_first and gen.tp_index == 0:
             report.sample_ids = ids
 
@@ -322,24 +322,12 @@ def _autocast(cfg: Config, device: torch.device):
     return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=cfg.resources.bf16)
 
 
-def share_finite(report: StepReport, grads) -> bool:
-    """Whether this worker's share of the step (its loss, its gradients) is finite."""
-    if report.loss_sum is not None and not math.isfinite(report.loss_sum):
-        return False
-    if report.grad_norm is not None:  # the global norm: every worker sees the same value
-        return math.isfinite(report.grad_norm)
-    return bool(torch.isfinite(grads.squared_norm()))
-
-
-def world_vote(finite: bool, leaving: bool, device: torch.device) -> tuple[bool, bool]:
-    """The step's world-wide vote: its completion says everyone reduced and clipped, so everyone may
-    step. Its values: the count of non-finite workers, which stops the step everywhere if a loss or
-    gradient anywhere is NaN or inf; and the count of workers told to leave (in a step that does not
-    hold them), which makes this step's end the boundary where they go (every worker learns it in the same collective, so all of them
-    skip a step the coordinator sent ahead alike). Returns (finite everywhere, someone leaves)."""
-    counts = torch.tensor([0.0 if finite else 1.0, 1.0 if leaving else 0.0], device=device)
-    dist.all_reduce(counts)
-    return not bool(counts[0] > 0), bool(counts[1] > 0)
+def step_events(executed: list, comm_log: Optional[list], t_start: float, t_sync: float, t_reduced: float,
+                t_end: float) -> list[tuple[str, float, float]]:
+    """A traced step's events, relative to its start: the executor's actions, the wait for the reduction,
+    the clip, and FSDP2's collectives."""
+    events = executed + [("allreduce wait", t_sync, t_reduced), ("clip", t_reduced, t_end)] + (comm_log or [])
+    return [(name, a - t_start, b - t_start) for name, a, b in events]
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -27,10 +27,13 @@ from raytrain.worker.groups import Groups
 class Grads(Protocol):
     """Who reduces a stage's gradients over the data-parallel group (and shards or tp groups) in a step:
     ``zero`` before it, ``arm`` (and ``arm_chunk``) before the backwards that fill the last gradients,
-    ``finish`` after them; ``squared_norm`` for the clip."""
+    ``finish`` after them; ``squared_norm`` for the clip. ``carries_vote``: the step's vote is summed with
+    the gradients (``cast_vote``, then ``vote_result``; replicated layers of a purely data-parallel run)."""
+
+    carries_vote: bool
 
     def zero(self) -> None: ...
-    def arm(self) -> None: ...
+    def arm(self, loss_sum: torch.Tensor) -> None: ...
     def arm_chunk(self, chunk: int) -> None: ...
     def chunk_weights_done(self, chunk: int) -> None: ...
     def finish(self) -> None: ...
@@ -89,6 +92,8 @@ class ReplicatedLayers:
 
     def wrap(self, groups: Groups, mesh: Mesh, rank: int, optimizer: torch.optim.Optimizer) -> GradientBuckets:
         self.grads.group = groups.dp_group
+        # the dp group is the whole world (no stages, shards or tp ranks): the step's vote rides in the gradients
+        self.grads.carries_vote = mesh.world_size == mesh.dp and self.grads.vote is not None
         return self.grads
 
     def release(self) -> None:

@@ -297,6 +297,8 @@ class TensorParallelGrads:
     onto ``params``, a per-head norm's summed over the tp group, all summed over the dp group), then the
     norm and scaling act on them."""
 
+    carries_vote = False  # the step's vote is a world-wide collective of its own (raytrain.worker.stage)
+
     def __init__(self, dparams: list[nn.Parameter], params: list[torch.Tensor], split: list[bool],
                  dp_group: Optional[dist.ProcessGroup],
                  summed_over_tp: tuple[list[bool], Optional[dist.ProcessGroup]] = ((), None)):
@@ -313,7 +315,7 @@ class TensorParallelGrads:
     def chunk_weights_done(self, chunk: int) -> None:
         pass
 
-    def arm(self) -> None:
+    def arm(self, loss_sum: torch.Tensor) -> None:
         pass
 
     def finish(self) -> None:
