@@ -145,6 +145,33 @@ def test_the_cli_process_aborts_before_its_run_ends_and_exits_once_its_summary_i
     assert proc.stdout.splitlines() == ["aborted by SIGTERM", "the summary line"], proc.stdout
 
 
+_NOISY_COMMAND = textwrap.dedent("""
+    import os, subprocess, sys
+    import raytrain.__main__ as entry
+
+    def noisy_main(out, signals):  # prints as Ray Tune's tables, a C library and a child process do
+        print("+--------+ a Tune trial table on sys.stdout +--------+", flush=True)
+        os.write(1, b"a C library writing to fd 1\\n")
+        subprocess.run(["echo", "a child process inheriting fd 1"], check=True)
+        print('{"result": "line"}', file=out, flush=True)
+        return 0
+
+    entry.main = noisy_main
+    sys.argv = ["raytrain", "train"]
+    entry.run()
+""")
+
+
+def test_the_cli_process_keeps_its_stdout_for_the_result_line_whatever_else_prints():
+    """The summary is stdout's one line however the run prints (parallel.auto's Tune tables, Ray's warnings,
+    a model's prints, processes it starts): the rest goes to stderr (raytrain.__main__)."""
+    proc = subprocess.run([sys.executable, "-c", _NOISY_COMMAND], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == '{"result": "line"}\n'
+    for line in ["a Tune trial table", "a C library writing to fd 1", "a child process inheriting fd 1"]:
+        assert line in proc.stderr
+
+
 # --- the CLI on Ray ---------------------------------------------------------------------------------
 
 
@@ -168,6 +195,33 @@ def test_a_stop_signal_stops_at_a_step_boundary_with_a_checkpoint(ray_cluster, t
     checkpoint.load_shards(summary["checkpoint"])
     assert f"{sig.name}: stopping at the next step boundary" in err and "Traceback" not in err
     _assert_gone(workers)
+
+
+def test_a_stop_signal_while_a_worker_is_frozen_says_what_it_waits_for_then_stops_once_it_is_found(
+        ray_cluster, tmp_path, data_cache):
+    """SIGTERM while a worker is frozen (SIGSTOP, the ``pause`` fault in step 10) holds the stop short of
+    its step boundary: the CLI says so every STILL_STOPPING_S, and once the frozen worker is found hung
+    (elastic.detect_timeout_s) the run stops at a boundary with a checkpoint, the summary and exit 143."""
+    detect_s = STILL_STOPPING_S + 3
+    proc = _start_cli(ray_cluster, tmp_path, data_cache, "--set", "elastic.faults=['0:0@9:pause']",
+                      "--set", f"elastic.detect_timeout_s={detect_s}")
+    try:
+        workers = _wait_for_training(tmp_path, proc, steps=9)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=detect_s + 60)
+    finally:
+        proc.kill()
+    took = time.monotonic() - sent
+    assert proc.returncode == 143, err[-3000:]
+    assert STILL_STOPPING_S <= took < detect_s + 30, (took, err[-3000:])
+    assert "SIGTERM: still stopping after 15 s: step 10 has not ended" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    summary = _summary(out)
+    assert summary["stopped"] == "SIGTERM" and summary["steps"] >= 9
+    assert checkpoint.read_manifest(summary["checkpoint"])["step"] == summary["steps"]
+    checkpoint.load_shards(summary["checkpoint"])
+    _assert_gone(workers)  # the frozen one too: killed when found hung
 
 
 def test_a_killed_driver_takes_its_workers_along(ray_cluster, tmp_path, data_cache):
