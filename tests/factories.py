@@ -146,3 +146,21 @@ def batch_norm_mlp(cfg):
     no bias: batch norm removes its mean, so its exact gradient would be 0 and the computed one float noise,
     which AdamW scales to full-size steps of random sign."""
     return nn.Sequential(nn.Linear(64, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+
+
+INFINITE_LOSS_ENV = "RAYTRAIN_TEST_INFINITE_LOSS"
+"""Set in a worker process: its loss is inf while its gradients stay finite (``infinite_loss_here``)."""
+
+
+def _loss_infinite_here(output, targets):
+    """Cross entropy, plus inf where INFINITE_LOSS_ENV is set: a constant, so the gradients stay finite (as a
+    masked loss whose every element was masked can be), and only the loss says the step is not finite."""
+    import os
+
+    loss = nn.functional.cross_entropy(output, targets)
+    return loss + float("inf") if os.environ.get(INFINITE_LOSS_ENV) else loss
+
+
+def infinite_loss_here(cfg):
+    """The design documents' MLP on the digits, whose loss is inf in a worker process with INFINITE_LOSS_ENV."""
+    return [nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10)], _loss_infinite_here

@@ -8,10 +8,16 @@ import pytest
 import torch
 from torch import nn
 
+from raytrain.config import load_config
+
 from raytrain.config.mesh import Mesh
+from raytrain.config.prepared import Slot
+from raytrain.data import even_shares
+from raytrain.driver.prepare import prepare
 from raytrain.driver.rendezvous import RendezvousStore
 from raytrain.worker.groups import Groups
 from raytrain.worker.stage_layers import stage_layers
+from tests.factories import INFINITE_LOSS_ENV
 from tests.forked_stages import run_forked
 
 
@@ -75,3 +81,51 @@ def test_only_a_purely_data_parallel_generation_carries_the_vote_in_its_gradient
     finally:
         torch.set_num_threads(threads)
     assert grads.carries_vote is carries
+
+
+def _one_step(spec, rank: int, mesh: Mesh, store, out_dir: str, infinite_on: int, leaving_on: int) -> None:
+    """Step 0 of a Stage in this forked process, its loss inf on rank ``infinite_on`` and told to leave on
+    rank ``leaving_on`` (-1: none); writes its report's verdict and how often the vote's own collective ran."""
+    from raytrain.worker import vote
+    from raytrain.worker.stage import Stage
+
+    if rank == infinite_on:
+        os.environ[INFINITE_LOSS_ENV] = "1"
+    own_votes = []
+    world_vote = vote.world_vote
+    vote.world_vote = lambda *args: own_votes.append(1) or world_vote(*args)
+    replica, stage_index = mesh.coords(rank)
+    stage = Stage(spec, Slot(stage_index), leaving=lambda: rank == leaving_on)
+    stage.join(rank, mesh, even_shares(spec.cfg.train.global_batch, mesh.dp), store, generation=0, faults=[])
+    report = stage.run_step(0)
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump({"ok": report.ok, "nonfinite": report.nonfinite, "drain_after": report.drain_after,
+                   "committed": report.committed, "own_votes": len(own_votes)}, f)
+    stage.shutdown()
+
+
+@pytest.mark.parametrize("layout, own_vote", [("parallel.dp=2", False), ("parallel.pp=2", True)])
+@pytest.mark.parametrize("infinite_on, leaving_on", [(1, -1), (-1, 0), (-1, -1)])
+def test_a_stages_vote_reaches_every_worker_whether_the_gradients_carry_it_or_not(
+        tmp_path, layout, own_vote, infinite_on, leaving_on):
+    """One worker's infinite loss (its gradients finite: only the vote can tell) stops the step on every
+    worker, and one worker told to leave makes the step's end everyone's boundary: through the gradients in
+    a purely data-parallel run (no vote collective of its own), through the world-wide vote otherwise."""
+    cfg = load_config(None, ["model.factory=tests.factories:infinite_loss_here", "data.builtin=digits",
+                             "train.global_batch=8", "train.steps=1", "train.grad_clip=0", f"run.dir={tmp_path}",
+                             layout])
+    prepared = prepare(cfg)
+    mesh = prepared.layout.mesh
+    rendezvous = RendezvousStore()
+    store = rendezvous.address("127.0.0.1", namespace="stage-vote/")
+    try:
+        run_forked(_one_step, [(prepared.worker_spec(), rank, mesh, store, str(tmp_path), infinite_on, leaving_on)
+                               for rank in range(2)])
+    finally:
+        rendezvous.close()
+    reports = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    finite = infinite_on < 0
+    assert [(r["ok"], r["nonfinite"], r["committed"]) for r in reports] == [(finite, not finite, int(finite))] * 2
+    if finite:
+        assert [r["drain_after"] for r in reports] == [leaving_on >= 0] * 2
+    assert [r["own_votes"] for r in reports] == [int(own_vote)] * 2

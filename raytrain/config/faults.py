@@ -7,7 +7,9 @@ Set them with ``--set elastic.faults='["1:0@3:backward"]'``. Each fault fires at
 repair the coordinator drops the faults at or before the step that failed (``remaining_faults``).
 
 Phases: ``forward`` (before the first forward of the step), ``backward`` (before the first
-backward), ``allreduce`` (while its dp peers are all-reducing gradients), ``optimizer`` (after all
+backward), ``allreduce`` (while its dp peers are all-reducing gradients; its buckets may have gone out
+as its backward filled them, so in a purely data-parallel run the peers may complete the step and the
+repair roll it forward, or fail it and retry), ``optimizer`` (after all
 workers voted to commit, before this one stepped), ``checkpoint`` (half-way through writing its
 shard; ``step`` is then the checkpoint's step), ``eval`` (at the start of the held-out loss computed
 once ``step`` steps are committed, eval.every), ``join`` (while re-forming groups during a repair:
@@ -15,7 +17,8 @@ a failure during repair; ``step`` is the step the run resumes at). ``pause`` doe
 worker stops itself (SIGSTOP) at the start of the step, as a hung machine would, until something
 sends it SIGCONT; tests use it to hold a run at a known step while they act from outside.
 ``freeze_data`` and ``freeze_allreduce`` stop it the same way while it reads the step's samples, or as
-its peers all-reduce (it never joins them): a worker hung in a data read, or in a collective.
+its peers all-reduce (it sends no more than the buckets its backward launched): a worker hung in a
+data read, or in a collective.
 ``oom`` does not kill either: at the start of the step the worker's next allocation really fails
 (its address space is capped just above what it maps, RLIMIT_AS, for one torch allocation; nothing is
 touched), as a worker out of memory fails; the coordinator must take it out of the run.

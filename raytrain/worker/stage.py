@@ -13,10 +13,13 @@ its parameters and optimizer state in memory.
 
 Commit protocol (ARCHITECTURE.md, invariants: every step applied exactly once): a step's optimizer
 update happens only after every worker of the generation has reduced and clipped its gradients and
-said so in a world-wide vote (in a purely data-parallel generation, summed with the gradients:
-raytrain.worker.gradsync). A worker whose vote failed keeps its prepared gradients; if any
+said so in a world-wide vote. A worker whose vote failed keeps its prepared gradients; if any
 survivor committed, the vote had every worker's consent, and the coordinator rolls the others
-forward with ``commit_prepared``.
+forward with ``commit_prepared``. In a purely data-parallel generation the vote rides in the
+gradients' first bucket (raytrain.worker.vote): its completion proves that every worker finished its
+backward and sent its share, not that every worker received the sum, so a worker whose reduction failed
+after a peer's completed has no prepared update; the repair then copies a committed peer's state to it
+(``sync_state``), and should every worker that committed be lost too, the run reloads its checkpoint.
 
 Tensors only move through torch.distributed: activations and their gradients point-to-point
 between neighbouring stages, gradients all-reduced in the stage's dp group (reduce-scattered in

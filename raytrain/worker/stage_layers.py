@@ -28,7 +28,7 @@ class Grads(Protocol):
     """Who reduces a stage's gradients over the data-parallel group (and shards or tp groups) in a step:
     ``zero`` before it, ``arm`` (and ``arm_chunk``) before the backwards that fill the last gradients,
     ``finish`` after them; ``squared_norm`` for the clip. ``carries_vote``: the step's vote is summed with
-    the gradients (``cast_vote``, then ``vote_result``; replicated layers of a purely data-parallel run)."""
+    the gradients (``open_vote``, then ``vote_result``; replicated layers of a purely data-parallel run)."""
 
     carries_vote: bool
 
