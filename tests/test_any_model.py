@@ -203,6 +203,58 @@ def returns_one(columns):
     return columns["x"]
 
 
+def test_data_that_differs_between_files_or_from_its_held_out_rows_is_refused_by_name(make_config, tmp_path):
+    """What a hostile user found trained until step 1 or the first evaluation, or trained on the wrong data."""
+    def x(width, rows=32):
+        return pa.array([[0.0] * width] * rows, type=pa.list_(pa.float32(), width))
+
+    good = _rows(tmp_path / "good.parquet", x=x(4), y=pa.array([0, 1] * 16))
+    (tmp_path / "split").mkdir()
+    _rows(tmp_path / "split" / "a.parquet", x=x(4), y=pa.array([0, 1] * 16))
+    _rows(tmp_path / "split" / "b.parquet", x=x(4), y=pa.array([0.0, 1.0] * 16))
+    cases = [
+        ((f"data.path={tmp_path / 'split'}",), r"data.path: column 'y' is double in '.*b.parquet' but int64 in "
+         r"'.*a.parquet': every file of the data must give samples of one shape and type"),
+        ((f"data.path={good}", f"data.eval_path={_rows(tmp_path / 'wide.parquet', x=x(8), y=pa.array([0, 1] * 16))}"),
+         r"data.eval_path: the held-out samples are float32 \(8,\) -> int64 \(\), the training ones float32 \(4,\)"),
+        ((f"data.path={good}", f"data.eval_path={_rows(tmp_path / 'ids.parquet', x=x(4), y=pa.array([0, 7] * 16))}"),
+         r"class ids 0..7, outside the model's 2 outputs"),
+        ((f"data.path={_rows(tmp_path / 'neg.parquet', x=x(4), y=pa.array([-1, 1] * 16))}",),
+         r"class ids -1..1: class ids count from 0"),
+        ((f"data.path={good}", "data.transform=tests.test_any_model:raises_key_error"),
+         r"data.transform='tests.test_any_model:raises_key_error' cannot make samples of the first rows of "
+         r"'.*good.parquet': KeyError: 'pixels'"),
+        ((f"data.path={_rows(tmp_path / 'few.parquet', x=x(4, rows=5), y=pa.array([0, 1, 0, 1, 0]))}",),
+         r"the training data has 5 rows, fewer than train.global_batch=16: add rows, or lower train.global_batch"),
+        (("data.factory=tests.test_any_model:returns_none", "data.inputs=null", "data.targets=null"),
+         r"data.factory='tests.test_any_model:returns_none' returned None: return the training data"),
+    ]
+    for overrides, words in cases:
+        with pytest.raises(ValueError, match=words):
+            prepare(make_config("model.factory=experiments.examples.mlp:classifier", "data.inputs=x", "data.targets=y",
+                                "model.options={inputs: 4, classes: 2}", *STEPS, *overrides))
+    # class ids 1..2 mapped to 0..1 by the transform: the model takes what the transform makes, not the column
+    shifted = _rows(tmp_path / "shifted.parquet", x=x(4), y=pa.array([1, 2] * 16))
+    prepare(make_config("model.factory=experiments.examples.mlp:classifier", "model.options={inputs: 4, classes: 2}",
+                        "data.inputs=x", "data.targets=y", f"data.path={shifted}", *STEPS,
+                        "data.transform=tests.test_any_model:ids_from_one"))
+
+
+def raises_key_error(columns):
+    """A transform written for another dataset's columns."""
+    return columns["pixels"], columns["y"]
+
+
+def ids_from_one(columns):
+    """Class ids stored from 1, as the model counts them from 0."""
+    return columns["x"], columns["y"] - 1
+
+
+def returns_none(data_cfg):
+    """A data factory that forgot its return."""
+    dataset = None  # noqa: F841
+
+
 @pytest.mark.parametrize("overrides, words", [
     (("model.options={inputs: 64, classes: 5}",), r"class ids 0..9, outside the model's 5 outputs \(its last layer "
      r"gives float32 \(2, 5\)\): widen the last layer to 10 classes"),

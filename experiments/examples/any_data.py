@@ -16,7 +16,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # experiments.examples, from anywhere
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, REPO)  # experiments.examples, from anywhere: here, and in the workers of the Ray raytrain starts
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
 
 import raytrain  # noqa: E402
 from experiments.examples.mlp import classifier  # noqa: E402

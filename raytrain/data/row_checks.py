@@ -6,6 +6,7 @@ against the width of the model's output (raytrain.driver.model_check).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -27,6 +28,8 @@ class RowFacts:
     rows: int
     target_range: Optional[tuple[float, float]]
     """The smallest and largest target, when the targets are numbers (None for lists and objects)."""
+    column_types: tuple[tuple[str, str], ...] = ()
+    """(name, Arrow type) of each column read: every file of a run's data must agree."""
 
 
 def check_row_file(path: str, inputs: Union[str, list], targets: str, key: str) -> RowFacts:
@@ -42,8 +45,9 @@ def check_row_file(path: str, inputs: Union[str, list], targets: str, key: str) 
             which = "data.targets" if column == targets else "data.inputs"
             raise ValueError(f"{which} names column {column!r}, which {source} lacks (columns: {names}); "
                              f"set {which} to one of them")
+    types = tuple((column, str(meta.schema_arrow.field(column).type)) for column in column_names(inputs, targets))
     try:
-        return _scan(meta, source, inputs, targets)
+        return dataclasses.replace(_scan(meta, source, inputs, targets), column_types=types)
     except (OSError, pa.ArrowException) as e:  # a damaged page: the footer read, its data does not
         raise ValueError(f"{source} cannot be read past its footer ({type(e).__name__}: {first_line(e)}): the file "
                          "is damaged; rewrite it, or remove it from the data") from e

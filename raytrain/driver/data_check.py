@@ -16,6 +16,7 @@ from raytrain.data.columns import column_names
 from raytrain.data.rows import column_sampler
 from raytrain.data.samples import DataSource, SampleSpec
 from raytrain.data.shards import Files
+from raytrain.data.token_checks import first_line
 from raytrain.driver import user_data
 
 Example = Callable[[], tuple]
@@ -73,36 +74,55 @@ def check_rows(cfg: Config) -> CheckedData:
     each file checked; a sample's shape from the first rows, through data.transform when set."""
     key = "data.path" if cfg.data.path else f"data.builtin={cfg.data.builtin}, file"
     train, target_range = check_row_files(cfg, data.data_files(cfg), key)
-    d = cfg.data
-    sample = column_sampler(d.inputs, d.targets, data.load_transform(d.transform))
-    names = column_names(d.inputs, d.targets)
-    count = min(user_data.EXAMPLE_ROWS, train.samples[0])
-    try:
-        example = sample(row_checks.first_rows(train.paths[0], names, count), user_data._seeds(count), True)
-    except (TypeError, ValueError) as e:
-        what = f"data.transform={d.transform!r}" if d.transform else "data.inputs / data.targets"
-        raise ValueError(f"{what} cannot make samples of {train.paths[0]!r}'s first rows: {e}") from e
+    example = _first_samples(cfg, train)
     spec = user_data.spec_of(example)
     held_files = data.eval_files(cfg)
-    held = None if held_files is None else check_row_files(cfg, held_files, "data.eval_path")[0]
-    if held is not None:
+    held = None
+    if held_files is not None:
+        held, held_range = check_row_files(cfg, held_files, "data.eval_path")
         identity.check_no_copies(train, held)
-    return CheckedData(DataSource(train, spec, held), lambda: example, target_range)
+        _same_shape(spec, user_data.spec_of(_first_samples(cfg, held)), "data.eval_path")
+        target_range = _union(target_range, held_range)
+    # with data.transform the columns are not the targets: the class ids are checked on the first samples made
+    return CheckedData(DataSource(train, spec, held), lambda: example, None if cfg.data.transform else target_range)
+
+
+def _first_samples(cfg: Config, files: Files) -> Example:
+    """The first rows of ``files`` made into samples as a worker makes them (through data.transform when set);
+    a ValueError naming data.transform, or the columns, when they cannot be."""
+    d = cfg.data
+    sample = column_sampler(d.inputs, d.targets, data.load_transform(d.transform))
+    count = min(user_data.EXAMPLE_ROWS, files.samples[0])
+    try:
+        return sample(row_checks.first_rows(files.paths[0], column_names(d.inputs, d.targets), count),
+                      user_data._seeds(count), True)
+    except Exception as e:  # noqa: BLE001 -- the user's transform: one line naming it
+        what = f"data.transform={d.transform!r}" if d.transform else "data.inputs / data.targets"
+        raise ValueError(f"{what} cannot make samples of the first rows of {files.paths[0]!r}: "
+                         f"{type(e).__name__}: {first_line(e)}") from e
 
 
 def check_row_files(cfg: Config, paths: list[str], key: str) -> tuple[Files, Optional[tuple[float, float]]]:
-    """Every file of rows checked (row_checks.check_row_file), counted and fingerprinted; the targets' range
-    over them."""
-    d, counts, low, high = cfg.data, [], None, None
+    """Every file of rows checked (row_checks.check_row_file), counted and fingerprinted, their columns of one
+    type; the targets' range over them."""
+    d, counts, target_range, first = cfg.data, [], None, None
     for path in paths:
         facts = row_checks.check_row_file(path, d.inputs, d.targets, key)
         if facts.rows == 0:
             raise ValueError(f"{key} file {path!r} is empty: it holds no rows; remove it")
+        first = first or (path, facts.column_types)
+        for (column, kind), (_, first_kind) in zip(facts.column_types, first[1]):
+            if kind != first_kind:
+                raise ValueError(f"{key}: column {column!r} is {kind} in {path!r} but {first_kind} in {first[0]!r}: "
+                                 "every file of the data must give samples of one shape and type; rewrite one")
         counts.append(facts.rows)
-        if facts.target_range is not None:
-            low = facts.target_range[0] if low is None else min(low, facts.target_range[0])
-            high = facts.target_range[1] if high is None else max(high, facts.target_range[1])
-    return Files(tuple(paths), tuple(counts), identity.fingerprints(paths)), None if low is None else (low, high)
+        target_range = _union(target_range, facts.target_range)
+    return Files(tuple(paths), tuple(counts), identity.fingerprints(paths)), target_range
+
+
+def _union(a: Optional[tuple[float, float]], b: Optional[tuple[float, float]]) -> Optional[tuple[float, float]]:
+    """The smallest range holding both (None: unknown)."""
+    return b if a is None else a if b is None else (min(a[0], b[0]), max(a[1], b[1]))
 
 
 def check_metrics(cfg: Config, sample: SampleSpec) -> None:
@@ -145,6 +165,9 @@ def split_held_out(cfg: Config, source: DataSource) -> tuple[int, int]:
         held = data.held_out_count(rows, d.eval_fraction)
         where = f"data.eval_fraction={d.eval_fraction:g} holds out the last {held} of the {rows} rows"
         fix = f"raise data.eval_fraction to >= {cfg.eval.batches * B / rows:.3g}"
+        if rows - held < B and held == 0:
+            raise ValueError(f"the training data has {rows} rows, fewer than train.global_batch={B}: add rows, or "
+                             "lower train.global_batch")
         if rows - held < B:
             raise ValueError(f"{where}, leaving {rows - held} to train on, fewer than train.global_batch={B}; "
                              "lower data.eval_fraction, or use data.eval_path")

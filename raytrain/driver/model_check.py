@@ -97,7 +97,11 @@ def _check_loss(loss_fn, out, y, target_range: Optional[tuple[float, float]]) ->
     if loss_fn is default_loss and not y.is_floating_point() and hasattr(out, "shape") and out.dim() >= 2:
         classes = out.shape[-1]
         low, high = target_range or (int(y.min()), int(y.max()))
-        if low < 0 or high >= classes:
+        if low < 0:
+            raise ValueError(f"the targets hold class ids {low:g}..{high:g}: class ids count from 0 (cross entropy "
+                             f"takes 0..{classes - 1} for the model's {classes} outputs); fix data.targets, or map "
+                             "them in data.transform")
+        if high >= classes:
             raise ValueError(f"the targets hold class ids {low:g}..{high:g}, outside the model's {classes} outputs "
                              f"(its last layer gives {_shape(out)}): widen the last layer to {int(high) + 1} "
                              "classes, or fix data.targets")

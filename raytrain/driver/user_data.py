@@ -145,5 +145,10 @@ def data_factory(cfg: Config) -> tuple[Any, Optional[Any]]:
     if isinstance(made, tuple):
         if len(made) != 2:
             raise ValueError(f"{key} returned a tuple of {len(made)}; return a dataset or (train, held_out)")
+        if made[0] is None:
+            raise ValueError(f"{key} returned (None, ...): return (train, held_out) with a training dataset")
         return made
+    if made is None:  # else the run would fall back to data.path or the built-in data, silently
+        raise ValueError(f"{key} returned None: return the training data (a torch Dataset or a Ray Dataset), or "
+                         "(train, held_out); did the function miss its return?")
     return made, None
