@@ -362,3 +362,18 @@ def test_a_sweep_whose_every_trial_failed_names_no_best(monkeypatch, capsys):
     grid = type("Grid", (), {"experiment_path": "exp"})()
     assert cli._sweep_report(grid, None, None, "resume", out) == 1
     assert json.loads(out.getvalue())["best"] is None and "no trial finished" in capsys.readouterr().err
+
+
+def test_model_options_reach_the_python_apis_model_function_and_need_a_model_function(make_config):
+    from experiments.examples.mlp import classifier
+
+    seen = {}
+
+    def build(model_cfg):
+        seen.update(model_cfg.options)
+        return classifier(model_cfg)
+
+    prepare(make_config("data.builtin=digits", *STEPS, "model.options={hidden: 8}"), model=build)
+    assert seen == {"hidden": 8}
+    with pytest.raises(ValueError, match=r"model.options=\{'hidden': 8\}: they are the model function's settings"):
+        prepare(make_config("data.builtin=digits", *STEPS, "model.options={hidden: 8}"))

@@ -78,8 +78,6 @@ class ModelConfig:
                 "give a directory path")
         require(isinstance(self.options, dict) and all(isinstance(k, str) for k in self.options), "model.options",
                 self.options, "a mapping of names to values, read by model.factory")
-        require(not self.options or self.factory is not None, "model.options", self.options,
-                "they are model.factory's settings: set model.factory, or unset them")
         if self.factory is not None:
             module, _, function = self.factory.partition(":")
             require(all(p.isidentifier() for p in module.split(".")) and function.isidentifier(), "model.factory",

@@ -178,6 +178,9 @@ def check_inputs(cfg: Config) -> None:
     none of data.path's (nothing opened: listings and stats), data.cache_dir takes files,
     model.factory, data.factory and data.transform import and name functions (what they return is checked
     when prepare calls them)."""
+    if cfg.model.options and cfg.model.factory is None:  # the Python API's model= is model.factory by now
+        raise ValueError(f"model.options={cfg.model.options}: they are the model function's settings (model.factory, "
+                         "or raytrain.train(model=...)): give one, or unset them")
     # every entry names a file: listings only, nothing read
     train = None if cfg.data.path is None else shards.resolve(cfg.data.path, "data.path")
     if cfg.model.hf is not None and not os.path.isdir(os.path.expanduser(cfg.model.hf)):
