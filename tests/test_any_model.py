@@ -377,3 +377,25 @@ def test_model_options_reach_the_python_apis_model_function_and_need_a_model_fun
     assert seen == {"hidden": 8}
     with pytest.raises(ValueError, match=r"model.options=\{'hidden': 8\}: they are the model function's settings"):
         prepare(make_config("data.builtin=digits", *STEPS, "model.options={hidden: 8}"))
+
+
+def test_metrics_of_a_model_whose_output_is_not_a_tensor_are_refused_before_the_run(make_config):
+    with pytest.raises(ValueError, match=r"eval.metrics=\['accuracy'\] score the model's output, and it returns tuple"):
+        prepare(make_config("model.factory=tests.test_any_model:with_an_auxiliary_output", "data.builtin=digits",
+                            *STEPS, "data.eval_fraction=0.25", "eval.every=2", "eval.batches=1",
+                            "eval.metrics=[accuracy]"))
+
+
+def with_an_auxiliary_output(model):
+    """An MLP whose last layer also returns an auxiliary value, which its own loss reads."""
+    from experiments.examples.mlp import classifier
+
+    class WithAux(torch.nn.Module):
+        def forward(self, logits):
+            return logits, logits.pow(2).mean()
+
+    def loss(out, targets):
+        logits, aux = out
+        return torch.nn.functional.cross_entropy(logits, targets) + 0.01 * aux
+
+    return [*classifier(model), WithAux()], loss

@@ -88,6 +88,10 @@ def check_model_takes_samples(cfg: Config, layers: list, loss_fn, example: tuple
                                  f"parallel.pp={layout.pp} must send to the next stage (a cut after layer {i}): "
                                  "return a tensor or a tuple of tensors, or cut elsewhere (parallel.split_points)")
         _check_loss(loss_fn, h, y, target_range)
+    if cfg.eval.metrics and not isinstance(h, torch.Tensor):
+        raise ValueError(f"eval.metrics={cfg.eval.metrics} score the model's output, and it returns {type(h).__name__} "
+                         "(the loss takes it, the metrics cannot): return one tensor from the last layer, or set "
+                         "eval.metrics=[]")
 
 
 def _check_loss(loss_fn, out, y, target_range: Optional[tuple[float, float]]) -> None:
