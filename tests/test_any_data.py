@@ -83,3 +83,21 @@ def test_batch_norm_statistics_stay_identical_on_replicas_and_resume_into_anothe
     resumed = checkpoint.load_state_dict(train(cfg).checkpoint)
     model, _ = train_reference(cfg, resume_from=first.checkpoint)
     assert_same_params(resumed, {**dict(model.named_parameters()), **dict(model.named_buffers())})
+
+
+def test_a_ray_datasets_every_row_is_checked_before_the_run(ray_session, make_config):
+    """A missing value, or a class id beyond the model's outputs, in a later block of a Ray Dataset is refused
+    before any actor starts, naming the row, as a Parquet file's are (they failed step 1 before)."""
+    import ray.data
+
+    from raytrain.driver.prepare import prepare
+
+    rows = [{"x": np.zeros(64, dtype=np.float32), "y": i % 10} for i in range(200)]
+    beyond = [dict(r, y=12) if i == 150 else r for i, r in enumerate(rows)]
+    missing = [dict(r, x=None) if i == 120 else r for i, r in enumerate(rows)]
+    cfg = make_config("model.factory=experiments.examples.mlp:classifier", "data.inputs=x", "data.targets=y",
+                      "train.steps=2", "train.global_batch=8")
+    for items, words in ((beyond, r"class ids 0..12, outside the model's 10 outputs"),
+                         (missing, r"dataset \(a Ray Dataset\): column 'x' has no value at row 120")):
+        with pytest.raises(ValueError, match=words):
+            prepare(cfg, dataset=ray.data.from_items(items, override_num_blocks=4))

@@ -61,12 +61,14 @@ def check_objects(cfg: Config, dataset: Any, eval_dataset: Any) -> CheckedData:
     if eval_dataset is not None and cfg.data.eval_fraction > 0:
         raise ValueError(f"data.eval_fraction={cfg.data.eval_fraction:g} and {where}'s held-out dataset both give "
                          "held-out rows: unset one of them")
-    train, spec, example = user_data.user_samples(dataset, where, cfg)
+    train, spec, example, target_range = user_data.user_samples(dataset, where, cfg)
     held = None
     if eval_dataset is not None:
-        held, held_spec, _ = user_data.user_samples(eval_dataset, f"{where}'s held-out dataset", cfg)
+        held, held_spec, _, held_range = user_data.user_samples(eval_dataset, f"{where}'s held-out dataset", cfg)
         _same_shape(spec, held_spec, where)
-    return CheckedData(DataSource(train, spec, held), lambda: example)
+        target_range = _union(target_range, held_range)
+    # with data.transform the columns are not the targets: the class ids are checked on the first samples made
+    return CheckedData(DataSource(train, spec, held), lambda: example, None if cfg.data.transform else target_range)
 
 
 def check_rows(cfg: Config) -> CheckedData:

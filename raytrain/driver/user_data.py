@@ -29,15 +29,16 @@ def is_ray_dataset(value: Any) -> bool:
 
 
 def user_samples(dataset: Any, key: str, cfg: Config):
-    """``dataset`` (named by ``key`` in the messages) as (samples, their spec, an example batch): a ValueError
-    naming ``key`` and the fix when it cannot be read."""
+    """``dataset`` (named by ``key`` in the messages) as (samples, their spec, an example batch, the targets'
+    range where every target was read: a Ray Dataset's): a ValueError naming ``key`` and the fix when it cannot
+    be read."""
     if is_ray_dataset(dataset):
         return ray_blocks(dataset, key, cfg)
     if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
         if cfg.data.inputs is not None or cfg.data.transform is not None:
             raise ValueError(f"{key} is a torch Dataset, which gives (inputs, target) pairs itself: unset data.inputs, "
                              "data.targets and data.transform (they read the columns of Parquet rows or a Ray Dataset)")
-        return torch_objects(dataset, key)
+        return (*torch_objects(dataset, key), None)
     raise ValueError(f"{key} is {type(dataset).__name__}; give a map-style torch.utils.data.Dataset (index -> "
                      "(inputs, target), with __len__) or a ray.data.Dataset")
 
@@ -83,12 +84,51 @@ def ray_blocks(dataset: Any, key: str, cfg: Config):
         which = "data.targets" if missing[0] == d.targets else "data.inputs"
         raise ValueError(f"{which} names column {missing[0]!r}, which {key} (a Ray Dataset) lacks; its columns: {names}")
     blocks = Blocks(tuple(ref for ref, _ in kept), tuple(n for _, n in kept))
+    target_range = _scan_blocks(blocks, list(dict.fromkeys(wanted + [d.targets])), d.targets, key)
     sample = column_sampler(d.inputs, d.targets, load_transform(d.transform))
     read = block_part(blocks.refs, list(dict.fromkeys(wanted + [d.targets])))
     first = read(0)
     example = _example(lambda ids: sample({k: v[ids] for k, v in first.items()}, _seeds(len(ids)), True),
                        blocks.samples[0], key)
-    return blocks, spec_of(example), example
+    return blocks, spec_of(example), example, target_range
+
+
+def _scan_blocks(blocks: Blocks, names: list[str], targets: str, key: str) -> Optional[tuple[float, float]]:
+    """Every row of the named columns checked where its block lives (as a Parquet file's are: no missing
+    value), and the targets' range kept; a ValueError naming ``key``, the column and the row."""
+    import ray
+
+    scan = ray.remote(num_cpus=0)(_scan_block)
+    low = high = None
+    first = 0
+    for (bad, block_low, block_high), rows in zip(ray.get([scan.remote(ref, names, targets) for ref in blocks.refs]),
+                                                  blocks.samples):
+        if bad is not None:
+            column, row = bad
+            raise ValueError(f"{key} (a Ray Dataset): column {column!r} has no value at row {first + row}: a sample "
+                             "needs every value; drop or fill such rows (ray.data's filter or map_batches)")
+        if block_low is not None:
+            low = block_low if low is None else min(low, block_low)
+            high = block_high if high is None else max(high, block_high)
+        first += rows
+    return None if low is None else (low, high)
+
+
+def _scan_block(block, names: list[str], targets: str) -> tuple[Optional[tuple[str, int]], Optional[float], Optional[float]]:
+    """((column, row) of the first missing value or None, the targets' smallest and largest or None) of a block."""
+    import numpy as np
+
+    block = block if isinstance(block, dict) else {names[0]: block}
+    for name in names:
+        values = np.asarray(block[name])
+        if values.dtype == object:
+            missing = [i for i, v in enumerate(values) if v is None]
+            if missing:
+                return (name, missing[0]), None, None
+    values = np.asarray(block[targets])
+    if values.dtype == object or values.ndim != 1 or not len(values) or not np.issubdtype(values.dtype, np.number):
+        return None, None, None
+    return None, float(values.min()), float(values.max())
 
 
 def _block_columns(block) -> list[str]:
