@@ -228,6 +228,9 @@ def test_data_that_differs_between_files_or_from_its_held_out_rows_is_refused_by
          r"the training data has 5 rows, fewer than train.global_batch=16: add rows, or lower train.global_batch"),
         (("data.factory=tests.test_any_model:returns_none", "data.inputs=null", "data.targets=null"),
          r"data.factory='tests.test_any_model:returns_none' returned None: return the training data"),
+        ((f"data.path={_rows(tmp_path / 'nan.parquet', x=x(4), y=pa.array([0.0] * 20 + [float('nan')] + [1.0] * 11))}",
+          "model.factory=experiments.examples.mlp:regression", "model.options={inputs: 4, outputs: 1}"),
+         r"nan.parquet': column 'y' holds NaN at row 20: a sample needs every value"),
     ]
     for overrides, words in cases:
         with pytest.raises(ValueError, match=words):
@@ -238,6 +241,11 @@ def test_data_that_differs_between_files_or_from_its_held_out_rows_is_refused_by
     prepare(make_config("model.factory=experiments.examples.mlp:classifier", "model.options={inputs: 4, classes: 2}",
                         "data.inputs=x", "data.targets=y", f"data.path={shifted}", *STEPS,
                         "data.transform=tests.test_any_model:ids_from_one"))
+    # a transform's float64 tensors are float32 samples, as its float64 arrays are
+    prepared = prepare(make_config("model.factory=experiments.examples.mlp:classifier", "data.inputs=x",
+                                   "data.targets=y", "model.options={inputs: 4, classes: 2}", f"data.path={good}",
+                                   *STEPS, "data.transform=tests.test_any_model:float64_tensors"))
+    assert prepared.source.sample.inputs.dtype == "float32"
 
 
 def raises_key_error(columns):
@@ -248,6 +256,11 @@ def raises_key_error(columns):
 def ids_from_one(columns):
     """Class ids stored from 1, as the model counts them from 0."""
     return columns["x"], columns["y"] - 1
+
+
+def float64_tensors(columns):
+    """torch's float64 inputs, as a transform doing its arithmetic in numpy's default precision makes them."""
+    return torch.from_numpy(columns["x"].astype("float64")), torch.from_numpy(columns["y"])
 
 
 def returns_none(data_cfg):

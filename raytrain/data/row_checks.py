@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -63,6 +64,11 @@ def _scan(meta: pq.ParquetFile, source: str, inputs: Union[str, list], targets: 
             arrays = {name: column_array(batch.column(name), name, first) for name in batch.schema.names}
         except BadColumn as e:
             raise ValueError(f"{source}: {e}") from e
+        for name, array in arrays.items():
+            if array.dtype != object and np.issubdtype(array.dtype, np.floating) and np.isnan(array).any():
+                row = first + int(np.flatnonzero(np.isnan(array.reshape(len(array), -1)).any(axis=1))[0])
+                raise ValueError(f"{source}: column {name!r} holds NaN at row {row}: a sample needs every value; "
+                                 "drop or fill such rows")
         values = arrays[targets]
         if values.dtype != object and values.ndim == 1 and len(values):
             low = values.min() if low is None else min(low, values.min())

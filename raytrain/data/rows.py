@@ -104,11 +104,12 @@ def call_transform(transform: Transform, columns: Columns, seeds: np.ndarray, tr
 
 
 def as_tensor(value, what: str) -> "torch.Tensor":
-    """An array (numeric: float32 or int64, as a column would give) or a tensor, as a tensor."""
+    """An array (numeric: float32 or int64, as a column would give) or a tensor, as a tensor; float64 becomes
+    float32 either way (numpy's and torch's default float differ; the layers' weights are float32)."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        return value
+        return value.float() if value.dtype == torch.float64 else value
     # contiguous and writable: a view of Arrow's (read-only) buffers is copied, torch's tensors are writable
     return torch.from_numpy(np.require(as_sample_array(np.asarray(value), what), requirements=["C", "W"]))
 
