@@ -67,8 +67,7 @@ def check_objects(cfg: Config, dataset: Any, eval_dataset: Any) -> CheckedData:
         held, held_spec, _, held_range = user_data.user_samples(eval_dataset, f"{where}'s held-out dataset", cfg)
         _same_shape(spec, held_spec, where)
         target_range = _union(target_range, held_range)
-    # with data.transform the columns are not the targets: the class ids are checked on the first samples made
-    return CheckedData(DataSource(train, spec, held), lambda: example, None if cfg.data.transform else target_range)
+    return CheckedData(DataSource(train, spec, held), lambda: example, _class_ids_read(cfg, target_range))
 
 
 def check_rows(cfg: Config) -> CheckedData:
@@ -85,8 +84,13 @@ def check_rows(cfg: Config) -> CheckedData:
         identity.check_no_copies(train, held)
         _same_shape(spec, user_data.spec_of(_first_samples(cfg, held)), "data.eval_path")
         target_range = _union(target_range, held_range)
-    # with data.transform the columns are not the targets: the class ids are checked on the first samples made
-    return CheckedData(DataSource(train, spec, held), lambda: example, None if cfg.data.transform else target_range)
+    return CheckedData(DataSource(train, spec, held), lambda: example, _class_ids_read(cfg, target_range))
+
+
+def _class_ids_read(cfg: Config, target_range: Optional[tuple[float, float]]) -> Optional[tuple[float, float]]:
+    """The targets' range as the check read it from the columns; None with data.transform, whose samples'
+    targets are not the columns (the class ids are then checked on the first samples it made)."""
+    return None if cfg.data.transform else target_range
 
 
 def _first_samples(cfg: Config, files: Files) -> Example:

@@ -114,7 +114,8 @@ def _scan_blocks(blocks: Blocks, names: list[str], targets: str, key: str) -> Op
     return None if low is None else (low, high)
 
 
-def _scan_block(block, names: list[str], targets: str) -> tuple[Optional[tuple[str, int]], Optional[float], Optional[float]]:
+def _scan_block(block, names: list[str], targets: str) -> tuple[Optional[tuple[str, int]], Optional[float],
+                                                                 Optional[float]]:
     """((column, row) of the first missing value or None, the targets' smallest and largest or None) of a block."""
     import numpy as np
 
