@@ -412,3 +412,13 @@ def with_an_auxiliary_output(model):
         return torch.nn.functional.cross_entropy(logits, targets) + 0.01 * aux
 
     return [*classifier(model), WithAux()], loss
+
+
+def test_a_batch_norm_over_micro_batches_of_one_sample_is_refused_before_the_run(make_config):
+    """torch's BatchNorm1d needs more than one value per channel in training: 16 samples over dp=2 and 8
+    micro-batches leave one; it failed step 1 before."""
+    base = ("model.factory=tests.factories:batch_norm_mlp", "data.builtin=digits", *STEPS, "parallel.dp=2")
+    with pytest.raises(ValueError, match=r"layer 1 \(BatchNorm1d\) is a batch norm over micro-batches of 1 sample: "
+                                         r"in training it needs more than one value per channel"):
+        prepare(make_config(*base, "parallel.microbatches=8"))
+    prepare(make_config(*base, "parallel.microbatches=4"))  # two samples each: it trains

@@ -69,7 +69,8 @@ def check_model_takes_samples(cfg: Config, layers: list, loss_fn, example: tuple
     x, y = example
     cuts = set(layout.cuts or ()) if layout.num_chunks > 1 else set()
     h = x
-    with torch.no_grad():
+    batch_norms = _BatchNormInputs(layers)
+    with torch.no_grad(), batch_norms:
         for i, layer in enumerate(layers):
             what = f"the samples' inputs ({_shape(h)})" if i == 0 else f"layer {i - 1}'s output ({_shape(h)})"
             was_training = layer.training
@@ -88,10 +89,52 @@ def check_model_takes_samples(cfg: Config, layers: list, loss_fn, example: tuple
                                  f"parallel.pp={layout.pp} must send to the next stage (a cut after layer {i}): "
                                  "return a tensor or a tuple of tensors, or cut elsewhere (parallel.split_points)")
         _check_loss(loss_fn, h, y, target_range)
+    batch_norms.check(_smallest_microbatch(cfg))
     if cfg.eval.metrics and not isinstance(h, torch.Tensor):
         raise ValueError(f"eval.metrics={cfg.eval.metrics} score the model's output, and it returns {type(h).__name__} "
                          "(the loss takes it, the metrics cannot): return one tensor from the last layer, or set "
                          "eval.metrics=[]")
+
+
+class _BatchNormInputs:
+    """While the model runs on the first samples: the values per channel and sample that each batch norm
+    among ``layers`` normalises (its input's spatial size); ``check`` refuses a micro-batch too small for
+    one in training, where torch needs more than one value per channel."""
+
+    def __init__(self, layers: list):
+        from torch import nn
+
+        kinds = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+        self.norms = [(f"layer {i} ({name or type(m).__name__})", m) for i, layer in enumerate(layers)
+                      for name, m in layer.named_modules() if isinstance(m, kinds)]
+        self.per_sample: dict[str, int] = {}
+        self._hooks: list = []
+
+    def __enter__(self):
+        for where, m in self.norms:
+            self._hooks.append(m.register_forward_pre_hook(lambda _, args, where=where: self._record(where, args[0])))
+        return self
+
+    def _record(self, where: str, x) -> None:
+        self.per_sample.setdefault(where, int(x[0].numel() // x.shape[1]))  # one sample's values per channel
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def check(self, microbatch: int) -> None:
+        for where, per_sample in self.per_sample.items():
+            if microbatch * per_sample <= 1:
+                raise ValueError(f"model.factory: {where} is a batch norm over micro-batches of {microbatch} sample: "
+                                 "in training it needs more than one value per channel; raise train.global_batch, "
+                                 "lower parallel.microbatches (or dp, fsdp), or use GroupNorm / LayerNorm")
+
+
+def _smallest_microbatch(cfg: Config) -> int:
+    """The fewest samples a worker's micro-batch holds: the global batch divided among the most replicas the
+    run may grow to, their shards (fsdp), and the micro-batches."""
+    replicas = max(cfg.parallel.dp, cfg.elastic.max_dp or 0)
+    return cfg.train.global_batch // replicas // cfg.parallel.fsdp // cfg.parallel.microbatches
 
 
 def _check_loss(loss_fn, out, y, target_range: Optional[tuple[float, float]]) -> None:
