@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from raytrain.config import load_config
-
 from raytrain.config.mesh import Mesh
 from raytrain.config.prepared import Slot
 from raytrain.data import even_shares

@@ -33,6 +33,11 @@ class RowFacts:
     """(name, Arrow type) of each column read: every file of a run's data must agree."""
 
 
+def range_union(a: Optional[tuple[float, float]], b: Optional[tuple[float, float]]) -> Optional[tuple[float, float]]:
+    """The smallest range holding both target ranges (None: unknown)."""
+    return b if a is None else a if b is None else (min(a[0], b[0]), max(a[1], b[1]))
+
+
 def check_row_file(path: str, inputs: Union[str, list], targets: str, key: str) -> RowFacts:
     """Check one Parquet file of rows (``key`` names it in the messages); its rows and target range."""
     source = f"{key}={path!r}"

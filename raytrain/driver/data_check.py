@@ -66,7 +66,7 @@ def check_objects(cfg: Config, dataset: Any, eval_dataset: Any) -> CheckedData:
     if eval_dataset is not None:
         held, held_spec, _, held_range = user_data.user_samples(eval_dataset, f"{where}'s held-out dataset", cfg)
         _same_shape(spec, held_spec, where)
-        target_range = _union(target_range, held_range)
+        target_range = row_checks.range_union(target_range, held_range)
     return CheckedData(DataSource(train, spec, held), lambda: example, _class_ids_read(cfg, target_range))
 
 
@@ -83,7 +83,7 @@ def check_rows(cfg: Config) -> CheckedData:
         held, held_range = check_row_files(cfg, held_files, "data.eval_path")
         identity.check_no_copies(train, held)
         _same_shape(spec, user_data.spec_of(_first_samples(cfg, held)), "data.eval_path")
-        target_range = _union(target_range, held_range)
+        target_range = row_checks.range_union(target_range, held_range)
     return CheckedData(DataSource(train, spec, held), lambda: example, _class_ids_read(cfg, target_range))
 
 
@@ -122,13 +122,8 @@ def check_row_files(cfg: Config, paths: list[str], key: str) -> tuple[Files, Opt
                 raise ValueError(f"{key}: column {column!r} is {kind} in {path!r} but {first_kind} in {first[0]!r}: "
                                  "every file of the data must give samples of one shape and type; rewrite one")
         counts.append(facts.rows)
-        target_range = _union(target_range, facts.target_range)
+        target_range = row_checks.range_union(target_range, facts.target_range)
     return Files(tuple(paths), tuple(counts), identity.fingerprints(paths)), target_range
-
-
-def _union(a: Optional[tuple[float, float]], b: Optional[tuple[float, float]]) -> Optional[tuple[float, float]]:
-    """The smallest range holding both (None: unknown)."""
-    return b if a is None else a if b is None else (min(a[0], b[0]), max(a[1], b[1]))
 
 
 def check_metrics(cfg: Config, sample: SampleSpec) -> None:

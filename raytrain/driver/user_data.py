@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from raytrain.config import Config
+from raytrain.data.row_checks import range_union
 from raytrain.data.rows import MapDataset, block_part, column_sampler
 from raytrain.data.samples import Blocks, Objects, SampleSpec, TensorSpec
 from raytrain.data.datasets import load_transform
@@ -99,24 +100,21 @@ def _scan_blocks(blocks: Blocks, names: list[str], targets: str, key: str) -> Op
     import ray
 
     scan = ray.remote(num_cpus=0)(_scan_block)
-    low = high = None
-    first = 0
-    for (bad, block_low, block_high), rows in zip(ray.get([scan.remote(ref, names, targets) for ref in blocks.refs]),
-                                                  blocks.samples):
+    target_range, first = None, 0
+    for (bad, block_range), rows in zip(ray.get([scan.remote(ref, names, targets) for ref in blocks.refs]),
+                                        blocks.samples):
         if bad is not None:
             column, row = bad
             raise ValueError(f"{key} (a Ray Dataset): column {column!r} has no value at row {first + row}: a sample "
                              "needs every value; drop or fill such rows (ray.data's filter or map_batches)")
-        if block_low is not None:
-            low = block_low if low is None else min(low, block_low)
-            high = block_high if high is None else max(high, block_high)
+        target_range = range_union(target_range, block_range)
         first += rows
-    return None if low is None else (low, high)
+    return target_range
 
 
-def _scan_block(block, names: list[str], targets: str) -> tuple[Optional[tuple[str, int]], Optional[float],
-                                                                 Optional[float]]:
-    """((column, row) of the first missing value or None, the targets' smallest and largest or None) of a block."""
+def _scan_block(block, names: list[str], targets: str) -> tuple[Optional[tuple[str, int]],
+                                                                 Optional[tuple[float, float]]]:
+    """((column, row) of the first missing value or None, (the targets' smallest, largest) or None) of a block."""
     import numpy as np
 
     block = block if isinstance(block, dict) else {names[0]: block}
@@ -125,11 +123,11 @@ def _scan_block(block, names: list[str], targets: str) -> tuple[Optional[tuple[s
         if values.dtype == object:
             missing = [i for i, v in enumerate(values) if v is None]
             if missing:
-                return (name, missing[0]), None, None
+                return (name, missing[0]), None
     values = np.asarray(block[targets])
     if values.dtype == object or values.ndim != 1 or not len(values) or not np.issubdtype(values.dtype, np.number):
-        return None, None, None
-    return None, float(values.min()), float(values.max())
+        return None, None
+    return None, (float(values.min()), float(values.max()))
 
 
 def _block_columns(block) -> list[str]:
