@@ -12,6 +12,7 @@ and the torch._dynamo that torch.optim imports).
 from __future__ import annotations
 
 import collections
+import glob
 import json
 import os
 import time
@@ -29,17 +30,24 @@ def _idle_s() -> float:
     return (values[3] + values[4]) / TICK
 
 
+def _ray_workers_started() -> int:
+    """How many Ray worker processes the newest local Ray session has started: each writes a log of its own."""
+    root = os.environ.get("RAY_TMPDIR", "/tmp/ray")
+    return len(glob.glob(os.path.join(root, "session_latest", "logs", "python-core-worker-*.log")))
+
+
 def pytest_runtest_setup(item) -> None:
-    _started[item.nodeid] = (time.monotonic(), _idle_s())
+    _started[item.nodeid] = (time.monotonic(), _idle_s(), _ray_workers_started())
 
 
 def pytest_runtest_logfinish(nodeid, location) -> None:
     if nodeid in _started:
-        t0, idle0 = _started.pop(nodeid)
+        t0, idle0, workers0 = _started.pop(nodeid)
         wall = time.monotonic() - t0
         idle = _idle_s() - idle0
         _rows.append({"test": nodeid, "wall_s": round(wall, 2), "idle_core_s": round(idle, 2),
-                      "busy_core_s": round(CORES * wall - idle, 2)})
+                      "busy_core_s": round(CORES * wall - idle, 2),
+                      "ray_workers_started": max(0, _ray_workers_started() - workers0)})
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -50,14 +58,18 @@ def pytest_terminal_summary(terminalreporter) -> None:
     idle = sum(r["idle_core_s"] for r in _rows)
     write(f"suite_idle: {len(_rows)} tests, {wall:.0f} s of wall, {idle:.0f} of {CORES * wall:.0f} core-seconds idle "
           f"({idle / (CORES * wall):.0%}); busy {CORES * wall - idle:.0f} core-s = {(CORES * wall - idle) / CORES:.0f} s "
-          f"on {CORES} cores if perfectly packed")
-    files = collections.defaultdict(lambda: [0.0, 0.0, 0])
+          f"on {CORES} cores if perfectly packed; {sum(r['ray_workers_started'] for r in _rows)} Ray worker "
+          f"processes started")
+    files = collections.defaultdict(lambda: [0.0, 0.0, 0, 0])
     for r in _rows:
         entry = files[r["test"].split("::")[0]]
-        entry[0], entry[1], entry[2] = entry[0] + r["busy_core_s"], entry[1] + r["wall_s"], entry[2] + 1
-    write("busiest files (busy core-s, wall s, tests):")
-    for name, (busy, w, n) in sorted(files.items(), key=lambda item: -item[1][0])[:12]:
-        write(f"  {busy:6.0f} {w:6.0f} {n:3d}  {name}")
+        entry[0] += r["busy_core_s"]
+        entry[1] += r["wall_s"]
+        entry[2] += 1
+        entry[3] += r["ray_workers_started"]
+    write("busiest files (busy core-s, wall s, tests, Ray worker processes started):")
+    for name, (busy, w, n, workers) in sorted(files.items(), key=lambda item: -item[1][0])[:16]:
+        write(f"  {busy:6.0f} {w:6.0f} {n:3d} {workers:4d}  {name}")
     write("tests that waited most (idle core-s / wall s):")
     for r in sorted(_rows, key=lambda r: -r["idle_core_s"])[:12]:
         write(f"  {r['idle_core_s']:6.1f} / {r['wall_s']:6.1f}  {r['test']}")

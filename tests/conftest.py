@@ -14,12 +14,22 @@ RAY_FIXTURES = {"ray_cluster", "ray_session", "ray_tmpdir"}
 """A test that uses one of these (itself or through another fixture) runs on Ray."""
 
 
+SESSION_RAY_GROUP = "session-ray"
+"""The xdist group of every test on the session's Ray: one pytest process runs them all, in order, so the
+session starts one Ray instance (two on one machine would contend for its fixed ports); the other process
+runs the rest beside them (pyproject.toml's addopts)."""
+
+
 def pytest_collection_modifyitems(items):
     """Mark every test that needs Ray ``ray``: ``pytest -m "not ray"`` is the fast tier (pure functions,
-    fake workers, forked stages); modules that start a Ray of their own mark themselves."""
+    fake workers, forked stages); modules that start a Ray of their own mark themselves. The tests on the
+    session's Ray are one xdist group; the others are grouped by file, so a module's fixtures are made once."""
     for item in items:
         if RAY_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.ray)
+            item.add_marker(pytest.mark.xdist_group(SESSION_RAY_GROUP))
+        else:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 # Node loss must be noticed in seconds, not Ray's default tens of seconds, for node tests to stay short.
