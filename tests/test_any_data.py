@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from raytrain import checkpoint, train
+from raytrain.control.coordinator import StepFailed
 from raytrain.data.corpus import DIGITS_PATH
 from raytrain.testing.reference import train_reference
 from tests.helpers import assert_replicas_identical, assert_same_params, reference_state
@@ -41,6 +42,24 @@ def digits_dataset(data_cfg):
     return Digits()
 
 
+class DigitsWithALateBadClass(torch.utils.data.Dataset):
+    """40 of the digits, sample 30 labelled 12: beyond the first samples that the driver decodes."""
+
+    def __init__(self):
+        self.x, self.y = digits()
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return torch.from_numpy(self.x[i]), 12 if i == 30 else int(self.y[i])
+
+
+def late_bad_class_dataset(data_cfg):
+    """data.factory: DigitsWithALateBadClass."""
+    return DigitsWithALateBadClass()
+
+
 def test_the_mlp_survives_a_killed_worker_seeing_each_sample_once_and_reports_accuracy(ray_session, make_config):
     cfg = make_config(*MLP, "data.builtin=digits", "parallel.dp=2", "train.steps=6", "run.record_samples=true",
                       "elastic.faults=['1:0@2:backward']", "data.eval_fraction=0.2", "eval.every=3", "eval.batches=2",
@@ -68,6 +87,9 @@ def test_a_torch_dataset_and_a_ray_dataset_train_to_the_parquet_rows_parameters(
     assert_same_params(checkpoint.load_state_dict(from_ray.checkpoint), parquet, rtol=0)
     with pytest.raises(ValueError, match=r"dataset \(a Ray Dataset\) is empty"):
         train(make_config(*base, "data.inputs=pixels", "data.targets=digit"), dataset=scaled.limit(0))
+    # a torch Dataset's later samples are only read by the workers: they check every batch's class ids
+    with pytest.raises(StepFailed, match="sample 30 of the data has class id 12, outside the model's 10 outputs"):
+        train(make_config(*MLP, "train.steps=3", "data.factory=tests.test_any_data:late_bad_class_dataset"))
 
 
 def test_batch_norm_statistics_stay_identical_on_replicas_and_resume_into_another_layout(ray_session, make_config):

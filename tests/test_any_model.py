@@ -422,3 +422,25 @@ def test_a_batch_norm_over_micro_batches_of_one_sample_is_refused_before_the_run
                                          r"in training it needs more than one value per channel"):
         prepare(make_config(*base, "parallel.microbatches=8"))
     prepare(make_config(*base, "parallel.microbatches=4"))  # two samples each: it trains
+
+
+def test_a_batchs_class_ids_are_checked_against_the_models_outputs_naming_the_sample():
+    from raytrain.data.samples import check_class_ids
+
+    check_class_ids(torch.tensor([0, 9, 3]), [5, 6, 7], 10)  # within
+    check_class_ids(torch.tensor([0, 12]), [5, 6], None)  # no classifier: nothing to check
+    check_class_ids(torch.tensor([0.5, 12.0]), [5, 6], 10)  # float targets: a regression's
+    with pytest.raises(ValueError, match=r"sample 7 of the data has class id 10, .* widen the model's last layer "
+                                         r"to 11 classes"):
+        check_class_ids(torch.tensor([0, 9, 10]), [5, 6, 7], 10)
+    with pytest.raises(ValueError, match=r"sample 6 of the data has class id -1, .* count from 0"):
+        check_class_ids(torch.tensor([[0, 1], [2, -1]]), [5, 6], 10)  # a row of several targets per sample
+
+
+def test_prepare_records_the_classes_the_workers_check_only_for_a_classifier(make_config):
+    from raytrain.driver.prepare import prepare
+
+    classifier = prepare(make_config("model.factory=experiments.examples.mlp:classifier", "data.builtin=digits",
+                                     "train.global_batch=16"))
+    assert classifier.source.classes == 10
+    assert prepare(make_config()).source.classes is None  # the built-in GPT: its own loss over tokens

@@ -91,3 +91,24 @@ class DataSource:
     train: Samples
     sample: SampleSpec
     held_out: Optional[Samples] = None
+    classes: Optional[int] = None
+    """The model's outputs where the default loss reads integer class ids (a model.factory classifier): the
+    workers check every batch's targets against it on the CPU, where the driver could read only some (a
+    torch Dataset's first samples). On a GPU an out-of-range id would be a device-side assert."""
+
+
+def check_class_ids(targets, sample_ids, classes: Optional[int]) -> None:
+    """A ValueError naming the first sample whose class id is outside ``classes`` (DataSource.classes; no
+    check when None) in a batch of integer ``targets`` (a CPU tensor, one row per id of ``sample_ids``)."""
+    if classes is None or targets.is_floating_point() or targets.numel() == 0:
+        return
+    rows = targets.reshape(len(sample_ids), -1)
+    bad = ((rows < 0) | (rows >= classes)).any(dim=1).nonzero()
+    if len(bad) == 0:
+        return
+    row = int(bad[0])
+    value = int(next(v for v in rows[row].tolist() if v < 0 or v >= classes))
+    fix = ("class ids count from 0" if value < 0 else f"or widen the model's last layer to {value + 1} classes")
+    raise ValueError(f"sample {int(sample_ids[row])} of the data has class id {value}, outside the model's {classes} "
+                     f"outputs (cross entropy takes 0..{classes - 1}): fix the dataset's targets (or map them in "
+                     f"data.transform); {fix}")

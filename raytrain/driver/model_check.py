@@ -59,11 +59,12 @@ def model_layers(cfg: Config) -> list:
 
 
 def check_model_takes_samples(cfg: Config, layers: list, loss_fn, example: tuple, layout: Layout,
-                              target_range: Optional[tuple[float, float]] = None) -> None:
+                              target_range: Optional[tuple[float, float]] = None) -> Optional[int]:
     """A model.factory model tried on the first samples, layer by layer (in eval mode, without gradients):
     a ValueError naming the layer and both shapes when a layer cannot take its input, naming the layer
     when an output a pipeline cut sends is not a tensor or a tuple of tensors, and naming the loss or
-    data.targets when the loss cannot compare the output with the targets (class ids beyond its width)."""
+    data.targets when the loss cannot compare the output with the targets (class ids beyond its width).
+    Returns the model's number of classes where the default loss reads class ids (else None)."""
     import torch
 
     x, y = example
@@ -88,12 +89,13 @@ def check_model_takes_samples(cfg: Config, layers: list, loss_fn, example: tuple
                 raise ValueError(f"model.factory: layer {i} ({_describe(layer)}) returns {type(h).__name__}, which "
                                  f"parallel.pp={layout.pp} must send to the next stage (a cut after layer {i}): "
                                  "return a tensor or a tuple of tensors, or cut elsewhere (parallel.split_points)")
-        _check_loss(loss_fn, h, y, target_range)
+        classes = _check_loss(loss_fn, h, y, target_range)
     batch_norms.check(_smallest_microbatch(cfg))
     if cfg.eval.metrics and not isinstance(h, torch.Tensor):
         raise ValueError(f"eval.metrics={cfg.eval.metrics} score the model's output, and it returns {type(h).__name__} "
                          "(the loss takes it, the metrics cannot): return one tensor from the last layer, or set "
                          "eval.metrics=[]")
+    return classes
 
 
 class _BatchNormInputs:
@@ -137,10 +139,12 @@ def _smallest_microbatch(cfg: Config) -> int:
     return cfg.train.global_batch // replicas // cfg.parallel.fsdp // cfg.parallel.microbatches
 
 
-def _check_loss(loss_fn, out, y, target_range: Optional[tuple[float, float]]) -> None:
-    """The loss of the model's output against the targets must be a scalar; class ids within its width."""
+def _check_loss(loss_fn, out, y, target_range: Optional[tuple[float, float]]) -> Optional[int]:
+    """The loss of the model's output against the targets must be a scalar; class ids within its width,
+    which is returned where the default loss reads class ids."""
     from raytrain.models.layers import default_loss
 
+    classes = None
     if loss_fn is default_loss and not y.is_floating_point() and hasattr(out, "shape") and out.dim() >= 2:
         classes = out.shape[-1]
         low, high = target_range or (int(y.min()), int(y.max()))
@@ -162,6 +166,7 @@ def _check_loss(loss_fn, out, y, target_range: Optional[tuple[float, float]]) ->
     if not (hasattr(loss, "dim") and loss.dim() == 0):
         raise ValueError(f"model.factory's loss_fn returned {_shape(loss)}; it must return the batch's mean loss, "
                          "a scalar tensor")
+    return classes
 
 
 def _sendable(value) -> bool:

@@ -60,11 +60,14 @@ def prepare(cfg: Config, choose_layout: Optional[ChooseLayout] = None, dataset: 
         check_tensor_parallel(cfg, layers)
     layout = model_layout(cfg, layers, checked.example)
     check_ties(cfg, facts, layout)
+    source = checked.source
     if cfg.model.factory is not None:
-        check_model_takes_samples(cfg, layers, spec.loss_fn, checked.example(), layout, checked.target_range)
-    data_identity = identity.record(checked.source, num_samples)
+        classes = check_model_takes_samples(cfg, layers, spec.loss_fn, checked.example(), layout,
+                                            checked.target_range)
+        source = dataclasses.replace(source, classes=classes)
+    data_identity = identity.record(source, num_samples)
     cfg, resume = _name_run(cfg, layout, data_identity)
-    return PreparedRun(cfg=cfg, layout=layout, source=checked.source, num_samples=num_samples, model=facts,
+    return PreparedRun(cfg=cfg, layout=layout, source=source, num_samples=num_samples, model=facts,
                        resume=resume, held_out=held_out, model_code=model_code, data_identity=data_identity)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from raytrain import data
 from raytrain.config import Config
+from raytrain.data.samples import check_class_ids
 from raytrain.reports import EvalReport
 from raytrain.worker.executor import ScheduleExecutor
 from raytrain.worker.generation import Generation, for_evaluation
@@ -50,7 +51,10 @@ class HeldOutLoss:
                     if rows is not None:
                         ids = data.held_out_ids(first, batch, B, gen.batch_offset, gen.batch_offset + gen.share)
                         seeds = data.sample_seeds(self.cfg.train.seed, ids, [data.HELD_OUT_EPOCH] * len(ids))
-                        x, y = (t.to(self.device, non_blocking=True) for t in rows.batch(ids, seeds, training=False))
+                        x, y = rows.batch(ids, seeds, training=False)
+                        if gen.is_last:
+                            check_class_ids(y, ids, self.source.classes)
+                        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                     total += float(executor.run(forward, step, x, y, PhaseHook(), trace=False, metrics=metrics).loss_sum)
         finally:
             module.train(was_training)

@@ -10,7 +10,7 @@ import torch
 
 from raytrain import data
 from raytrain.config import Config
-from raytrain.data.samples import DataSource
+from raytrain.data.samples import DataSource, check_class_ids
 from raytrain.worker.activations import TensorShape
 from raytrain.worker.generation import Generation
 
@@ -42,5 +42,7 @@ class StageSamples:
         if self.dataset is None:
             return ids, None, None
         seeds = data.sample_seeds(cfg.train.seed, ids, data.position_epochs(self.num_samples, begin, end, origin))
-        x, y = (t.to(self.device, non_blocking=True) for t in self.dataset.batch(ids, seeds))
-        return ids, x, y
+        x, y = self.dataset.batch(ids, seeds)
+        if gen.is_last:
+            check_class_ids(y, ids, self.source.classes)
+        return ids, x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
