@@ -425,3 +425,11 @@ def test_the_checkpoint_module_is_reachable_from_a_bare_import():
     code = "import raytrain; print(callable(raytrain.checkpoint.load_state_dict))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+
+
+def test_a_target_column_among_several_inputs_is_refused_but_one_column_as_both_is_an_autoencoders():
+    with pytest.raises(ValueError, match=r"data.inputs=\['a', 'y'\]: it lists the data.targets column 'y'"):
+        load_config(None, ["data.inputs=[a, y]", "data.targets=y"])
+    assert load_config(None, ["data.inputs=x", "data.targets=x"]).data.inputs == "x"
+    with_transform = load_config(None, ["data.inputs=[a, y]", "data.targets=y", "data.transform=pkg.mod:fn"])
+    assert with_transform.data.inputs == ["a", "y"]  # the transform decides what the model sees

@@ -282,7 +282,9 @@ class DataConfig:
     inputs: Union[str, list, None] = None
     """Samples of any shape instead of token windows: the column of data.path (or of a Ray Dataset) holding
     each sample's inputs (a number, a fixed-size list, a fixed_shape_tensor; binary with data.transform), or
-    a list of numeric columns stacked into one float vector. Needs data.targets."""
+    a list of numeric columns stacked into one float vector, which must not hold data.targets' column
+    unless data.transform picks the inputs (one column as both, an autoencoder's, is allowed). Needs
+    data.targets."""
     targets: Optional[str] = None
     """With data.inputs: the column holding each sample's target (integer class ids, a float, a fixed-size
     list of floats)."""
@@ -344,6 +346,11 @@ class DataConfig:
                 self.inputs if self.targets else self.targets,
                 "data.inputs and data.targets come together: set both (rows of inputs and targets) or neither "
                 "(token windows)")
+        require(self.transform is not None or not isinstance(self.inputs, list) or len(inputs) < 2
+                or self.targets not in inputs, "data.inputs", self.inputs,
+                f"it lists the data.targets column {self.targets!r} among the model's inputs, which would read the "
+                "answer it is asked for: drop it from data.inputs (one column as both inputs and targets, an "
+                "autoencoder's, is allowed)")
         require(self.inputs is None or self.text_column is None, "data.inputs", self.inputs,
                 "rows of inputs and targets are not text: unset data.text_column (or data.inputs)")
         for key in ("transform", "factory"):
