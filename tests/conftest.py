@@ -10,14 +10,16 @@ from raytrain.config import load_config
 from tests.helpers import TEST_RAY_CPUS
 
 
-RAY_FIXTURES = {"ray_cluster", "ray_session", "ray_tmpdir"}
-"""A test that uses one of these (itself or through another fixture) runs on Ray."""
+SESSION_RAY_FIXTURES = {"ray_cluster", "ray_session"}
+"""A test that uses one of these (itself or through another fixture) runs on the session's Ray."""
+RAY_FIXTURES = SESSION_RAY_FIXTURES | {"ray_tmpdir"}
+"""... and with ray_tmpdir (tests/test_connect.py), on a Ray of its own: either is the Ray tier."""
 
 
 SESSION_RAY_GROUP = "session-ray"
 """The xdist group of every test on the session's Ray: one pytest process runs them all, in order, so the
-session starts one Ray instance (two on one machine would contend for its fixed ports); the other process
-runs the rest beside them (pyproject.toml's addopts)."""
+session starts one Ray instance (its fixtures exist once per process, and a second instance would double
+the daemons on two cores); the other process runs the rest beside them (pyproject.toml's addopts)."""
 
 
 def pytest_collection_modifyitems(items):
@@ -27,6 +29,7 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if RAY_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.ray)
+        if SESSION_RAY_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.xdist_group(SESSION_RAY_GROUP))
         else:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
