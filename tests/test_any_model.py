@@ -430,11 +430,11 @@ def test_a_batchs_class_ids_are_checked_against_the_models_outputs_naming_the_sa
     check_class_ids(torch.tensor([0, 9, 3]), [5, 6, 7], 10)  # within
     check_class_ids(torch.tensor([0, 12]), [5, 6], None)  # no classifier: nothing to check
     check_class_ids(torch.tensor([0.5, 12.0]), [5, 6], 10)  # float targets: a regression's
-    with pytest.raises(ValueError, match=r"sample 7 of the data has class id 10, .* widen the model's last layer "
-                                         r"to 11 classes"):
+    with pytest.raises(ValueError, match=r"^training sample 7 has class id 10, outside the model's 10 outputs .*"
+                                         r"__getitem__.*, or widen the model's last layer to 11 classes$"):
         check_class_ids(torch.tensor([0, 9, 10]), [5, 6, 7], 10)
-    with pytest.raises(ValueError, match=r"sample 6 of the data has class id -1, .* count from 0"):
-        check_class_ids(torch.tensor([[0, 1], [2, -1]]), [5, 6], 10)  # a row of several targets per sample
+    with pytest.raises(ValueError, match=r"^held-out sample 6 has class id -1, .*: class ids count from 0$"):
+        check_class_ids(torch.tensor([[0, 1], [2, -1]]), [5, 6], 10, held_out=True)  # several targets per sample
 
 
 def test_prepare_records_the_classes_the_workers_check_only_for_a_classifier(make_config):

@@ -97,9 +97,10 @@ class DataSource:
     torch Dataset's first samples). On a GPU an out-of-range id would be a device-side assert."""
 
 
-def check_class_ids(targets, sample_ids, classes: Optional[int]) -> None:
+def check_class_ids(targets, sample_ids, classes: Optional[int], held_out: bool = False) -> None:
     """A ValueError naming the first sample whose class id is outside ``classes`` (DataSource.classes; no
-    check when None) in a batch of integer ``targets`` (a CPU tensor, one row per id of ``sample_ids``)."""
+    check when None) in a batch of integer ``targets`` (a CPU tensor, one row per id of ``sample_ids``, which
+    number the held-out samples where ``held_out``)."""
     if classes is None or targets.is_floating_point() or targets.numel() == 0:
         return
     rows = targets.reshape(len(sample_ids), -1)
@@ -108,7 +109,7 @@ def check_class_ids(targets, sample_ids, classes: Optional[int]) -> None:
         return
     row = int(bad[0])
     value = int(next(v for v in rows[row].tolist() if v < 0 or v >= classes))
-    fix = ("class ids count from 0" if value < 0 else f"or widen the model's last layer to {value + 1} classes")
-    raise ValueError(f"sample {int(sample_ids[row])} of the data has class id {value}, outside the model's {classes} "
-                     f"outputs (cross entropy takes 0..{classes - 1}): fix the dataset's targets (or map them in "
-                     f"data.transform); {fix}")
+    fix = ": class ids count from 0" if value < 0 else f", or widen the model's last layer to {value + 1} classes"
+    raise ValueError(f"{'held-out' if held_out else 'training'} sample {int(sample_ids[row])} has class id {value}, "
+                     f"outside the model's {classes} outputs (cross entropy takes 0..{classes - 1}): fix the targets "
+                     f"the data gives (a torch Dataset's __getitem__, data.targets or data.transform){fix}")

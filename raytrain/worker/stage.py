@@ -191,11 +191,8 @@ class Stage:
         return report
 
     def _run_step(self, step: int, trace: bool, hold: bool) -> StepReport:
-        """Run ``step``; returns its metrics with ``ok``. A failed collective returns ``ok=False``.
-
-        A step the coordinator sent ahead of one that failed here finds no groups, or finds the
-        step before it still uncommitted (its vote found a non-finite value): it is skipped.
-        """
+        """Run ``step``; returns its metrics with ``ok``. A failed collective returns ``ok=False``. A step
+        sent ahead of one that failed here finds no groups, or the step before it uncommitted: it is skipped."""
         if self.gen is None or step != self.committed:
             assert self.gen is None or step == self.committed + 1, (step, self.committed)
             return StepReport(rank=self.rank, step=step, ok=False, committed=self.committed, prepared=self.prepared,
@@ -225,6 +222,9 @@ class Stage:
             report.ok = True
         except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
             report.error = self._collective_failed(e)
+        except Exception:  # the user's code or data raised (StepFailed): peers blocked on this worker fail at once
+            self.leave()
+            raise
         report.committed, report.prepared = self.committed, self.prepared
         report.aborted = step_gen is not None and step_gen.number in self.aborted
         return report

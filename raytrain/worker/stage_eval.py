@@ -53,7 +53,7 @@ class HeldOutLoss:
                         seeds = data.sample_seeds(self.cfg.train.seed, ids, [data.HELD_OUT_EPOCH] * len(ids))
                         x, y = rows.batch(ids, seeds, training=False)
                         if gen.is_last:
-                            check_class_ids(y, ids, self.source.classes)
+                            check_class_ids(y, ids, self.source.classes, held_out=True)
                         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                     total += float(executor.run(forward, step, x, y, PhaseHook(), trace=False, metrics=metrics).loss_sum)
         finally:
