@@ -6,7 +6,7 @@ The suite is over its 15-minute budget on two cores: this tells waiting (a timeo
 process it waits to start) from work (worker processes starting: about 3 s of CPU each, importing torch
 and the torch._dynamo that torch.optim imports).
 
-    PYTHONPATH=experiments python -m pytest -m ray -p suite_idle    # writes suite_idle.json here too
+    PYTHONPATH=experiments python -m pytest -n 0 -m ray -p suite_idle    # writes suite_idle.json here too
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ def _idle_s() -> float:
 
 
 def _ray_workers_started() -> int:
-    """How many Ray worker processes the newest local Ray session has started: each writes a log of its own."""
+    """How many Ray worker processes the local Ray sessions have started (each writes a log of its own): every
+    dated session directory's, since an embedded Ray a test starts moves ``session_latest`` off the session's
+    own Ray."""
     root = os.environ.get("RAY_TMPDIR", "/tmp/ray")
-    return len(glob.glob(os.path.join(root, "session_latest", "logs", "python-core-worker-*.log")))
+    return len(glob.glob(os.path.join(root, "session_2*", "logs", "python-core-worker-*.log")))
 
 
 def pytest_runtest_setup(item) -> None:
