@@ -142,12 +142,10 @@ class Stage:
                                          loss_parallel if self.cfg.parallel.tp > 1 else contextlib.nullcontext)
 
     def leave(self) -> None:
-        """Drop this worker's process groups (after a failure they may be broken); state stays.
-
-        Every reference to the groups goes, so their connections really close and peers blocked in
-        a collective with this worker fail at once rather than at the timeout. The layers keep the values
-        and the prepared gradients (a vote that failed may still be rolled forward).
-        """
+        """Drop this worker's process groups (after a failure they may be broken); state stays. Every reference
+        to the groups goes, so their connections close and peers blocked in a collective with this worker fail
+        at once, not at the timeout. The layers keep the values and the prepared gradients (a vote that failed
+        may still be rolled forward)."""
         self.gen = self.executor = self.grads = None  # a sharded or tp stage's gradient reducer holds the groups
         self.layers.release()
         destroy_groups()
@@ -220,24 +218,23 @@ class Stage:
             self.committed, self.prepared = step + 1, None
             report.wall_s += time.perf_counter() - t0
             report.ok = True
-        except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
-            report.error = self._collective_failed(e)
-        except Exception:  # the user's code or data raised (StepFailed): peers blocked on this worker fail at once
-            self.leave()
-            raise
+        except Exception as e:  # noqa: BLE001 -- a failed collective is reported; anything else raises
+            report.error = self._step_failed(e)
+            if report.error is None:
+                raise  # here, not in _step_failed: its frame would hold the error in a cycle, and the groups with it
         report.committed, report.prepared = self.committed, self.prepared
         report.aborted = step_gen is not None and step_gen.number in self.aborted
         return report
 
-    def _collective_failed(self, error: RuntimeError) -> str:
-        """What a step or an evaluation whose collective failed reports; this worker leaves its groups.
-        A worker that ran out of memory instead leaves the run (raytrain.worker.actor)."""
+    def _step_failed(self, error: Exception) -> Optional[str]:
+        """A failed collective's report (a RuntimeError: a peer died or timed out), or None for any other error
+        (the user's code or data: the caller raises it). Either way this worker leaves its groups first; one
+        that ran out of memory leaves the run instead (raytrain.worker.actor)."""
         reraise_out_of_memory(error)
-        error.__traceback__ = None  # its frames hold the step's buffers, and through them the groups
-        # Close our connections now: peers blocked on us (not on the dead worker) fail at once
-        # instead of waiting out elastic.detect_timeout_s. State stays; groups re-form on join.
-        self.leave()
-        return f"{type(error).__name__}: {str(error)[:300]}"
+        if isinstance(error, RuntimeError):
+            error.__traceback__ = None  # its frames hold the step's buffers, and through them the groups
+        self.leave()  # peers blocked on us fail at once, not after elastic.detect_timeout_s; groups re-form on join
+        return f"{type(error).__name__}: {str(error)[:300]}" if isinstance(error, RuntimeError) else None
 
     def skip_step(self, step: int) -> int:
         """Count ``step`` as done without applying it (its vote found a non-finite value)."""
@@ -279,7 +276,7 @@ class Stage:
 
     def evaluate(self) -> EvalReport:
         """The held-out loss of the committed parameters (raytrain.worker.stage_eval): the last stage reports
-        ``loss_sum`` over its ``rows``; a failed collective returns ``ok=False`` and leaves the groups."""
+        ``loss_sum`` over its ``rows``; a failed collective returns ``ok=False``, any other error raises."""
         report = EvalReport(rank=self.rank, step=self.committed, ok=False)
         if self.gen is None:
             report.error = "skipped: this worker is in no generation (its groups broke)"
@@ -287,8 +284,10 @@ class Stage:
         self.hook("eval", self.committed)
         try:
             return self.held_out.evaluate(self.executor, self.gen, self.committed, self.samples.dataset, report)
-        except RuntimeError as e:  # torch.distributed errors: a peer died or timed out
-            report.error = self._collective_failed(e)
+        except Exception as e:  # noqa: BLE001 -- a failed collective is reported; anything else raises
+            report.error = self._step_failed(e)
+            if report.error is None:
+                raise
             return report
 
     # --- state ----------------------------------------------------------------------------------
