@@ -16,11 +16,11 @@ def test_a_beat_is_answered_with_the_newest_generation_to_abort_and_silence_is_c
     beats = Heartbeats()
     assert beats.silent_s(41) == 0.0  # never beat: starting, not silent
     assert beats.beat(41) is None
-    time.sleep(0.05)
-    assert 0.04 < beats.silent_s(41) < 1
+    time.sleep(0.6)
+    assert 0.6 <= beats.silent_s(41) < 30
     beats.abort(3)
     beats.abort(2)  # an older loss reported late: the newest stays
-    assert beats.beat(41) == 3 and beats.silent_s(41) < 0.04
+    assert beats.beat(41) == 3 and beats.silent_s(41) < 0.5  # the beat reset it (bounds loose for a busy machine)
     beats.beat(42, leaving="SIGTERM")  # a worker told to leave says so, and why, in every beat
     assert beats.told_to_leave() == {42: "SIGTERM"} and beats.told_to_leave() == {}
 

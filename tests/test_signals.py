@@ -5,6 +5,7 @@ killed driver leaves nothing behind."""
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,7 +93,7 @@ def test_two_signals_microseconds_apart_are_one_stop_and_one_a_moment_later_abor
             time.sleep(0.01)  # the reader thread notes the second delivery
         assert stop.reason == "SIGTERM" and stop.aborted is None, stream.getvalue()
         assert stream.getvalue().count("SIGTERM: stopping at the next step boundary") == 1
-        assert "SIGTERM again 0.0" in stream.getvalue()
+        assert re.search(r"SIGTERM again 0\.\d+ s later: the same stop request", stream.getvalue())  # < 1 s, however busy
         time.sleep(LATER_S)
         with pytest.raises(Aborted) as aborted:
             os.kill(os.getpid(), signal.SIGTERM)
