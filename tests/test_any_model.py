@@ -438,8 +438,6 @@ def test_a_batchs_class_ids_are_checked_against_the_models_outputs_naming_the_sa
 
 
 def test_prepare_records_the_classes_the_workers_check_only_for_a_classifier(make_config):
-    from raytrain.driver.prepare import prepare
-
     classifier = prepare(make_config("model.factory=experiments.examples.mlp:classifier", "data.builtin=digits",
                                      "train.global_batch=16"))
     assert classifier.source.classes == 10
