@@ -1,8 +1,6 @@
-"""One Ray instance for the whole test session; small models; every wait bounded."""
+"""One Ray instance per test session (per pytest-xdist process); small models; every wait bounded."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -11,29 +9,17 @@ from raytrain.config import load_config
 from tests.helpers import TEST_RAY_CPUS
 
 
-SESSION_RAY_FIXTURES = {"ray_cluster", "ray_session"}
-"""A test that uses one of these (itself or through another fixture) runs on the session's Ray."""
-RAY_FIXTURES = SESSION_RAY_FIXTURES | {"ray_tmpdir"}
-"""... and with ray_tmpdir (tests/test_connect.py), on a Ray of its own: either is the Ray tier."""
-
-
-SESSION_RAY_GROUP = "session-ray"
-"""The xdist group of every test on the session's Ray: one pytest process runs them all, in order, so the
-session starts one Ray instance (its fixtures exist once per process, and a second instance would double
-the daemons on two cores); the other process runs the rest beside them (pyproject.toml's addopts)."""
+RAY_FIXTURES = {"ray_cluster", "ray_session", "ray_tmpdir"}
+"""A test that uses one of these (itself or through another fixture) starts or joins a Ray: the Ray tier.
+ray_tmpdir (tests/test_connect.py) is for tests that start a Ray of their own."""
 
 
 def pytest_collection_modifyitems(items):
     """Mark every test that needs Ray ``ray``: ``pytest -m "not ray"`` is the fast tier (pure functions,
-    fake workers, forked stages); modules that start a Ray of their own mark themselves. The tests on the
-    session's Ray are one xdist group; the others are grouped by file, so a module's fixtures are made once."""
+    fake workers, forked stages); modules that start a Ray of their own mark themselves."""
     for item in items:
         if RAY_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.ray)
-        if SESSION_RAY_FIXTURES & set(item.fixturenames):
-            item.add_marker(pytest.mark.xdist_group(SESSION_RAY_GROUP))
-        else:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 # Node loss must be noticed in seconds, not Ray's default tens of seconds, for node tests to stay short.
@@ -43,14 +29,11 @@ FAST_NODE_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms":
 @pytest.fixture(scope="session")
 def ray_cluster():
     """The session's one Ray instance: a head node (a ray.cluster_utils.Cluster) that node tests add
-    worker nodes to and remove them from, as a real cluster gains and loses machines."""
+    worker nodes to and remove them from, as a real cluster gains and loses machines. Each pytest-xdist
+    process is a session of its own, so each starts one, when the first test it runs needs it."""
     import ray
     from ray.cluster_utils import Cluster
 
-    try:  # the session's tests are the suite's critical path: the tests beside them yield them the CPU
-        os.nice(-5)  # this process, and every Ray process the cluster starts from it, runs before them
-    except PermissionError:
-        pass  # not root: the two pytest processes share the cores equally
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": TEST_RAY_CPUS, "include_dashboard": False, "_system_config": FAST_NODE_DEATH})
     ray.init(address=cluster.address, log_to_driver=False)
