@@ -147,7 +147,11 @@ def while_reachable(call: Callable[..., Any], *args) -> bool:
 
 def shutdown_embedded() -> bool:
     """Stop the embedded Ray, if this process started one; False when its GCS stopped answering first (a
-    signal to the whole process group ended it: the reaper stops whatever of it is left)."""
+    signal to the whole process group ended it: the reaper stops whatever of it is left), or when a join
+    was given up with its ``ray.init`` still running: the process must then end without the interpreter's
+    teardown, which that thread, inside Ray's C++ client, can crash (SIGSEGV instead of the exit code)."""
+    if _abandoned_joins:
+        return False
     return not embedded() or while_reachable(ray.shutdown)
 
 
@@ -200,6 +204,10 @@ def _host_port(address: str) -> Optional[tuple[str, int]]:
     return (parts.hostname, port) if parts.hostname and port else None
 
 
+_abandoned_joins: list = []
+"""The ``ray.init`` threads that ``_init_bounded`` gave up on (see shutdown_embedded)."""
+
+
 def _init_bounded(address: str) -> None:
     """``ray.init()`` (which reads RAY_ADDRESS) in a helper thread, given up after CONNECT_TIMEOUT_S.
 
@@ -225,6 +233,7 @@ def _init_bounded(address: str) -> None:
     finally:
         logging.getLogger(RAY_WORKER_LOGGER).removeFilter(quiet)
     if thread.is_alive():
+        _abandoned_joins.append(thread)
         raise ClusterUnreachable(
             f"RAY_ADDRESS={address}: Ray did not join a cluster there within {CONNECT_TIMEOUT_S:g}s "
             f"({CONNECT_TIMEOUT_ENV}); is it the cluster's GCS address (the one in the `ray start "
