@@ -9,6 +9,7 @@ No production package imports the test library (``raytrain.testing``).
 """
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +29,14 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def _modules() -> dict[str, ast.Module]:
+    """Parsed once, when pytest collects this file (below): Python 3.11's ast.parse can fail with "AST
+    constructor recursion depth mismatch" while another thread of the process (a Ray client's) compiles."""
     return {_module_name(f): ast.parse(f.read_text(), str(f)) for f in sorted(PACKAGE.rglob("*.py"))}
+
+
+_modules()
 
 
 def _package(module: str) -> str:
