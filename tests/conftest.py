@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import compileall
+from pathlib import Path
+
 import pytest
 
 from raytrain.config import load_config
@@ -12,6 +15,16 @@ from tests.helpers import TEST_RAY_CPUS
 RAY_FIXTURES = {"ray_cluster", "ray_session", "ray_tmpdir"}
 """A test that uses one of these (itself or through another fixture) starts or joins a Ray: the Ray tier.
 ray_tmpdir (tests/test_connect.py) is for tests that start a Ray of their own."""
+
+
+def pytest_configure(config):
+    """Compile the repository's modules once, in the process that starts the others. This machine and CI
+    set PYTHONDONTWRITEBYTECODE, and an editable install leaves raytrain uncompiled, so otherwise each of
+    the suite's several hundred processes (Ray workers, coordinators, CLIs) compiles what it imports anew."""
+    if not hasattr(config, "workerinput"):  # pytest-xdist's controller, or the only process with -n 0
+        repo = Path(__file__).resolve().parents[1]
+        for package in ("raytrain", "tests", "experiments"):
+            compileall.compile_dir(repo / package, quiet=1)
 
 
 def pytest_collection_modifyitems(items):
