@@ -24,8 +24,10 @@ def hf_config(family: str, tied: bool = False, layers: int = 2):
         return T.MistralConfig(**common, sliding_window=8)  # shorter than model.seq_len: the window mask matters
     if family == "qwen3":  # per-head q/k norms; its head_dim defaults to 128
         return T.Qwen3Config(**common, head_dim=8)
-    if family == "gemma3":  # a rotary per layer type (local for sliding layers), per-head q/k norms
+    if family in ("gemma3", "gemma3_capped"):  # a rotary per layer type (local for sliding layers), per-head q/k
+        # norms; capped: its output logits soft-capped as Gemma 2's (off by default in Gemma 3)
         return T.Gemma3TextConfig(**common, head_dim=8, sliding_window=8,
+                                  final_logit_softcapping=1.0 if family == "gemma3_capped" else None,
                                   layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)])
     if family == "gemma2":  # a soft cap on its attention logits and on its output logits, a sliding window
         return T.Gemma2Config(**common, head_dim=8, sliding_window=8, final_logit_softcapping=1.0)
