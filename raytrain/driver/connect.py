@@ -204,7 +204,7 @@ def _host_port(address: str) -> Optional[tuple[str, int]]:
     return (parts.hostname, port) if parts.hostname and port else None
 
 
-_abandoned_joins: list = []
+_abandoned_joins: list[threading.Thread] = []
 """The ``ray.init`` threads that ``_init_bounded`` gave up on (see shutdown_embedded)."""
 
 
