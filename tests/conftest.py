@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import compileall
-import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from raytrain.config import load_config
 
 from tests.helpers import TEST_RAY_CPUS
-
-TORCH_THREADS = 1
-"""Torch's threads in the test processes and every process they start (a worker sets its own: cpus_per_worker):
-the tests' models are tiny, and on two busy cores a second OpenMP thread mostly spins waiting for the first."""
 
 
 RAY_FIXTURES = {"ray_cluster", "ray_session", "ray_tmpdir"}
@@ -24,12 +18,9 @@ ray_tmpdir (tests/test_connect.py) is for tests that start a Ray of their own.""
 
 
 def pytest_configure(config):
-    """TORCH_THREADS here and in every process started from here (pytest-xdist's too). Then compile the
-    repository's modules once, in the process that starts the others: this machine and CI set
-    PYTHONDONTWRITEBYTECODE, and an editable install leaves raytrain uncompiled, so otherwise each of the
-    suite's several hundred processes (Ray workers, coordinators, CLIs) compiles what it imports anew."""
-    os.environ["OMP_NUM_THREADS"] = str(TORCH_THREADS)
-    torch.set_num_threads(TORCH_THREADS)
+    """Compile the repository's modules once, in the process that starts the others. This machine and CI
+    set PYTHONDONTWRITEBYTECODE, and an editable install leaves raytrain uncompiled, so otherwise each of
+    the suite's several hundred processes (Ray workers, coordinators, CLIs) compiles what it imports anew."""
     if not hasattr(config, "workerinput"):  # pytest-xdist's controller, or the only process with -n 0
         repo = Path(__file__).resolve().parents[1]
         for package in ("raytrain", "tests", "experiments"):
